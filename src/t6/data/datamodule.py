@@ -1,0 +1,153 @@
+"""LightningDataModule over token shards, read by memmap.
+
+Training reads an endless, deterministic stream of windows: sample s of the global
+stream is window perm_epoch(s) of the training shards, and rank r of W takes samples
+r, r + W, r + 2W, ... The stream position is a function of the optimizer step, saved in
+the checkpoint, so a resumed run continues exactly where the interrupted one stopped.
+Validation reads fixed, non-overlapping windows of the validation split. Loading runs in
+the training process (a memmap slice per sample is far faster than any training step), so
+the stream's order never depends on a worker count.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+from t6.data.corpus import TINY_SHAKESPEARE, prepare_text_corpus
+from t6.data.shards import Manifest
+from t6.data.tokenizer import tokenizer_id
+
+
+class Windows:
+    """Aligned windows of seq_len + 1 tokens (input and shifted target) over a list of shards."""
+
+    def __init__(self, shards: list[np.ndarray], seq_len: int):
+        self.shards, self.seq_len = shards, seq_len
+        self.counts = np.array([(len(s) - 1) // seq_len for s in shards], dtype=np.int64)  # windows per shard
+        if self.counts.sum() == 0:
+            raise ValueError(f"the shards hold fewer than data.seq_len + 1 = {seq_len + 1} tokens")
+        self.offsets = np.concatenate(([0], np.cumsum(self.counts)))  # first window index of each shard
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def get(self, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+        shard = int(np.searchsorted(self.offsets, w, side="right") - 1)
+        start = (w - self.offsets[shard]) * self.seq_len
+        chunk = torch.from_numpy(self.shards[shard][start : start + self.seq_len + 1].astype(np.int64))  # [T + 1]
+        return chunk[:-1], chunk[1:]  # input [T], target [T]
+
+
+class TrainStream(IterableDataset):
+    """Endless stream of this rank's training windows, starting at global sample `start`."""
+
+    def __init__(self, windows: Windows, seed: int, shuffle: bool, start: int, rank: int, world_size: int):
+        self.windows, self.seed, self.shuffle = windows, seed, shuffle
+        self.start, self.rank, self.world_size = start, rank, world_size
+
+    def __iter__(self):
+        s = self.start + self.rank
+        perm_epoch, perm = None, None
+        n = len(self.windows)
+        while True:
+            epoch, i = divmod(s, n)
+            if self.shuffle and epoch != perm_epoch:
+                perm_epoch, perm = epoch, np.random.default_rng((self.seed, epoch)).permutation(n)  # same on every rank
+            yield self.windows.get(int(perm[i]) if self.shuffle else i)
+            s += self.world_size
+
+
+class ValWindows(Dataset):
+    def __init__(self, windows: Windows, max_windows: int | None):
+        self.windows = windows
+        self.n = len(windows) if max_windows is None else min(len(windows), max_windows)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        return self.windows.get(i)
+
+
+class TokenDataModule(L.LightningDataModule):
+    """Token shards in `data_dir` (a manifest plus shards). With `text_file` set (or `embedded`),
+    the shards are made from that text on first use; otherwise they must have been prepared."""
+
+    def __init__(
+        self,
+        data_dir: str,
+        seq_len: int,
+        batch_size: int,
+        global_batch_size: int | None = None,
+        text_file: str | None = None,
+        embedded: bool = False,
+        val_fraction: float = 0.1,
+        val_windows: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+    ):
+        super().__init__()
+        self.data_dir = Path(data_dir)
+        self.seq_len, self.batch_size, self.global_batch_size = seq_len, batch_size, global_batch_size
+        self.text_file = Path(text_file) if text_file else (TINY_SHAKESPEARE if embedded else None)
+        self.val_fraction, self.val_windows = val_fraction, val_windows
+        self.shuffle, self.seed = shuffle, seed
+        self.train_windows: Windows | None = None
+        self.val_set: ValWindows | None = None
+        self.resume_samples: int | None = None
+
+    def accumulation(self, world_size: int) -> int:
+        """Gradient-accumulation steps so that micro-batch x world size x steps = global batch."""
+        per_step = self.batch_size * world_size
+        if self.global_batch_size is None:
+            return 1
+        if self.global_batch_size % per_step:
+            raise ValueError(
+                f"data.global_batch_size={self.global_batch_size} is not divisible by data.batch_size={self.batch_size} "
+                f"x world size {world_size}; change one of them"
+            )
+        return self.global_batch_size // per_step
+
+    def prepare_data(self) -> None:
+        if self.text_file is not None:
+            prepare_text_corpus(self.text_file, self.data_dir, self.val_fraction)
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_windows is None:
+            manifest = Manifest.load(self.data_dir)
+            self.train_windows = Windows(manifest.open(self.data_dir, "train", tokenizer_id()), self.seq_len)
+            self.val_set = ValWindows(Windows(manifest.open(self.data_dir, "val", tokenizer_id()), self.seq_len), self.val_windows)
+
+    def samples_seen(self) -> int:
+        """Global samples consumed so far: optimizer steps x global batch."""
+        trainer = self.trainer
+        if trainer is None:
+            return 0
+        return trainer.global_step * trainer.accumulate_grad_batches * self.batch_size * trainer.world_size
+
+    def train_dataloader(self) -> DataLoader:
+        trainer = self.trainer
+        rank, world = (trainer.global_rank, trainer.world_size) if trainer else (0, 1)
+        start = self.samples_seen()
+        if self.resume_samples is not None and self.resume_samples != start:
+            raise RuntimeError(
+                f"checkpoint's data position ({self.resume_samples} samples) does not match its step "
+                f"({start} samples at the current batch settings); resume with the same data.batch_size, "
+                "data.global_batch_size and number of devices"
+            )
+        stream = TrainStream(self.train_windows, self.seed, self.shuffle, start, rank, world)
+        return DataLoader(stream, batch_size=self.batch_size)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False)
+
+    def state_dict(self) -> dict:
+        return {"samples_seen": self.samples_seen()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.resume_samples = int(state_dict["samples_seen"])

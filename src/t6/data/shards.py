@@ -1,0 +1,96 @@
+"""Token shards: flat uint16 token files with a small header, listed in a manifest.
+
+A shard is a 1024-byte header (int32: magic, version, token count, then zeros) followed
+by the tokens as uint16, read back with np.memmap (nanoGPT / llm.c style). A directory of
+shards has a `manifest.json` naming each shard, its split and token count, the tokenizer
+and the source it was made from. Shards and the manifest are written to a temporary
+name and renamed into place, so an interrupted write never leaves a file that looks complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+MAGIC = 20250106  # arXiv 2501.06425
+VERSION = 1
+HEADER_INTS = 256
+HEADER_BYTES = HEADER_INTS * 4
+MANIFEST = "manifest.json"
+
+
+class ShardError(RuntimeError):
+    """A shard or manifest is missing, truncated, corrupted or from another tokenizer."""
+
+
+def write_shard(path: Path, tokens: np.ndarray) -> None:
+    if tokens.size and int(tokens.max()) >= 2**16:
+        raise ValueError(f"token id {int(tokens.max())} does not fit in uint16")
+    header = np.zeros(HEADER_INTS, dtype=np.int32)
+    header[:3] = (MAGIC, VERSION, tokens.size)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.astype(np.uint16, copy=False).tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_shard(path: Path, expected_tokens: int | None = None) -> np.memmap:
+    """Memory-map a shard's tokens after checking its header and size; errors name the file."""
+    if not path.is_file():
+        raise ShardError(f"shard {path} is missing; re-run data preparation for {path.parent}")
+    header = np.fromfile(path, dtype=np.int32, count=HEADER_INTS)
+    if header.size < HEADER_INTS or header[0] != MAGIC:
+        raise ShardError(f"shard {path} has no valid header (bad magic); delete it and re-run data preparation")
+    if header[1] != VERSION:
+        raise ShardError(f"shard {path} has format version {header[1]}, this code reads {VERSION}")
+    n = int(header[2])
+    size = path.stat().st_size
+    if size != HEADER_BYTES + 2 * n:
+        raise ShardError(
+            f"shard {path} is truncated or corrupted: header says {n} tokens ({HEADER_BYTES + 2 * n} bytes), "
+            f"file has {size} bytes; delete it and re-run data preparation"
+        )
+    if expected_tokens is not None and n != expected_tokens:
+        raise ShardError(f"shard {path} holds {n} tokens but {MANIFEST} lists {expected_tokens}")
+    return np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_BYTES, shape=(n,))
+
+
+@dataclass
+class Manifest:
+    tokenizer: str
+    source: dict
+    shards: list[dict]  # {"file": name, "split": "train" | "val", "tokens": n}
+
+    def save(self, directory: Path) -> None:
+        tmp = directory / (MANIFEST + ".tmp")
+        tmp.write_text(json.dumps(self.__dict__, indent=2))
+        os.replace(tmp, directory / MANIFEST)
+
+    @classmethod
+    def load(cls, directory: Path) -> Manifest:
+        path = directory / MANIFEST
+        if not path.is_file():
+            raise ShardError(f"no {MANIFEST} in {directory}: the data set has not been prepared there")
+        try:
+            return cls(**json.loads(path.read_text()))
+        except (json.JSONDecodeError, TypeError) as err:
+            raise ShardError(f"{path} is not a valid manifest ({err}); delete it and re-run data preparation") from err
+
+    def open(self, directory: Path, split: str, tokenizer: str) -> list[np.memmap]:
+        """Check the tokenizer and every shard of `split`, then memory-map them."""
+        if self.tokenizer != tokenizer:
+            raise ShardError(
+                f"{directory / MANIFEST} was made with tokenizer {self.tokenizer!r}, this code uses {tokenizer!r}; "
+                "re-run data preparation"
+            )
+        shards = [read_shard(directory / s["file"], s["tokens"]) for s in self.shards if s["split"] == split]
+        if not shards:
+            raise ShardError(f"{directory / MANIFEST} lists no {split!r} shard")
+        return shards

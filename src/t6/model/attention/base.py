@@ -1,0 +1,107 @@
+"""The interface every attention mechanism implements, and the KV cache they share.
+
+An attention maps x [B, T, d_model] at absolute positions `pos` [T] to [B, T, d_model].
+It declares what it caches per token (`cache_spec`), so the model can allocate the cache
+once (`build_kv_cache`) and the attention writes into it in place at `pos`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from t6.model.config import ModelConfig
+
+registry: dict[str, type[Attention]] = {}
+
+
+def register(*names: str):
+    """Class decorator: make an attention selectable as `attention=<name>`."""
+
+    def wrap(cls: type[Attention]) -> type[Attention]:
+        for name in names:
+            if name in registry and registry[name] is not cls:
+                raise ValueError(f"attention name {name!r} registered twice ({registry[name].__name__}, {cls.__name__})")
+            registry[name] = cls
+        return cls
+
+    return wrap
+
+
+class KVCache:
+    """Per-layer cache: one preallocated tensor [B, max_len, *shape] per cached quantity.
+
+    The shapes come from the attention's `cache_spec`, so the per-token element count of
+    the cache is whatever the mechanism really stores (K/V heads, latents or factors).
+    """
+
+    def __init__(self, spec: dict[str, tuple[int, ...]], batch_size: int, max_len: int, dtype=None, device=None):
+        self.max_len = max_len
+        self.tensors = {
+            name: torch.zeros(batch_size, max_len, *shape, dtype=dtype, device=device) for name, shape in spec.items()
+        }
+
+    def update(self, pos: torch.Tensor, **new: torch.Tensor) -> list[torch.Tensor]:
+        """Write new[name] [B, T, ...] at positions pos [T]; return each cache up to pos[-1], [B, end, ...]."""
+        end = int(pos[-1]) + 1
+        if end > self.max_len:
+            raise ValueError(f"position {end - 1} is past the KV cache length {self.max_len}")
+        views = []
+        for name, value in new.items():
+            cache = self.tensors[name]
+            cache[:, pos] = value.to(cache.dtype)  # in place: [B, T, ...] into [B, max_len, ...]
+            views.append(cache[:, :end])  # [B, end, ...]
+        return views
+
+    def elements_per_token(self) -> int:
+        return sum(math.prod(t.shape[2:]) for t in self.tensors.values())
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def causal_mask(pos: torch.Tensor, end: int) -> torch.Tensor:
+    """Boolean mask [T, end]: query at absolute position pos[i] may see keys 0..pos[i]."""
+    return torch.arange(end, device=pos.device)[None, :] <= pos[:, None]
+
+
+class Attention(nn.Module):
+    """Base class. Subclasses set up their projections in __init__ and implement forward/cache_spec."""
+
+    names: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+
+    @classmethod
+    def check_config(cls, cfg: ModelConfig) -> list[str]:
+        """Return every problem with cfg for this mechanism (empty when valid)."""
+        return []
+
+    def cache_spec(self) -> dict[str, tuple[int, ...]]:
+        """Per-token shape of each tensor this mechanism caches for decoding."""
+        raise NotImplementedError
+
+    def build_kv_cache(self, batch_size: int, max_len: int, dtype=None, device=None) -> KVCache:
+        return KVCache(self.cache_spec(), batch_size, max_len, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    @staticmethod
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, cached: bool) -> torch.Tensor:
+        """Causal softmax attention with SDPA (FlashAttention on GPU).
+
+        q: [B, h, T, d]; k, v: [B, h_kv, S, d] with h divisible by h_kv (grouped heads are
+        broadcast by SDPA, never copied). Returns [B, h, T, d_v].
+        """
+        T, S = q.shape[2], k.shape[2]
+        gqa = k.shape[1] != q.shape[1]
+        if not cached or T == S:
+            return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=gqa)
+        mask = None if T == 1 else causal_mask(pos, S)  # a single new token sees the whole cache
+        return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)

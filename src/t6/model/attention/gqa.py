@@ -1,0 +1,62 @@
+"""Multi-head, multi-query and grouped-query attention (one class, `n_kv_head` sets the family).
+
+- mha: n_kv_head = n_head (Vaswani et al. 2017)
+- mqa: n_kv_head = 1, one K/V head shared by all query heads (Shazeer 2019)
+- gqa: n_kv_head = G groups of query heads, each sharing a K/V head (Ainslie et al. 2023)
+
+Cached per token and layer: K and V for the KV heads only, 2 * n_kv_head * d_h numbers
+(MHA 2 h d_h, MQA 2 d_h, GQA 2 G d_h; paper Table 1).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from t6.model.attention.base import Attention, KVCache, register
+from t6.model.config import ModelConfig
+from t6.model.layers import Rotary
+
+
+def kv_heads(cfg: ModelConfig) -> int:
+    if cfg.attention == "mha":
+        return cfg.n_head
+    if cfg.attention == "mqa":
+        return 1
+    return cfg.option("n_kv_head", cfg.n_head)
+
+
+@register("mha", "mqa", "gqa")
+class GroupedQueryAttention(Attention):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        h, d, self.n_kv = cfg.n_head, cfg.head_dim, kv_heads(cfg)
+        self.q = nn.Linear(cfg.d_model, h * d, bias=False)
+        self.k = nn.Linear(cfg.d_model, self.n_kv * d, bias=False)
+        self.v = nn.Linear(cfg.d_model, self.n_kv * d, bias=False)
+        self.out = nn.Linear(h * d, cfg.d_model, bias=False)
+        self.out.is_residual_out = True
+        self.rope = Rotary(d, cfg.block_size, cfg.rope_theta)
+
+    @classmethod
+    def check_config(cls, cfg: ModelConfig) -> list[str]:
+        g = kv_heads(cfg)
+        if not isinstance(g, int) or g <= 0:
+            return [f"attention.options.n_kv_head={g!r} must be a positive integer"]
+        if cfg.n_head % g:
+            return [f"size.n_head={cfg.n_head} must be divisible by attention.options.n_kv_head={g}"]
+        return []
+
+    def cache_spec(self) -> dict[str, tuple[int, ...]]:
+        return {"k": (self.n_kv, self.cfg.head_dim), "v": (self.n_kv, self.cfg.head_dim)}
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        h, d = self.cfg.n_head, self.cfg.head_dim
+        q = self.rope(self.q(x).view(B, T, h, d), pos)  # [B, T, h, d]
+        k = self.rope(self.k(x).view(B, T, self.n_kv, d), pos)  # [B, T, h_kv, d]
+        v = self.v(x).view(B, T, self.n_kv, d)  # [B, T, h_kv, d]
+        if cache is not None:
+            k, v = cache.update(pos, k=k, v=v)  # [B, S, h_kv, d] each, S = pos[-1] + 1
+        y = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), pos, cache is not None)  # [B, h, T, d]
+        return self.out(y.transpose(1, 2).reshape(B, T, h * d))  # [B, T, d_model]

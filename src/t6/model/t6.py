@@ -1,0 +1,144 @@
+"""The T6 backbone (paper §3.6): a LLaMA-style decoder whose attention is chosen by name.
+
+    x = embed(tokens)
+    for each of the L blocks:  x += Attn(RMSNorm(x));  x += SwiGLU(RMSNorm(x))
+    logits = RMSNorm(x) @ embed^T          (tied embedding / LM head)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from t6.model.attention import KVCache, get_attention_class
+from t6.model.config import ModelConfig
+from t6.model.layers import SwiGLU
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.attn = get_attention_class(cfg.attention)(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.ffn = SwiGLU(cfg.d_model, cfg.ffn_hidden)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), pos, cache)  # [B, T, d]
+        return x + self.ffn(self.ffn_norm(x))  # [B, T, d]
+
+
+class T6(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """N(0, init_std) for embeddings and projections; Xavier-uniform for TPA factor maps;
+        zeros for the output projection of every residual branch (attention W_O and the
+        SwiGLU down projection), so each block starts as the identity. Norms start at one."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                if getattr(module, "is_residual_out", False):
+                    nn.init.zeros_(module.weight)
+                elif getattr(module, "xavier_init", False):
+                    nn.init.xavier_uniform_(module.weight)
+                else:
+                    nn.init.normal_(module.weight, std=self.cfg.init_std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, std=self.cfg.init_std)
+            elif isinstance(module, nn.RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def forward(self, idx: torch.Tensor, start_pos: int = 0, caches: list[KVCache] | None = None) -> torch.Tensor:
+        """idx [B, T] token ids at positions start_pos..start_pos+T-1 -> logits [B, T, vocab]."""
+        T = idx.shape[1]
+        if start_pos + T > self.cfg.block_size:
+            raise ValueError(
+                f"sequence reaches position {start_pos + T - 1} but the model's block_size is {self.cfg.block_size}; "
+                "truncate the input or use a model with a larger size.block_size"
+            )
+        pos = torch.arange(start_pos, start_pos + T, device=idx.device)  # [T]
+        x = self.embed(idx)  # [B, T, d]
+        for i, block in enumerate(self.blocks):
+            x = block(x, pos, None if caches is None else caches[i])  # [B, T, d]
+        return self.lm_head(self.norm(x))  # [B, T, vocab]
+
+    def build_kv_caches(self, batch_size: int, max_len: int | None = None, dtype=None, device=None) -> list[KVCache]:
+        """One cache per layer, allocated once; each attention decides what it stores."""
+        max_len = max_len or self.cfg.block_size
+        dtype = dtype or self.embed.weight.dtype
+        device = device or self.embed.weight.device
+        return [block.attn.build_kv_cache(batch_size, max_len, dtype, device) for block in self.blocks]
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Distinct parameters (the tied head counts once); non_embedding excludes the token embedding."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.embed.weight.numel() if non_embedding else n
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        stop_tokens: tuple[int, ...] = (),
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Prefill the prompt idx [B, T0] once, then decode one token at a time from the KV caches.
+
+        temperature=0 is greedy. Rows that produced a stop token keep emitting it. Returns [B, T0 + n].
+        """
+        B, T0 = idx.shape
+        total = T0 + max_new_tokens
+        if total > self.cfg.block_size:
+            raise ValueError(
+                f"prompt ({T0}) + max_new_tokens ({max_new_tokens}) = {total} exceeds block_size {self.cfg.block_size}"
+            )
+        caches = self.build_kv_caches(B, total)
+        logits = self(idx, 0, caches)[:, -1]  # [B, vocab]
+        out, done = [idx], torch.zeros(B, dtype=torch.bool, device=idx.device)
+        for step in range(max_new_tokens):
+            nxt = sample(logits, temperature, top_k, top_p, generator)  # [B]
+            if stop_tokens:
+                nxt = torch.where(done, out[-1][:, -1], nxt) if step else nxt
+                done |= torch.isin(nxt, torch.tensor(stop_tokens, device=idx.device))
+            out.append(nxt[:, None])
+            if step + 1 == max_new_tokens or (stop_tokens and bool(done.all())):
+                break
+            logits = self(nxt[:, None], T0 + step, caches)[:, -1]  # [B, vocab]
+        return torch.cat(out, dim=1)
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """logits [B, vocab] -> next token ids [B]: greedy at temperature 0, else top-k / nucleus sampling."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]  # [B, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None:
+        sorted_logits, order = torch.sort(logits, descending=True)  # [B, vocab]
+        probs = sorted_logits.softmax(-1).cumsum(-1)  # [B, vocab]
+        drop = probs - sorted_logits.softmax(-1) > top_p  # keep the smallest prefix with mass >= top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)

@@ -1,0 +1,61 @@
+"""MLflow set-up: the logger factory used by conf/logger/mlflow.yaml, and store checks
+that run before training so an unreachable tracking server fails in seconds, not hours."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from urllib.parse import urlparse
+
+from lightning.pytorch.loggers import MLFlowLogger
+
+
+def check_tracking_uri(uri: str, timeout_s: float = 10.0) -> None:
+    """Fail early, naming the URI and the fix, when the tracking store cannot be reached."""
+    scheme = urlparse(uri).scheme
+    if scheme in ("http", "https"):
+        import urllib.request
+
+        try:
+            urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s)
+        except OSError as err:
+            raise ConnectionError(
+                f"MLflow tracking server {uri} is unreachable ({err}); start it (e.g. `mlflow server --host 127.0.0.1 "
+                "--port 5000`) or unset MLFLOW_TRACKING_URI to use the local SQLite store"
+            ) from err
+    elif scheme == "sqlite":
+        path = Path(urlparse(uri).path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ConnectionError(f"cannot create the MLflow store directory {path.parent}: {err}") from err
+    elif scheme in ("", "file"):
+        if os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() != "true":
+            raise ValueError(
+                f"tracking_uri={uri!r} is MLflow's deprecated file store; use sqlite:///ABSOLUTE/PATH/mlflow.db "
+                "or a tracking server"
+            )
+
+
+def mlflow_logger(
+    experiment_name: str,
+    run_name: str,
+    tracking_uri: str,
+    artifact_dir: str | None = None,
+    log_model: bool | str = False,
+    tags: dict | None = None,
+    run_id: str | None = None,
+) -> MLFlowLogger:
+    """MLFlowLogger for tracking_uri. A local SQLite store keeps its artifacts in artifact_dir
+    (MLflow would otherwise put them under the current directory). `t6.train.train` checks the
+    store with `check_tracking_uri` before anything else is built."""
+    local = urlparse(tracking_uri).scheme == "sqlite"
+    return MLFlowLogger(
+        experiment_name=experiment_name,
+        run_name=run_name,
+        tracking_uri=tracking_uri,
+        tags=dict(tags or {}),
+        log_model=log_model,
+        artifact_location=Path(artifact_dir).as_uri() if (local and artifact_dir) else None,
+        run_id=run_id,
+    )

@@ -1,0 +1,123 @@
+"""`train(cfg)`: everything `python train.py` does, as a pure function tests call directly.
+
+Order matters for failing early: the model config, data shards and tracking store are all
+checked before the Trainer starts, so a bad option costs seconds, not a run.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from hydra.utils import instantiate
+from lightning.pytorch.loggers import MLFlowLogger
+from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import DictConfig, OmegaConf
+
+from t6.config import flatten, model_config
+from t6.module import T6LitModule
+from t6.tracking import check_tracking_uri
+
+log = logging.getLogger(__name__)
+
+
+def instantiate_dict(group: DictConfig | None) -> list[Any]:
+    """Instantiate every `_target_` entry of a dict-of-configs group (callbacks, loggers)."""
+    if not group:
+        return []
+    return [instantiate(conf) for conf in group.values() if isinstance(conf, DictConfig) and "_target_" in conf]
+
+
+def read_checkpoint_meta(ckpt_path: str) -> dict:
+    """The plain-data entries of a checkpoint (no tensors loaded into memory, no pickled code run)."""
+    path = Path(ckpt_path)
+    if not path.is_file():
+        raise FileNotFoundError(f"ckpt_path={ckpt_path!r} does not exist")
+    ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    return {k: ckpt[k] for k in ("mlflow_run_id", "run_config", "global_step") if k in ckpt}
+
+
+@rank_zero_only
+def print_config_tree(cfg: DictConfig) -> None:
+    import rich
+    import rich.syntax
+    import rich.tree
+
+    tree = rich.tree.Tree("CONFIG", guide_style="dim")
+    for key, value in cfg.items():
+        branch = tree.add(str(key))
+        text = OmegaConf.to_yaml(value, resolve=True) if isinstance(value, DictConfig) else str(value)
+        branch.add(rich.syntax.Syntax(text, "yaml"))
+    rich.print(tree)
+
+
+def log_run_config(logger: MLFlowLogger, cfg: DictConfig, checkpoint_dir: str) -> None:
+    """Once per run: the flattened, resolved config as params, the YAML as an artifact, the checkpoint dir as a tag."""
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    logger.log_hyperparams(flatten(resolved))
+    if rank_zero_only.rank == 0:
+        logger.experiment.log_text(logger.run_id, OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
+        logger.experiment.set_tag(logger.run_id, "checkpoints", checkpoint_dir)
+
+
+def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
+    """Train a T6 as configured. Returns (final metrics, the objects built: model, datamodule, trainer, ...)."""
+    # 1. Validate everything that can be validated without training.
+    mcfg = model_config(cfg)  # ValueError naming every bad model field
+    meta = read_checkpoint_meta(cfg.ckpt_path) if cfg.get("ckpt_path") else {}
+    if "mlflow" in (cfg.get("logger") or {}):
+        check_tracking_uri(cfg.logger.mlflow.tracking_uri)  # unreachable server: fail now, not after training
+    datamodule: L.LightningDataModule = instantiate(cfg.data)
+    datamodule.prepare_data()
+    datamodule.setup("fit")  # opens and checks every shard
+
+    if cfg.get("print_config", True):
+        print_config_tree(cfg)
+    L.seed_everything(cfg.seed, workers=True)
+
+    # 2. Build the parts.
+    model = T6LitModule(
+        model_config=mcfg.__dict__,
+        optimizer=instantiate(cfg.optimizer),
+        scheduler=instantiate(cfg.lr_ablation.scheduler) if cfg.lr_ablation.get("scheduler") else None,
+        compile=cfg.get("compile", False),
+        run_config=OmegaConf.to_container(cfg, resolve=True),
+    )
+    if meta.get("mlflow_run_id") and "mlflow" in (cfg.get("logger") or {}) and cfg.logger.mlflow.run_id is None:
+        cfg.logger.mlflow.run_id = meta["mlflow_run_id"]  # a resumed run logs into the same MLflow run
+    loggers = instantiate_dict(cfg.get("logger"))
+    callbacks = instantiate_dict(cfg.get("callbacks"))
+    trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
+    trainer.accumulate_grad_batches = datamodule.accumulation(trainer.world_size)
+
+    mlflow = next((lg for lg in loggers if isinstance(lg, MLFlowLogger)), None)
+    checkpoint_dir = trainer.checkpoint_callback.dirpath if trainer.checkpoint_callback else ""
+    if mlflow is not None and not meta.get("mlflow_run_id"):
+        log_run_config(mlflow, cfg, str(checkpoint_dir))
+
+    # 3. Train.
+    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    objects = {"cfg": cfg, "model": model, "datamodule": datamodule, "trainer": trainer, "mlflow": mlflow}
+    return metrics, objects
+
+
+def summary(metrics: dict[str, float], objects: dict[str, Any]) -> str:
+    """The closing lines of a run: final validation numbers, checkpoint, how to open MLflow on it."""
+    trainer, mlflow = objects["trainer"], objects["mlflow"]
+    lines = []
+    if "val/loss" in metrics:
+        lines.append(f"final val/loss {metrics['val/loss']:.4f}   val/ppl {metrics['val/ppl']:.2f}")
+    if trainer.checkpoint_callback and trainer.checkpoint_callback.last_model_path:
+        lines.append(f"checkpoint      {trainer.checkpoint_callback.last_model_path}")
+    if mlflow is not None:
+        lines.append(f"MLflow run      {mlflow.run_id} (experiment {mlflow.experiment_id})")
+        lines.append(
+            f"open it with    mlflow ui --backend-store-uri {mlflow._tracking_uri} --port 5000   "
+            f"then http://127.0.0.1:5000/#/experiments/{mlflow.experiment_id}/runs/{mlflow.run_id}"
+        )
+    return "\n".join(lines)

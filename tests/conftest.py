@@ -1,0 +1,72 @@
+"""Shared fixtures: the real Hydra config, composed and shrunk to CPU-test size."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, open_dict
+
+import t6.config  # noqa: F401  (registers resolvers)
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+
+# A model small enough for a CPU test step in well under a second, with the real vocabulary.
+TEST_SIZE = ["size=tiny", "size.n_layer=2", "size.d_model=64", "size.block_size=64"]
+TEST_RUN = [
+    "data.batch_size=4",
+    "trainer.max_steps=8",
+    "trainer.val_check_interval=4",
+    "trainer.log_every_n_steps=1",
+    "data.val_windows=8",
+    "callbacks.rich_progress_bar=null",
+    "callbacks.rich_model_summary=null",
+    "callbacks.model_checkpoint.every_n_train_steps=4",
+    "logger.mlflow.log_model=false",
+    "print_config=false",
+]
+
+
+def compose_config(overrides: list[str], root: Path, config_name: str = "train") -> DictConfig:
+    """Compose conf/<config_name>.yaml as `python train.py <overrides>` would, with all paths under root."""
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name=config_name, overrides=overrides, return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)  # lets ${hydra:...} resolve outside @hydra.main
+    with open_dict(cfg):
+        del cfg["hydra"]  # as in @hydra.main, the job's config has no hydra node
+        cfg.paths.root_dir = str(root)
+        cfg.paths.output_dir = str(root / "run")
+    return cfg
+
+
+@pytest.fixture(scope="session")
+def shared_data_dir(tmp_path_factory) -> Path:
+    """One tokenization of the embedded corpus for the whole session."""
+    return tmp_path_factory.mktemp("data")
+
+
+@pytest.fixture
+def make_cfg(tmp_path, shared_data_dir, monkeypatch):
+    """make_cfg(*overrides) -> a test-sized training config writing under tmp_path."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+
+    def make(*overrides: str, config_name: str = "train", small: bool = True) -> DictConfig:
+        base = [*TEST_SIZE, *TEST_RUN] if small else []
+        cfg = compose_config([*base, *overrides], tmp_path, config_name)
+        with open_dict(cfg):
+            cfg.paths.data_dir = str(shared_data_dir)
+        return cfg
+
+    return make
+
+
+@pytest.fixture(autouse=True)
+def _quiet_env(monkeypatch):
+    monkeypatch.setenv("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

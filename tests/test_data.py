@@ -1,0 +1,78 @@
+"""Token shards, the embedded corpus cache and the deterministic training stream."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from t6.data.corpus import TINY_SHAKESPEARE, prepare_text_corpus
+from t6.data.datamodule import TokenDataModule, TrainStream, Windows
+from t6.data.shards import Manifest, ShardError, read_shard, write_shard
+from t6.data.tokenizer import EOT, GPT2_RANKS_SHA256, gpt2_encoding, sha256_file
+
+
+def test_shipped_assets_are_the_expected_files():
+    assert sha256_file(TINY_SHAKESPEARE) == "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
+    enc = gpt2_encoding()
+    assert enc.n_vocab == 50257 and enc.eot_token == EOT
+    assert enc.encode("Hello world") == [15496, 995]  # GPT-2's ids
+    assert GPT2_RANKS_SHA256.startswith("306cd27f")
+
+
+def test_shard_round_trip_and_corruption(tmp_path):
+    tokens = np.arange(1000, dtype=np.uint16)
+    write_shard(tmp_path / "a.bin", tokens)
+    assert np.array_equal(read_shard(tmp_path / "a.bin", 1000), tokens)
+    with pytest.raises(ShardError, match="lists 999"):
+        read_shard(tmp_path / "a.bin", 999)
+    (tmp_path / "b.bin").write_bytes(b"\0" * 2048)
+    with pytest.raises(ShardError, match="bad magic"):
+        read_shard(tmp_path / "b.bin")
+    with pytest.raises(ShardError, match="missing"):
+        read_shard(tmp_path / "c.bin")
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_corpus_cache_is_reused_and_rebuilt_when_the_source_changes(tmp_path):
+    text = tmp_path / "corpus.txt"
+    text.write_text("To be, or not to be, that is the question.\n" * 200)
+    out = tmp_path / "shards"
+    m1 = prepare_text_corpus(text, out)
+    mtime = (out / "train_000000.bin").stat().st_mtime_ns
+    prepare_text_corpus(text, out)
+    assert (out / "train_000000.bin").stat().st_mtime_ns == mtime  # cached
+    text.write_text("Now is the winter of our discontent.\n" * 300)
+    m2 = prepare_text_corpus(text, out)
+    assert m2.source["sha256"] != m1.source["sha256"]
+    train = Manifest.load(out).open(out, "train", m2.tokenizer)[0]
+    assert train[0] == EOT and gpt2_encoding().decode(train[1:9].tolist()).startswith("Now is the winter")
+
+
+def test_tokenizer_mismatch_is_rejected(tmp_path):
+    prepare_text_corpus(TINY_SHAKESPEARE, tmp_path)
+    with pytest.raises(ShardError, match="made with tokenizer"):
+        Manifest.load(tmp_path).open(tmp_path, "train", "another-tokenizer")
+
+
+def test_stream_is_deterministic_disjoint_across_ranks_and_resumable():
+    windows = Windows([np.arange(10_001, dtype=np.uint16)], seq_len=10)  # 1000 windows
+
+    def take(start, rank, world, n):
+        it = iter(TrainStream(windows, seed=3, shuffle=True, start=start, rank=rank, world_size=world))
+        return [next(it)[0][0].item() for _ in range(n)]
+
+    single = take(0, 0, 1, 40)
+    assert single == take(0, 0, 1, 40)
+    r0, r1 = take(0, 0, 2, 20), take(0, 1, 2, 20)
+    assert r0 == single[0::2] and r1 == single[1::2] and not set(r0) & set(r1)
+    assert take(24, 0, 1, 16) == single[24:]  # resuming at a sample index continues the same stream
+    x, y = next(iter(TrainStream(windows, 0, False, 0, 0, 1)))
+    assert torch.equal(y[:-1], x[1:])  # targets are the inputs shifted by one
+
+
+def test_global_batch_must_divide():
+    dm = TokenDataModule("unused", seq_len=8, batch_size=6, global_batch_size=480)
+    assert dm.accumulation(world_size=8) == 10
+    with pytest.raises(ValueError, match="global_batch_size=480 is not divisible"):
+        dm.accumulation(world_size=7)

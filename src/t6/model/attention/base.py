@@ -113,8 +113,9 @@ class Attention(nn.Module):
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, cached) -> torch.Tensor:
         """Causal softmax attention with SDPA (FlashAttention on GPU).
 
-        q: [B, h, T, d]; k, v: [B, h_kv, S, d] with h divisible by h_kv (grouped heads are
-        broadcast by SDPA, never copied). `cached`: the layer's KVCache (its padding mask is
+        q: [B, h, T, d]; k, v: [B, h_kv, S, d] with h divisible by h_kv. Grouped heads are
+        broadcast by SDPA (enable_gqa) in causal self-attention; against a cache, each group's
+        query heads are folded into the query length instead, so K and V are never expanded. `cached`: the layer's KVCache (its padding mask is
         honoured), or a bool/None. Returns [B, h, T, d_v].
         """
         T, S = q.shape[2], k.shape[2]
@@ -126,5 +127,11 @@ class Attention(nn.Module):
             mask = cached.attn_mask(pos)  # [B or 1, T, S] or None
         else:
             mask = None if T == 1 else causal_mask(pos, S)[None]  # a single new token sees the whole cache
-        mask = None if mask is None else mask[:, None]  # [B or 1, 1, T, S], broadcast over heads
-        return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        if gqa:  # fold each group's query heads into the query length: K/V are read once per KV head, never copied
+            B, h, _, d = q.shape
+            g = h // k.shape[1]
+            q = q.reshape(B, k.shape[1], g * T, d)  # [B, h_kv, g T, d] (heads of a group are adjacent)
+            mask = None if mask is None else mask.repeat(1, g, 1)  # [B or 1, g T, S]
+        mask = None if mask is None else mask[:, None]  # [B or 1, 1, T', S], broadcast over heads
+        y = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, h_kv, g T, d_v] or [B, h, T, d_v]
+        return y.reshape(y.shape[0], -1, T, y.shape[-1])  # [B, h, T, d_v]

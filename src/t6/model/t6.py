@@ -96,10 +96,15 @@ class T6(nn.Module):
         top_p: float | None = None,
         stop_tokens: tuple[int, ...] = (),
         generator: torch.Generator | None = None,
+        prompt_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Prefill the prompt idx [B, T0] once, then decode one token at a time from the KV caches.
+        """Prefill the prompts idx [B, T0] once, then decode one token at a time from the KV caches.
 
-        temperature=0 is greedy. Rows that produced a stop token keep emitting it. Returns [B, T0 + n].
+        Prompts of different lengths are left-padded to T0 (see `left_pad`), with prompt_mask
+        [B, T0] bool marking the real tokens; no attention ever looks at a padding position,
+        and since attention scores depend only on relative positions (RoPE), a padded row
+        computes what it would alone. temperature=0 is greedy. Rows that produced a stop token
+        keep emitting it. Returns [B, T0 + n] (padding included), n <= max_new_tokens.
         """
         B, T0 = idx.shape
         total = T0 + max_new_tokens
@@ -107,19 +112,65 @@ class T6(nn.Module):
             raise ValueError(
                 f"prompt ({T0}) + max_new_tokens ({max_new_tokens}) = {total} exceeds block_size {self.cfg.block_size}"
             )
+        check_sampling(temperature, top_k, top_p)
         caches = self.build_kv_caches(B, total)
+        if prompt_mask is not None and not bool(prompt_mask.all()):
+            key_mask = torch.ones(B, total, dtype=torch.bool, device=idx.device)  # [B, total]
+            key_mask[:, :T0] = self.check_prompt_mask(prompt_mask, idx.shape)
+            for cache in caches:
+                cache.key_mask = key_mask
         logits = self(idx, 0, caches)[:, -1]  # [B, vocab]
         out, done = [idx], torch.zeros(B, dtype=torch.bool, device=idx.device)
+        stops = torch.tensor(stop_tokens, dtype=idx.dtype, device=idx.device)
         for step in range(max_new_tokens):
             nxt = sample(logits, temperature, top_k, top_p, generator)  # [B]
             if stop_tokens:
-                nxt = torch.where(done, out[-1][:, -1], nxt) if step else nxt
-                done |= torch.isin(nxt, torch.tensor(stop_tokens, device=idx.device))
+                nxt = torch.where(done, out[-1][:, -1], nxt)
+                done |= torch.isin(nxt, stops)
             out.append(nxt[:, None])
             if step + 1 == max_new_tokens or (stop_tokens and bool(done.all())):
                 break
             logits = self(nxt[:, None], T0 + step, caches)[:, -1]  # [B, vocab]
         return torch.cat(out, dim=1)
+
+    def check_prompt_mask(self, prompt_mask: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """Validate a left-padding mask [B, T0] (False then True in each row) -> bool [B, T0]."""
+        mask = prompt_mask.to(torch.bool)
+        if mask.shape != shape:
+            raise ValueError(f"prompt_mask has shape {tuple(mask.shape)} but the prompts have shape {tuple(shape)}")
+        if not bool(mask[:, -1].all()) or bool((mask[:, 1:].int() < mask[:, :-1].int()).any()):
+            raise ValueError("prompt_mask must mark left padding: in each row, False (padding) before True (tokens), "
+                             "ending with a real token; build it with t6.model.t6.left_pad")
+        unsupported = sorted({type(b.attn).__name__ for b in self.blocks if not b.attn.supports_key_mask})
+        if unsupported:
+            raise ValueError(f"attention={self.cfg.attention!r} ({', '.join(unsupported)}) does not honour padding masks; "
+                             "generate prompts of different lengths one at a time or in equal-length batches")
+        return mask
+
+
+def left_pad(prompts: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists of different lengths -> idx [B, T0] left-padded with pad_id, prompt_mask [B, T0] bool."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    T0 = max(len(p) for p in prompts)
+    idx = torch.full((len(prompts), T0), pad_id, dtype=torch.long)  # [B, T0]
+    mask = torch.zeros(len(prompts), T0, dtype=torch.bool)  # [B, T0]
+    for i, p in enumerate(prompts):
+        idx[i, T0 - len(p) :] = torch.as_tensor(p, dtype=torch.long)
+        mask[i, T0 - len(p) :] = True
+    return idx, mask
+
+
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    problems = []
+    if temperature < 0:
+        problems.append(f"temperature={temperature} must be >= 0 (0 is greedy)")
+    if top_k is not None and (not isinstance(top_k, int) or top_k <= 0):
+        problems.append(f"top_k={top_k!r} must be a positive integer or null")
+    if top_p is not None and not 0 < top_p <= 1:
+        problems.append(f"top_p={top_p!r} must be in (0, 1] or null")
+    if problems:
+        raise ValueError("Invalid sampling settings:\n  - " + "\n  - ".join(problems))
 
 
 def sample(

@@ -40,6 +40,9 @@ class KVCache:
 
     def __init__(self, spec: dict[str, tuple[int, ...]], batch_size: int, max_len: int, dtype=None, device=None):
         self.max_len = max_len
+        # Optional bool [B, max_len]: False marks padding (left-padded prompts of different
+        # lengths); attentions with `supports_key_mask` never attend to those positions.
+        self.key_mask: torch.Tensor | None = None
         self.tensors = {
             name: torch.zeros(batch_size, max_len, *shape, dtype=dtype, device=device) for name, shape in spec.items()
         }
@@ -55,6 +58,18 @@ class KVCache:
             cache[:, pos] = value.to(cache.dtype)  # in place: [B, T, ...] into [B, max_len, ...]
             views.append(cache[:, :end])  # [B, end, ...]
         return views
+
+    def attn_mask(self, pos: torch.Tensor) -> torch.Tensor | None:
+        """Bool [B or 1, T, end] for new queries at positions pos [T] against the cache up to
+        pos[-1]: causal, and blind to padding (a padded query sees itself, so it stays finite).
+        None when every query may see every cached token (one new token, no padding)."""
+        end = int(pos[-1]) + 1
+        mask = causal_mask(pos, end)[None] if len(pos) > 1 else None  # [1, T, end]
+        if self.key_mask is not None:
+            keys = self.key_mask[:, None, :end]  # [B, 1, end]
+            self_pos = torch.arange(end, device=pos.device)[None, None, :] == pos[None, :, None]  # [1, T, end]
+            mask = (keys if mask is None else mask & keys) | self_pos  # [B, T, end]
+        return mask
 
     def elements_per_token(self) -> int:
         return sum(math.prod(t.shape[2:]) for t in self.tensors.values())
@@ -72,6 +87,8 @@ class Attention(nn.Module):
     """Base class. Subclasses set up their projections in __init__ and implement forward/cache_spec."""
 
     names: ClassVar[tuple[str, ...]] = ()
+    # True when the mechanism honours KVCache.key_mask (needed for batched prompts of different lengths).
+    supports_key_mask: ClassVar[bool] = False
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -93,15 +110,28 @@ class Attention(nn.Module):
         raise NotImplementedError
 
     @staticmethod
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, cached: bool) -> torch.Tensor:
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, cached) -> torch.Tensor:
         """Causal softmax attention with SDPA (FlashAttention on GPU).
 
-        q: [B, h, T, d]; k, v: [B, h_kv, S, d] with h divisible by h_kv (grouped heads are
-        broadcast by SDPA, never copied). Returns [B, h, T, d_v].
+        q: [B, h, T, d]; k, v: [B, h_kv, S, d] with h divisible by h_kv. Grouped heads are
+        broadcast by SDPA (enable_gqa) in causal self-attention; against a cache, each group's
+        query heads are folded into the query length instead, so K and V are never expanded. `cached`: the layer's KVCache (its padding mask is
+        honoured), or a bool/None. Returns [B, h, T, d_v].
         """
         T, S = q.shape[2], k.shape[2]
         gqa = k.shape[1] != q.shape[1]
-        if not cached or T == S:
+        padded = isinstance(cached, KVCache) and cached.key_mask is not None
+        if not padded and (not cached or T == S):
             return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=gqa)
-        mask = None if T == 1 else causal_mask(pos, S)  # a single new token sees the whole cache
-        return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        if isinstance(cached, KVCache):
+            mask = cached.attn_mask(pos)  # [B or 1, T, S] or None
+        else:
+            mask = None if T == 1 else causal_mask(pos, S)[None]  # a single new token sees the whole cache
+        if gqa:  # fold each group's query heads into the query length: K/V are read once per KV head, never copied
+            B, h, _, d = q.shape
+            g = h // k.shape[1]
+            q = q.reshape(B, k.shape[1], g * T, d)  # [B, h_kv, g T, d] (heads of a group are adjacent)
+            mask = None if mask is None else mask.repeat(1, g, 1)  # [B or 1, g T, S]
+        mask = None if mask is None else mask[:, None]  # [B or 1, 1, T', S], broadcast over heads
+        y = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, h_kv, g T, d_v] or [B, h, T, d_v]
+        return y.reshape(y.shape[0], -1, T, y.shape[-1])  # [B, h, T, d_v]

@@ -28,6 +28,8 @@ def kv_heads(cfg: ModelConfig) -> int:
 
 @register("mha", "mqa", "gqa")
 class GroupedQueryAttention(Attention):
+    supports_key_mask = True
+
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         h, d, self.n_kv = cfg.n_head, cfg.head_dim, kv_heads(cfg)
@@ -58,5 +60,5 @@ class GroupedQueryAttention(Attention):
         v = self.v(x).view(B, T, self.n_kv, d)  # [B, T, h_kv, d]
         if cache is not None:
             k, v = cache.update(pos, k=k, v=v)  # [B, S, h_kv, d] each, S = pos[-1] + 1
-        y = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), pos, cache is not None)  # [B, h, T, d]
+        y = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), pos, cache)  # [B, h, T, d]
         return self.out(y.transpose(1, 2).reshape(B, T, h * d))  # [B, T, d_model]

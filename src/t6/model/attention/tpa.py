@@ -12,11 +12,29 @@ projection and factorizes K and V only.
 Cached per token and layer: A_K, B_K, A_V, B_V, that is (R_K + R_V)(h + d_h) numbers
 (paper Table 1), for both `tpa` and `tpa_kvonly`.
 
+Two ways to attend:
+- materialized (training, prefill, long chunks): K and V are contracted to [S, h, d_h] and
+  passed to SDPA;
+- from the factors (cached decoding of up to `factor_decode_max_tokens` new tokens): per
+  cached token s and head i, with the query's own factors (FlashTPA, paper v3 App. A.4),
+
+      q_i . k_{s,i} = 1/(R_Q R_K) sum_{r', r} A_Q[r', i] A_K[s, r, i] (B_Q[r'] . B_K[s, r])
+      o_i = 1/R_V sum_{s, r} P[i, s] A_V[s, r, i] B_V[s, r]
+
+  which costs R_Q R_K d_h + R_Q R_K h + R_K h multiply-adds per cached token for the scores
+  (instead of h R_K d_h for each head's full query against B_K) and h R_V d_h for the
+  values, and reads only the cached factors, never a per-head K or V for the context.
+  For `tpa_kvonly` the query is a full [h, d_h] matrix; factoring it would need rank
+  min(h, d_h), which costs more than scoring it against B_K directly (h R_K d_h), so that
+  form is used.
+
 Initialization (following the reference recipe): Xavier-uniform on the factor maps
 W_A and W_B; the output projection W_O is zero-initialized like every residual output.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -51,6 +69,11 @@ def contract(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 @register("tpa", "tpa_kvonly")
 class TensorProductAttention(Attention):
+    # Cached calls with at most this many new tokens attend from the factors; longer chunks
+    # (and prefill without history) materialize K and V for SDPA.
+    factor_decode_max_tokens: int = 16
+    supports_key_mask = True
+
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         h, d = cfg.n_head, cfg.head_dim
@@ -79,23 +102,75 @@ class TensorProductAttention(Attention):
         h, d = self.cfg.n_head, self.cfg.head_dim
         return {"a_k": (self.k_rank, h), "b_k": (self.k_rank, d), "a_v": (self.v_rank, h), "b_v": (self.v_rank, d)}
 
-    def query(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """x [B, T, d_model] -> rotated queries [B, T, h, d_h]."""
+    def query_factors(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+        """x [B, T, d_model] -> (A_Q [B, T, R_Q, h], rotated B_Q [B, T, R_Q, d_h]) for TPA,
+        or the rotated full query [B, T, h, d_h] for TPA-KVonly."""
         if self.kv_only:
             B, T, _ = x.shape
             return self.rope(self.q(x).view(B, T, self.cfg.n_head, self.cfg.head_dim), pos)  # [B, T, h, d_h]
         a_q, b_q = self.q(x)  # [B, T, R_Q, h], [B, T, R_Q, d_h]
-        return contract(a_q, self.rope(b_q, pos))  # [B, T, h, d_h]
+        return a_q, self.rope(b_q, pos)
+
+    def query(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """x [B, T, d_model] -> rotated queries [B, T, h, d_h]."""
+        q = self.query_factors(x, pos)
+        return q if self.kv_only else contract(*q)  # [B, T, h, d_h]
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.query(x, pos)  # [B, T, h, d_h]
+        q = self.query_factors(x, pos)  # TPA: ([B, T, R_Q, h], [B, T, R_Q, d_h]); KVonly: [B, T, h, d_h]
         a_k, b_k = self.k(x)  # [B, T, R_K, h], [B, T, R_K, d_h]
         b_k = self.rope(b_k, pos)  # keys rotated once, before caching
         a_v, b_v = self.v(x)  # [B, T, R_V, h], [B, T, R_V, d_h]
         if cache is not None:
             a_k, b_k, a_v, b_v = cache.update(pos, a_k=a_k, b_k=b_k, a_v=a_v, b_v=b_v)  # [B, S, R, *] each
+        if cache is not None and T <= self.factor_decode_max_tokens and T < b_k.shape[1]:
+            y = self.attend_factors(q, a_k, b_k, a_v, b_v, pos, cache.attn_mask(pos))  # [B, T, h, d_h]
+        else:
+            y = self.attend_materialized(q, a_k, b_k, a_v, b_v, pos, cache)  # [B, T, h, d_h]
+        return self.out(y.reshape(B, T, -1))  # [B, T, d_model]
+
+    def attend_materialized(self, q, a_k, b_k, a_v, b_v, pos, cache: KVCache | None) -> torch.Tensor:
+        """Contract K and V for every cached token [B, S, h, d_h] and attend with SDPA -> [B, T, h, d_h]."""
+        q = q if self.kv_only else contract(*q)  # [B, T, h, d_h]
         k = contract(a_k, b_k)  # [B, S, h, d_h]
         v = contract(a_v, b_v)  # [B, S, h, d_h]
-        y = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), pos, cache is not None)  # [B, h, T, d_h]
-        return self.out(y.transpose(1, 2).reshape(B, T, -1))  # [B, T, d_model]
+        y = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), pos, cache)  # [B, h, T, d_h]
+        return y.transpose(1, 2)  # [B, T, h, d_h]
+
+    def attend_factors(self, q, a_k, b_k, a_v, b_v, pos, mask: torch.Tensor | None) -> torch.Tensor:
+        """Attention computed from the cached factors, never forming per-head K or V.
+
+        q: (A_Q [B, T, R_Q, h], B_Q [B, T, R_Q, d_h]) or a full query [B, T, h, d_h] (KVonly);
+        a_k [B, S, R_K, h], b_k [B, S, R_K, d_h], a_v [B, S, R_V, h], b_v [B, S, R_V, d_h];
+        mask: None (every query sees every cached token) or bool [B or 1, T, S].
+        Returns [B, T, h, d_h]. The reshapes below are views when T = 1.
+        """
+        B, S, R_K, h = a_k.shape
+        d, R_V = b_k.shape[-1], a_v.shape[2]
+        b_k_flat = b_k.reshape(B, S * R_K, d)  # [B, S R_K, d_h]
+        if self.kv_only:
+            T = q.shape[1]
+            q = q * (1.0 / (R_K * math.sqrt(d)))  # fold the scales into the (small) query
+            # each head's query against each key factor: [B, S R_K, d_h] x [B, d_h, T h]
+            qb = torch.bmm(b_k_flat, q.reshape(B, T * h, d).transpose(1, 2))  # [B, S R_K, T h]
+            qb = qb.view(B, S, R_K, T, h).permute(0, 3, 1, 2, 4)  # [B, T, S, R_K, h]
+        else:
+            a_q, b_q = q
+            T, R_Q = a_q.shape[1], a_q.shape[2]
+            a_q = a_q * (1.0 / (R_Q * R_K * math.sqrt(d)))  # fold the scales into the (small) query factor
+            g = torch.bmm(b_k_flat, b_q.reshape(B, T * R_Q, d).transpose(1, 2))  # B_K . B_Q: [B, S R_K, T R_Q]
+            g = g.view(B, S * R_K, T, R_Q).transpose(1, 2).reshape(B * T, S * R_K, R_Q)  # [B T, S R_K, R_Q]
+            # fold in the query's head factor: [B T, S R_K, R_Q] x [B T, R_Q, h]
+            qb = torch.bmm(g, a_q.reshape(B * T, R_Q, h)).view(B, T, S, R_K, h)  # [B, T, S, R_K, h]
+        scores = qb[:, :, :, 0] * a_k[:, None, :, 0]  # [B, T, S, h]
+        for r in range(1, R_K):  # sum over the key rank
+            scores.addcmul_(qb[:, :, :, r], a_k[:, None, :, r])  # [B, T, S, h]
+        if mask is not None:
+            scores.masked_fill_(~mask[..., None], float("-inf"))  # [B, T, S, h]
+        scores = scores.sub_(scores.amax(dim=2, keepdim=True)).exp_()  # unnormalized softmax over S: [B, T, S, h]
+        denom = scores.sum(dim=2)  # [B, T, h]
+        w = scores[:, :, :, None, :] * a_v[:, None]  # P[i, s] A_V[s, r, i]: [B, T, S, R_V, h]
+        w = w.reshape(B, T, S * R_V, h).transpose(2, 3).reshape(B, T * h, S * R_V)  # [B, T h, S R_V]
+        y = torch.bmm(w, b_v.reshape(B, S * R_V, d)).view(B, T, h, d)  # sum over (s, r): [B, T, h, d_h]
+        return y / (denom[..., None] * R_V)  # [B, T, h, d_h]

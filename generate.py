@@ -1,0 +1,18 @@
+"""Generate text from a checkpoint: `python generate.py ckpt_path=... prompt="ROMEO:" max_new_tokens=100`
+(see conf/generate.yaml for every setting)."""
+
+import hydra
+from omegaconf import DictConfig
+
+from t6.generate import run
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="generate")
+def main(cfg: DictConfig) -> None:
+    for text in run(cfg):
+        print(text)
+        print("-" * 40)
+
+
+if __name__ == "__main__":
+    main()

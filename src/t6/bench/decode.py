@@ -1,0 +1,157 @@
+"""Decode speed: tokens/s of single-token decoding against a KV cache filled to each context length.
+
+    python -m t6.bench.decode --attentions mha,gqa,mqa,mla,tpa_kvonly,tpa --size medium \\
+        --contexts 1k,2k,4k,8k,16k,32k --json results/decode.json
+
+What is measured (default `--scope attention`): one attention layer of the chosen width with
+parameter-matched head counts, batch `--batch`, decoding one new token at position `context`
+against a cache holding `context` earlier tokens: the Q/K/V (or factor) projections, the
+in-place cache write, attention over context + 1 tokens and the output projection. This is
+the per-layer cost of decoding at long context, the part that grows with the context; the
+cache is filled with random values (the arithmetic does not depend on them). `--scope block`
+adds the RMSNorms and the SwiGLU feed-forward of the same decoder block (a cost that does not
+grow with the context). The mechanisms are timed interleaved, round by round, at each context,
+and the median round is reported; ratios are to MHA measured in the same run. The row
+`mha_headmajor` is MHA with the same weights and a head-major K/V cache (a reference point
+for the cache layout, see HeadMajorMHA).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from t6.bench.common import (cache_bytes_per_token, common_args, environment, ints, median, model_configs, table,
+                             time_call, write_json)
+from t6.model.attention.gqa import GroupedQueryAttention
+from t6.model.t6 import Block
+
+REFERENCE = "mha_headmajor"
+
+
+class HeadMajorMHA(torch.nn.Module):
+    """Reference point, not a registered mechanism: the same MHA layer (same weights) with its
+    K and V cached head-major, [B, h, max_len, d_h], so SDPA reads each head's keys as one
+    contiguous block. The project's caches are token-major, [B, max_len, h, d_h], which SDPA
+    on CPU reads through a strided view; this row shows what that layout costs MHA."""
+
+    def __init__(self, mha: GroupedQueryAttention, batch: int, max_len: int, dtype, device):
+        super().__init__()
+        self.mha = mha
+        shape = (batch, mha.n_kv, max_len, mha.cfg.head_dim)
+        self.k_cache = torch.randn(shape, dtype=dtype, device=device)  # [B, h_kv, max_len, d_h]
+        self.v_cache = torch.randn(shape, dtype=dtype, device=device)  # [B, h_kv, max_len, d_h]
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, cache=None) -> torch.Tensor:
+        m, (B, T, _) = self.mha, x.shape
+        h, d, end = m.cfg.n_head, m.cfg.head_dim, int(pos[-1]) + 1
+        q = m.rope(m.q(x).view(B, T, h, d), pos).transpose(1, 2)  # [B, h, T, d]
+        self.k_cache[:, :, pos] = m.rope(m.k(x).view(B, T, m.n_kv, d), pos).transpose(1, 2)  # in place
+        self.v_cache[:, :, pos] = m.v(x).view(B, T, m.n_kv, d).transpose(1, 2)  # in place
+        y = torch.nn.functional.scaled_dot_product_attention(
+            q, self.k_cache[:, :, :end], self.v_cache[:, :, :end], enable_gqa=m.n_kv != h)  # [B, h, T, d]
+        return m.out(y.transpose(1, 2).reshape(B, T, h * d))  # [B, T, d_model]
+
+
+def build_layer(cfg, scope: str, device: str, dtype: torch.dtype) -> torch.nn.Module:
+    torch.manual_seed(0)
+    layer = Block(cfg) if scope == "block" else Block(cfg).attn
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.02)
+    return layer.to(device=device, dtype=dtype).eval()
+
+
+def attention_of(layer):
+    return layer.attn if isinstance(layer, Block) else layer
+
+
+def run(args) -> dict:
+    dtype = getattr(torch, args.dtype)
+    contexts = ints(args.contexts)
+    max_len = max(contexts) + 1
+    configs = model_configs(args.attentions.split(","), args.size, block_size=max_len)
+    layers, caches, info = {}, {}, {}
+    for name, cfg in configs.items():
+        layer = build_layer(cfg, args.scope, args.device, dtype)
+        attn = attention_of(layer)
+        cache = attn.build_kv_cache(args.batch, max_len, dtype, args.device)
+        for t in cache.tensors.values():
+            t.normal_()  # a full cache of random keys/values (or factors, latents)
+        layers[name], caches[name] = layer, cache
+        info[name] = {
+            "n_head": cfg.n_head,
+            "options": cfg.attention_options,
+            "layer_params": sum(p.numel() for p in attn.parameters()),
+            "kv_cache_bytes_per_token": cache_bytes_per_token(attn, dtype),
+        }
+    if args.reference and "mha" in layers and args.scope == "attention":
+        layers[REFERENCE] = HeadMajorMHA(layers["mha"], args.batch, max_len, dtype, args.device)
+        caches[REFERENCE] = None
+        info[REFERENCE] = {**info["mha"]}
+    records = []
+    for context in contexts:
+        pos = torch.tensor([context], device=args.device)  # the new token sees context + 1 tokens
+        x = torch.randn(args.batch, 1, configs[next(iter(configs))].d_model, device=args.device, dtype=dtype)
+        seconds = {name: [] for name in layers}
+        with torch.inference_mode():
+            for name, layer in layers.items():  # warm up
+                time_call(lambda: layer(x, pos, caches[name]), args.warmup, args.device)
+            for _ in range(args.rounds):
+                for name, layer in layers.items():
+                    seconds[name].append(time_call(lambda: layer(x, pos, caches[name]), args.steps, args.device))
+        for name in layers:
+            s = median(seconds[name])
+            records.append({"attention": name, "context": context, "batch": args.batch, "ms_per_token": 1e3 * s,
+                            "tokens_per_s": args.batch / s, **info[name]})
+        base = {r["attention"]: r["tokens_per_s"] for r in records if r["context"] == context}
+        for r in records:
+            if r["context"] == context:
+                r["speed_vs_mha"] = r["tokens_per_s"] / base["mha"] if "mha" in base else None
+        print(table([r for r in records if r["context"] == context], COLUMNS), flush=True)
+        print()
+    return {"benchmark": "decode", "scope": args.scope, "size": args.size, "dtype": args.dtype,
+            "environment": environment(args.device), "records": records}
+
+
+COLUMNS = [("attention", "attention", ""), ("context", "context", "d"), ("n_head", "heads", "d"),
+           ("layer_params", "layer params", ","), ("kv_cache_bytes_per_token", "cache B/token", "d"),
+           ("ms_per_token", "ms/token", ".3f"), ("tokens_per_s", "tokens/s", ".1f"), ("speed_vs_mha", "vs MHA", ".2f")]
+
+
+def summary(records: list[dict]) -> str:
+    """Speed ratio to MHA, one row per attention, one column per context."""
+    names = list(dict.fromkeys(r["attention"] for r in records))
+    contexts = sorted({r["context"] for r in records})
+    rows = []
+    for name in names:
+        row = {"attention": name}
+        for r in records:
+            if r["attention"] == name:
+                row[str(r["context"])] = r["speed_vs_mha"]
+        rows.append(row)
+    return table(rows, [("attention", "tokens/s vs MHA", "")] + [(str(c), str(c), ".2f") for c in contexts])
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common_args(parser)
+    parser.add_argument("--contexts", default="1k,2k,4k,8k,16k,32k", help="cached tokens before the new one")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--scope", default="attention", choices=["attention", "block"])
+    parser.add_argument("--steps", type=int, default=10, help="decode calls per timed round")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the median is reported")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True,
+                        help=f"also time {REFERENCE}: MHA with a head-major K/V cache (see HeadMajorMHA)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    result = run(args)
+    print(summary(result["records"]))
+    write_json(args.json, result)
+
+
+if __name__ == "__main__":
+    main()

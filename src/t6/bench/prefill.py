@@ -1,0 +1,76 @@
+"""Prefill speed: tokens/s of processing a prompt of each length in one forward pass.
+
+    python -m t6.bench.prefill --attentions mha,gqa,mqa,mla,tpa_kvonly,tpa --size medium \\
+        --contexts 512,1k,2k,4k --json results/prefill.json
+
+What is measured: one attention layer of the chosen width (parameter-matched heads, as in
+`t6.bench.decode`), batch `--batch`, taking `context` prompt tokens at positions 0..context-1
+into an empty, preallocated KV cache: projections, the cache write, causal attention and the
+output projection (`--scope block` adds the norms and the SwiGLU). Mechanisms are timed
+interleaved, round by round; the median round is reported, with ratios to MHA.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from t6.bench.common import (cache_bytes_per_token, common_args, environment, ints, median, model_configs, table,
+                             time_call, write_json)
+from t6.bench.decode import attention_of, build_layer
+
+
+def run(args) -> dict:
+    dtype = getattr(torch, args.dtype)
+    contexts = ints(args.contexts)
+    configs = model_configs(args.attentions.split(","), args.size, block_size=max(contexts))
+    layers = {name: build_layer(cfg, args.scope, args.device, dtype) for name, cfg in configs.items()}
+    records = []
+    for context in contexts:
+        x = torch.randn(args.batch, context, configs[next(iter(configs))].d_model, device=args.device, dtype=dtype)
+        pos = torch.arange(context, device=args.device)
+        caches = {name: attention_of(layer).build_kv_cache(args.batch, context, dtype, args.device)
+                  for name, layer in layers.items()}
+        seconds = {name: [] for name in layers}
+        with torch.inference_mode():
+            for name, layer in layers.items():  # warm up
+                time_call(lambda: layer(x, pos, caches[name]), 1, args.device)
+            for _ in range(args.rounds):
+                for name, layer in layers.items():
+                    seconds[name].append(time_call(lambda: layer(x, pos, caches[name]), 1, args.device))
+        rows = []
+        for name, layer in layers.items():
+            s = median(seconds[name])
+            rows.append({"attention": name, "context": context, "batch": args.batch, "n_head": configs[name].n_head,
+                         "ms": 1e3 * s, "tokens_per_s": args.batch * context / s,
+                         "kv_cache_bytes_per_token": cache_bytes_per_token(attention_of(layer), dtype)})
+        base = next((r["tokens_per_s"] for r in rows if r["attention"] == "mha"), None)
+        for r in rows:
+            r["speed_vs_mha"] = r["tokens_per_s"] / base if base else None
+        print(table(rows, COLUMNS), flush=True)
+        print()
+        records += rows
+    return {"benchmark": "prefill", "scope": args.scope, "size": args.size, "dtype": args.dtype,
+            "environment": environment(args.device), "records": records}
+
+
+COLUMNS = [("attention", "attention", ""), ("context", "prompt", "d"), ("n_head", "heads", "d"),
+           ("ms", "ms", ".1f"), ("tokens_per_s", "tokens/s", ".0f"), ("speed_vs_mha", "vs MHA", ".2f")]
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common_args(parser)
+    parser.add_argument("--contexts", default="512,1k,2k,4k", help="prompt lengths")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--scope", default="attention", choices=["attention", "block"])
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    write_json(args.json, run(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Text generation from a training checkpoint: load the model, encode prompts with GPT-2 BPE,
+decode with the KV caches, return the texts. `generate.py` at the repo root is the Hydra entry."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from t6.data.tokenizer import EOT, gpt2_encoding
+from t6.model import T6, ModelConfig
+from t6.model.t6 import left_pad
+
+
+def load_model(ckpt_path: str | Path, device: str = "cpu") -> T6:
+    """The T6 of a Lightning checkpoint (`hyper_parameters.model_config`, `state_dict` keys `model.*`)."""
+    path = Path(ckpt_path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"ckpt_path={str(ckpt_path)!r}: no such checkpoint file (e.g. logs/train/runs/<time>/checkpoints/last.ckpt)")
+    ckpt = torch.load(path, map_location=device, weights_only=True)
+    try:
+        fields, state = ckpt["hyper_parameters"]["model_config"], ckpt["state_dict"]
+    except (KeyError, TypeError) as err:
+        raise ValueError(f"{path} is not a T6 training checkpoint: it has no {err}") from None
+    model = T6(ModelConfig(**fields)).to(device)
+    model.load_state_dict({k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")})
+    return model.eval()
+
+
+def generate_text(
+    model: T6,
+    prompts: list[str],
+    max_new_tokens: int = 100,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    stop_at_eot: bool = True,
+    seed: int | None = None,
+) -> list[str]:
+    """Each prompt followed by its continuation (up to <|endoftext|> when stop_at_eot); prompts
+    of different lengths go in one left-padded batch. An empty prompt starts from <|endoftext|>."""
+    enc = gpt2_encoding()
+    tokens = [enc.encode(p, allowed_special={"<|endoftext|>"}) or [EOT] for p in prompts]
+    idx, mask = left_pad(tokens, pad_id=EOT)
+    device = model.embed.weight.device
+    generator = None if seed is None else torch.Generator(device).manual_seed(seed)
+    out = model.generate(
+        idx.to(device), max_new_tokens, temperature, top_k, top_p,
+        stop_tokens=(EOT,) if stop_at_eot else (), generator=generator, prompt_mask=mask.to(device),
+    )
+    texts = []
+    for row, prompt in zip(out[:, idx.shape[1] :].tolist(), tokens):
+        if stop_at_eot and EOT in row:
+            row = row[: row.index(EOT)]
+        texts.append(enc.decode(prompt + row))
+    return texts
+
+
+def run(cfg: DictConfig) -> list[str]:
+    """Generate from the `generate` config (conf/generate.yaml); returns the texts."""
+    if OmegaConf.is_missing(cfg, "ckpt_path") or not cfg.ckpt_path:
+        raise ValueError("ckpt_path is required: python generate.py ckpt_path=/path/to/last.ckpt prompt='ROMEO:'")
+    prompts = cfg.prompt if OmegaConf.is_list(cfg.prompt) else [cfg.prompt]
+    torch.manual_seed(cfg.seed)
+    model = load_model(cfg.ckpt_path, cfg.device)
+    return generate_text(
+        model, [str(p) for p in prompts], cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p,
+        cfg.stop_at_eot, cfg.seed,
+    )

@@ -1,0 +1,234 @@
+"""Inference: KV caches per mechanism, decoding from TPA's factors, generation (batched,
+padded, sampled), the checkpoint-to-text path, and the benchmarks' config building."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from t6.bench.common import FALLBACK_OPTIONS, conf_dir, model_configs
+from t6.data.tokenizer import EOT
+from t6.generate import generate_text, load_model, run
+from t6.model import T6, ModelConfig
+from t6.model.attention import available, get_attention_class
+from t6.model.t6 import left_pad
+
+
+NAMES = available()  # every registered mechanism, with or without a conf/attention yaml
+TPA = [n for n in ("tpa", "tpa_kvonly") if n in NAMES]
+
+
+def options(name: str) -> dict:
+    path = conf_dir() / "attention" / f"{name}.yaml"
+    if path.exists():
+        return OmegaConf.to_container(OmegaConf.load(path), resolve=True).get("options") or {}
+    return FALLBACK_OPTIONS.get(name, {})
+
+
+def tiny(name: str, seed: int = 0, n_head: int = 4, **kw) -> T6:
+    cfg = ModelConfig(attention=name, attention_options=options(name), n_layer=2, d_model=64, n_head=n_head,
+                      vocab_size=256, block_size=64, **kw)
+    torch.manual_seed(seed)
+    model = T6(cfg)
+    with torch.no_grad():  # residual outputs start at zero; randomize so every path matters
+        for p in model.parameters():
+            p.normal_(0, 0.1)
+    return model.eval()
+
+
+def recompute_greedy(model: T6, prompt: torch.Tensor, n: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Greedy decoding by full recomputation, no cache: tokens [B, T0 + n] and each step's logits [B, V]."""
+    out, logits = prompt, []
+    for _ in range(n):
+        step = model(out)[:, -1]  # [B, V]
+        logits.append(step)
+        out = torch.cat([out, step.argmax(-1, keepdim=True)], dim=1)
+    return out, logits
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_cached_greedy_generation_equals_recomputation_token_for_token(name):
+    model = tiny(name)
+    prompt = torch.randint(0, 256, (2, 7))
+    ref, ref_logits = recompute_greedy(model, prompt, 10)
+    assert torch.equal(model.generate(prompt, 10, temperature=0), ref)
+    caches = model.build_kv_caches(2, 17)
+    logits = model(prompt, 0, caches)[:, -1]
+    for t in range(10):  # the logits of every cached step agree with recomputation
+        torch.testing.assert_close(logits, ref_logits[t], rtol=1e-5, atol=1e-5)
+        logits = model(ref[:, 7 + t : 8 + t], 7 + t, caches)[:, -1]
+
+
+def paper_elements_per_token(cfg: ModelConfig) -> int | None:
+    """KV cache numbers per token and layer, paper Table 1."""
+    h, d = cfg.n_head, cfg.head_dim
+    if cfg.attention == "mha":
+        return 2 * h * d
+    if cfg.attention == "mqa":
+        return 2 * d
+    if cfg.attention == "gqa":
+        return 2 * cfg.option("n_kv_head") * d
+    if cfg.attention in ("tpa", "tpa_kvonly"):
+        return (cfg.option("k_rank", 2) + cfg.option("v_rank", 2)) * (h + d)
+    return None
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_allocated_cache_holds_the_paper_count_per_token(name):
+    model = tiny(name)
+    expected = paper_elements_per_token(model.cfg)
+    if expected is None:
+        pytest.skip(f"no paper formula here for {name}")
+    caches = model.build_kv_caches(3, 20)
+    for cache in caches:
+        assert all(t.shape[:2] == (3, 20) for t in cache.tensors.values())
+        assert sum(t.numel() for t in cache.tensors.values()) == 3 * 20 * expected
+        assert cache.elements_per_token() == expected
+
+
+@pytest.mark.parametrize("name", TPA)
+@pytest.mark.parametrize("T", [1, 4])
+def test_tpa_decode_from_factors_equals_materialized_k_and_v(name, T):
+    model = tiny(name, n_head=5)
+    attn = model.blocks[0].attn
+    x = torch.randn(2, 19, model.cfg.d_model)
+    cache = attn.build_kv_cache(2, 32)
+    attn(x[:, : 19 - T], torch.arange(19 - T), cache)  # fill the cache with 19 - T tokens
+    pos = torch.arange(19 - T, 19)
+    q = attn.query_factors(x[:, -T:], pos)
+    a_k, b_k = attn.k(x[:, -T:])
+    a_v, b_v = attn.v(x[:, -T:])
+    factors = cache.update(pos, a_k=a_k, b_k=attn.rope(b_k, pos), a_v=a_v, b_v=b_v)  # [B, 19, R, *] each
+    for key_mask in (None, torch.rand(2, 32) > 0.3):
+        cache.key_mask = key_mask
+        fast = attn.attend_factors(q, *factors, pos, cache.attn_mask(pos))  # [B, T, h, d_h]
+        slow = attn.attend_materialized(q, *factors, pos, cache)  # [B, T, h, d_h]
+        torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-6)
+    assert T <= attn.factor_decode_max_tokens  # forward() takes the factor path for these steps
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if get_attention_class(n).supports_key_mask])
+def test_batched_prompts_of_different_lengths_match_one_by_one(name):
+    model = tiny(name)
+    prompts = [[5, 9, 2], [7, 1, 4, 4, 8, 3, 2], [11]]
+    idx, mask = left_pad(prompts)
+    out = model.generate(idx, 6, temperature=0, prompt_mask=mask)
+    T0 = idx.shape[1]
+    caches = model.build_kv_caches(3, T0 + 6)
+    for cache in caches:
+        cache.key_mask = torch.cat([mask, torch.ones(3, 6, dtype=torch.bool)], dim=1)
+    padded_logits = model(idx, 0, caches)[:, -1]  # [3, V]
+    for i, p in enumerate(prompts):
+        alone = torch.tensor([p])
+        ref, ref_logits = recompute_greedy(model, alone, 6)
+        assert out[i, T0:].tolist() == ref[0, len(p) :].tolist()
+        torch.testing.assert_close(padded_logits[i], ref_logits[0][0], rtol=1e-4, atol=1e-4)
+
+
+def test_padding_mask_must_be_left_padding_and_supported(monkeypatch):
+    model = tiny("mha")
+    idx, mask = left_pad([[1, 2], [3]])
+    with pytest.raises(ValueError, match="left padding"):
+        model.generate(idx, 2, prompt_mask=mask.flip(1))
+    monkeypatch.setattr(type(model.blocks[0].attn), "supports_key_mask", False)
+    with pytest.raises(ValueError, match="does not honour padding masks"):
+        model.generate(idx, 2, prompt_mask=mask)
+    with pytest.raises(ValueError, match="at least one token"):
+        left_pad([[1], []])
+
+
+def test_sampling_settings_and_stop_tokens():
+    model = tiny("tpa" if "tpa" in NAMES else NAMES[0])
+    prompt = torch.randint(0, 256, (3, 4))
+    greedy = model.generate(prompt, 8, temperature=0)
+    gen = torch.Generator().manual_seed(0)
+    assert torch.equal(model.generate(prompt, 8, temperature=1.0, top_k=1, generator=gen), greedy)
+    assert torch.equal(model.generate(prompt, 8, temperature=1.0, top_p=1e-6, generator=gen), greedy)
+    sampled = model.generate(prompt, 8, temperature=5.0, top_k=3, generator=gen)
+    for t in range(4, 12):  # every sampled token is among the 3 most likely at its step
+        top3 = model(sampled[:, :t])[:, -1].topk(3).indices  # [B, 3]
+        assert (top3 == sampled[:, t : t + 1]).any(-1).all()
+    stop = int(greedy[0, 6])  # row 0 emits it at step 3 (or before)
+    out = model.generate(prompt, 8, temperature=0, stop_tokens=(stop,))
+    first = (out[0, 4:] == stop).nonzero()[0, 0] + 4
+    assert (out[0, first:] == stop).all() and out.shape[1] <= 12
+    with pytest.raises(ValueError, match="top_p=1.5"):
+        model.generate(prompt, 2, top_p=1.5)
+    with pytest.raises(ValueError, match="top_k=0"):
+        model.generate(prompt, 2, top_k=0)
+
+
+def test_decoding_past_the_cache_or_block_is_a_clear_error():
+    model = tiny("mha")
+    caches = model.build_kv_caches(1, 8)
+    model(torch.zeros(1, 8, dtype=torch.long), 0, caches)
+    with pytest.raises(ValueError, match="past the KV cache length 8"):
+        model(torch.zeros(1, 1, dtype=torch.long), 8, caches)
+    with pytest.raises(ValueError, match="exceeds block_size 64"):
+        model.generate(torch.zeros(1, 60, dtype=torch.long), 10)
+
+
+def write_checkpoint(model: T6, path) -> None:
+    """The layout a T6LitModule checkpoint has (hyper_parameters.model_config, state_dict keys model.*)."""
+    from dataclasses import asdict
+
+    torch.save({"hyper_parameters": {"model_config": asdict(model.cfg), "compile": False},
+                "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}}, path)
+
+
+def test_generate_entry_loads_a_checkpoint_and_prints_text(tmp_path):
+    cfg = ModelConfig(attention="mha", n_layer=2, d_model=64, n_head=4, vocab_size=50304, block_size=64)
+    torch.manual_seed(0)
+    model = T6(cfg).eval()
+    write_checkpoint(model, tmp_path / "last.ckpt")
+    loaded = load_model(tmp_path / "last.ckpt")
+    for (k, v), (k2, v2) in zip(model.state_dict().items(), loaded.state_dict().items()):
+        assert k == k2 and torch.equal(v, v2)
+    texts = generate_text(loaded, ["ROMEO:", "First Citizen:\nWe are"], 5, temperature=0)
+    assert texts[0].startswith("ROMEO:") and texts[1].startswith("First Citizen:\nWe are") and len(texts) == 2
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        gen_cfg = compose("generate", overrides=[f"ckpt_path={tmp_path / 'last.ckpt'}", "max_new_tokens=4",
+                                                 "temperature=0", "prompt=[ROMEO:,JULIET:]"])
+    assert run(gen_cfg)[:1] == generate_text(loaded, ["ROMEO:"], 4, temperature=0)
+    with pytest.raises(FileNotFoundError, match="ckpt_path="):
+        load_model(tmp_path / "missing.ckpt")
+    torch.save({"state_dict": {}}, tmp_path / "bad.ckpt")
+    with pytest.raises(ValueError, match="not a T6 training checkpoint"):
+        load_model(tmp_path / "bad.ckpt")
+    assert EOT == 50256
+
+
+def test_benchmark_configs_are_parameter_matched_and_skip_unknown_names(capsys):
+    configs = model_configs(["mha", "mqa", "gqa", "tpa", "no_such_attention"], "medium")
+    assert "skipped no_such_attention" in capsys.readouterr().out
+    heads = {name: cfg.n_head for name, cfg in configs.items()}
+    assert heads["mha"] == 16 and heads["tpa"] == 47
+    assert heads.get("mqa", 31) == 31 and heads.get("gqa", 30) == 30
+
+
+def test_benchmarks_run_and_write_their_records(tmp_path):
+    import json
+
+    from t6.bench import decode, kv_memory, prefill
+
+    names = "mha,tpa,no_such_attention"
+    decode.main(["--attentions", names, "--size", "tiny", "--contexts", "32,64", "--steps", "1", "--rounds", "1",
+                 "--warmup", "1", "--json", str(tmp_path / "decode.json")])
+    kv_memory.main(["--attentions", names, "--sizes", "tiny", "--json", str(tmp_path / "kv.json")])
+    prefill.main(["--attentions", names, "--size", "tiny", "--contexts", "32", "--rounds", "1",
+                  "--json", str(tmp_path / "prefill.json")])
+    records = json.loads((tmp_path / "decode.json").read_text())["records"]
+    assert {(r["attention"], r["context"]) for r in records} >= {("mha", 32), ("tpa", 64), ("mha_headmajor", 64)}
+    for r in records:
+        assert r["tokens_per_s"] > 0 and r["kv_cache_bytes_per_token"] > 0
+    tpa = next(r for r in records if r["attention"] == "tpa")
+    assert tpa["kv_cache_bytes_per_token"] == 4 * (2 + 2) * (tpa["n_head"] + 64)  # fp32 factors, one layer
+    kv = {r["attention"]: r for r in json.loads((tmp_path / "kv.json").read_text())["records"]}
+    assert kv["mha"]["kv_cache_bytes_per_token"] == 4 * 2 * 2 * 4 * 64  # bf16, 4 layers, 2 h d_h
+    assert kv["tpa"]["smaller_than_mha"] == kv["mha"]["kv_cache_bytes_per_token"] / kv["tpa"]["kv_cache_bytes_per_token"]
+    assert {r["attention"] for r in json.loads((tmp_path / "prefill.json").read_text())["records"]} == {"mha", "tpa"}

@@ -1,0 +1,64 @@
+"""Report on MLflow runs as the paper's tables and figures.
+
+    python report.py --experiment cpu_comparison                # every run of an experiment
+    python report.py --experiment cpu_comparison --parent latest  # the newest sweep of it
+    python report.py --parent RUN_ID --decode-json decode.json --out experiments/NAME
+
+Writes report.md, train_loss.png, val_loss.png and val_ppl.png into --out and logs them as
+artifacts (report/) to the sweep's parent run, or to a new run named `report` in the experiment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from t6.report import build_report, find_runs, load_decode_records, load_runs, log_report
+
+ROOT = Path(__file__).resolve().parent
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--experiment", help="MLflow experiment name")
+    parser.add_argument("--parent", help="a sweep's parent run id, or `latest` (the newest sweep of --experiment)")
+    parser.add_argument("--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI", f"sqlite:///{ROOT / 'mlruns' / 'mlflow.db'}"),
+                        help="MLflow store (default: $MLFLOW_TRACKING_URI, else the project's mlruns/mlflow.db)")
+    parser.add_argument("--out", help="output folder (default: reports/<experiment or parent run>)")
+    parser.add_argument("--decode-json", help="records of `python -m t6.bench.decode --json PATH` for the tokens/s column")
+    parser.add_argument("--group-by", default="attention.name",
+                        help="comma-separated run params that make a table row (default: attention.name)")
+    parser.add_argument("--title", help="report title")
+    parser.add_argument("--no-log", action="store_true", help="write the files only, log nothing to MLflow")
+    args = parser.parse_args(argv)
+    if not args.experiment and not args.parent:
+        parser.error("give --experiment NAME or --parent RUN_ID")
+    return args
+
+
+def main(argv: list[str] | None = None) -> Path:
+    args = parse_args(argv)
+    import mlflow
+
+    from t6.tracking import check_tracking_uri
+
+    check_tracking_uri(args.tracking_uri)
+    client = mlflow.MlflowClient(tracking_uri=args.tracking_uri)
+    decode = load_decode_records(args.decode_json) if args.decode_json else None  # bad file: fail before reading runs
+    runs, experiment_id, parent = find_runs(client, args.experiment, args.parent)
+    name = args.experiment or client.get_experiment(experiment_id).name
+    out = Path(args.out or ROOT / "reports" / (parent.info.run_name if parent else name))
+    title = args.title or (f"{name}: sweep {parent.info.run_name} ({parent.info.run_id[:8]})" if parent else name)
+    report = build_report(load_runs(client, runs), out, title, tuple(args.group_by.split(",")),
+                          decode, args.decode_json)
+    print(report.markdown)
+    print(f"\nwritten to {out}")
+    if not args.no_log:
+        run_id = log_report(client, report, experiment_id, parent)
+        print(f"logged as artifacts report/ of run {run_id} (experiment {experiment_id})")
+    return out
+
+
+if __name__ == "__main__":
+    main()

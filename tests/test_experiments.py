@@ -1,0 +1,77 @@
+"""conf/experiment/*.yaml: every recipe composes into the paper's settings and documents itself."""
+
+from __future__ import annotations
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import OmegaConf
+
+from t6.config import model_config
+from t6.model import T6
+
+from conftest import CONF
+
+RECIPES = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+PAPER = {"paper_small": ("small", 6e-4, 3e-5), "paper_medium": ("medium", 3e-4, 3e-5),
+         "paper_large": ("large", 2e-4, 1e-5), "paper_xl": ("xl", 2e-4, 1e-5), "lr_ablation_medium": ("medium", 6e-4, 3e-5)}
+SIX = ["mha", "mqa", "gqa", "mla", "tpa_kvonly", "tpa"]
+
+
+def recipe_options(name: str) -> list[str]:
+    """The group options a recipe's defaults list names ("data/fineweb_edu", ...)."""
+    defaults = OmegaConf.load(CONF / "experiment" / f"{name}.yaml").defaults
+    return [f"{k.split('/')[-1]}/{v}" for entry in defaults for k, v in entry.items()]
+
+
+def compose_recipe(name: str, *overrides: str):
+    chosen = {o.split("=")[0] for o in overrides}
+    lacking = [o for o in recipe_options(name) if o.split("/")[0] not in chosen and not (CONF / f"{o}.yaml").is_file()]
+    lacking += [f"attention/{o.split('=')[1]}" for o in overrides
+                if o.startswith("attention=") and not (CONF / "attention" / f"{o.split('=')[1]}.yaml").is_file()]
+    if lacking:
+        pytest.skip(f"experiment={name} needs conf/{', conf/'.join(lacking)}.yaml, not in this checkout")
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("train", overrides=[f"experiment={name}", *overrides], return_hydra_config=True)
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipe_documents_itself(name):
+    text = (CONF / "experiment" / f"{name}.yaml").read_text()
+    assert text.startswith("# @package _global_\n")
+    for word in ("Reproduces:", "Hardware:", "Expected duration:"):
+        assert word in text, f"conf/experiment/{name}.yaml lacks a '{word}' comment"
+    assert OmegaConf.load(CONF / "experiment" / f"{name}.yaml").hydra.sweeper.params.attention.split(",") == SIX
+
+
+@pytest.mark.parametrize("name", sorted(PAPER))
+def test_paper_recipes_have_the_papers_recipe(name):
+    size, max_lr, min_lr = PAPER[name]
+    cfg = compose_recipe(name)
+    assert cfg.size.name == size and cfg.size.block_size == 1024 and cfg.data.seq_len == 1024
+    assert cfg.optimizer._target_ == "torch.optim.AdamW" and list(cfg.optimizer.betas) == [0.9, 0.95]
+    assert cfg.optimizer.weight_decay == 0.1 and cfg.trainer.gradient_clip_val == 1.0
+    assert (cfg.lr_ablation.max_lr, cfg.lr_ablation.min_lr, cfg.lr_ablation.warmup_steps) == (max_lr, min_lr, 2000)
+    assert cfg.data.global_batch_size == 480 and 480 % (cfg.data.batch_size * cfg.trainer.devices) == 0
+    tokens = cfg.data.global_batch_size * cfg.data.seq_len * cfg.trainer.max_steps
+    assert cfg.trainer.max_steps == 100_000 and 49e9 < tokens < 51e9
+    assert cfg.hydra.sweeper.params.attention.split(",") == SIX
+
+
+def test_cpu_comparison_sweeps_six_attentions_and_three_seeds_at_one_budget():
+    spec = OmegaConf.load(CONF / "experiment" / "cpu_comparison.yaml")
+    assert spec.hydra.sweeper.params.attention.split(",") == SIX
+    assert len(str(spec.hydra.sweeper.params.seed).split(",")) >= 3
+    assert {"override /eval": "local"} in spec.defaults
+    present = [a for a in SIX if (CONF / "attention" / f"{a}.yaml").is_file()]
+    eval_ok = (CONF / "eval" / "local.yaml").is_file()
+    tokens, params = {}, {}
+    for attention in present:
+        cfg = compose_recipe("cpu_comparison", f"attention={attention}", *([] if eval_ok else ["eval=none"]))
+        assert cfg.size.name == "tiny" and cfg.data.embedded and cfg.experiment_name == "cpu_comparison"
+        tokens[attention] = cfg.trainer.max_steps * cfg.data.batch_size * cfg.data.seq_len
+        params[attention] = T6(model_config(cfg)).num_params(non_embedding=True)
+    assert set(tokens.values()) == {100 * 8 * 256}
+    for attention, n in params.items():  # the tiny head counts keep every mechanism near MHA's size
+        assert abs(n / params["mha"] - 1) < 0.1, f"{attention}: {n} non-embedding parameters vs mha {params['mha']}"

@@ -1,0 +1,228 @@
+"""report.py: tables and figures from real MLflow runs.
+
+Two runs are real (`train(cfg)`); the downstream-evaluation results, a second seed, a failed run and
+a run missing a metric are logged into the same store with the real MlflowClient as test data."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import statistics
+import time
+
+import mlflow
+import pytest
+from mlflow.entities import Metric, Param
+
+from t6.report import (
+    Cell,
+    RunData,
+    aggregate,
+    build_report,
+    curve,
+    model_stats_from_params,
+    task_metric,
+    tokens_per_step,
+)
+from t6.train import train
+
+from conftest import ROOT
+
+
+def load_cli():
+    spec = importlib.util.spec_from_file_location("report_cli", ROOT / "report.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# --------------------------------------------------------------------------- pure functions
+
+
+def test_task_metric_follows_the_paper_and_falls_back_to_acc():
+    assert task_metric("hellaswag", {"acc", "acc_norm"}) == "acc_norm"
+    assert task_metric("arc_challenge", {"acc"}) == "acc_norm"  # the paper's choice, even when not logged
+    assert task_metric("winogrande", {"acc", "acc_norm"}) == "acc"
+    assert task_metric("mmlu", {"acc"}) == "acc"
+    assert task_metric("t6_local", {"acc", "acc_norm", "acc_stderr"}) == "acc_norm"
+    assert task_metric("t6_local", {"acc", "acc_stderr"}) == "acc"
+    assert task_metric("lambada", {"perplexity", "perplexity_stderr"}) == "perplexity"
+
+
+def test_tokens_per_step_from_params():
+    assert tokens_per_step({"data.global_batch_size": "480", "data.batch_size": "20", "data.seq_len": "1024",
+                            "trainer.devices": "8"}) == 480 * 1024
+    assert tokens_per_step({"data.global_batch_size": "None", "data.batch_size": "8", "data.seq_len": "256",
+                            "trainer.devices": "2", "trainer.num_nodes": "2"}) == 8 * 2 * 2 * 256
+    with pytest.raises(KeyError, match="data.seq_len"):
+        tokens_per_step({"data.batch_size": "8", "trainer.devices": "1"})
+    with pytest.raises(KeyError, match="trainer.devices as a number \\(got 'auto'"):
+        tokens_per_step({"data.batch_size": "8", "data.seq_len": "64", "trainer.devices": "auto"})
+
+
+def test_aggregate_is_mean_and_sample_std_and_counts_missing():
+    cell = aggregate([0.5, 0.6, 0.7])
+    assert cell.mean == pytest.approx(0.6) and cell.std == pytest.approx(0.1)
+    assert cell.format(100.0) == "60.00 ± 10.00"
+    assert aggregate([0.5], expected=3).format(100.0) == "50.00 (1/3 runs)"
+    assert aggregate([], expected=2) == Cell(None, None, 0, 2) and aggregate([], 2).format() == "–"
+
+
+def test_curve_places_step_s_at_s_plus_one_steps_of_tokens():
+    params = {"data.batch_size": "2", "data.seq_len": "10", "trainer.devices": "1"}
+    a = RunData("a", "a", "FINISHED", params, history={"val/loss": [(0, 4.0), (1, 3.0), (2, 2.0)]})
+    b = RunData("b", "b", "FINISHED", params, history={"val/loss": [(0, 6.0), (1, 5.0)]})
+    tokens, mean, std = curve([a, b], "val/loss")
+    assert tokens == [20.0, 40.0] and mean == [5.0, 4.0]  # only the steps both runs logged
+    assert std == pytest.approx([statistics.stdev([4, 6])] * 2)
+
+
+# --------------------------------------------------------------------------- from a real store
+
+EVALS = {  # run -> {shots: {task: {metric: value}}}: downstream results logged as test data
+    "mha-1": {0: {"arc_easy": {"acc": 0.35, "acc_norm": 0.30}, "boolq": {"acc": 0.60}, "t6_local": {"acc": 0.25}},
+              2: {"arc_easy": {"acc_norm": 0.32}, "boolq": {"acc": 0.62}, "t6_local": {"acc": 0.27}}},
+    "mha-2": {0: {"arc_easy": {"acc_norm": 0.40}, "boolq": {"acc": 0.50}, "t6_local": {"acc": 0.35}},
+              2: {"arc_easy": {"acc_norm": 0.42}, "boolq": {"acc": 0.52}, "t6_local": {"acc": 0.37}}},
+    "tpa-1": {0: {"arc_easy": {"acc_norm": 0.45}, "boolq": {"acc": 0.54}, "t6_local": {"acc": 0.40}},
+              2: {"arc_easy": {"acc_norm": 0.46}, "boolq": {"acc": 0.56}, "t6_local": {"acc": 0.41}}},
+    "tpa-2": {0: {"arc_easy": {"acc_norm": 0.47}, "t6_local": {"acc": 0.38}},  # no boolq: a missing metric
+              2: {"arc_easy": {"acc_norm": 0.48}, "boolq": {"acc": 0.58}, "t6_local": {"acc": 0.39}}},
+}
+
+
+def log_evals(client, run_id, results):
+    now = int(time.time() * 1000)
+    metrics = [Metric(f"eval/{shots}shot/{task}/{metric}", value, now, 7)
+               for shots, tasks in results.items() for task, ms in tasks.items() for metric, value in ms.items()]
+    client.log_batch(run_id, metrics=metrics)
+
+
+def copy_as_seed(client, source, experiment_id, name, seed, offset):
+    """A finished second-seed run: the source run's params with another seed, and its curves shifted by offset."""
+    run_id = client.create_run(experiment_id, run_name=name, tags={k: v for k, v in source.data.tags.items() if not k.startswith("mlflow.")}).info.run_id
+    params = [Param(k, str(seed) if k in ("seed", "data.seed") else v) for k, v in source.data.params.items()]
+    for i in range(0, len(params), 100):
+        client.log_batch(run_id, params=params[i:i + 100])
+    for key in ("train/loss", "val/loss", "val/ppl"):
+        history = client.get_metric_history(source.info.run_id, key)
+        client.log_batch(run_id, metrics=[Metric(key, m.value + offset, m.timestamp, m.step) for m in history])
+    client.set_terminated(run_id, "FINISHED")
+    return run_id
+
+
+@pytest.fixture
+def store(make_cfg):
+    """Real mha and tpa runs + a second seed of each, a failed run, and eval results, in one SQLite store."""
+    trained = {}
+    for attention in ("mha", "tpa"):
+        cfg = make_cfg(f"attention={attention}", "run_name=" + attention + "-1", "experiment_name=cmp",
+                       "callbacks.model_checkpoint=null", "seed=1")
+        _, objects = train(cfg)
+        trained[attention] = objects
+    uri = cfg.logger.mlflow.tracking_uri
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    experiment_id = trained["mha"]["mlflow"].experiment_id
+    ids = {f"{a}-1": trained[a]["mlflow"].run_id for a in trained}
+    for attention, offset in (("mha", 0.5), ("tpa", 0.25)):
+        ids[f"{attention}-2"] = copy_as_seed(client, client.get_run(ids[f"{attention}-1"]), experiment_id,
+                                             f"{attention}-2", 2, offset)
+    for name, results in EVALS.items():
+        log_evals(client, ids[name], results)
+    client.log_param(ids["tpa-1"], "model/kv_cache_bytes_per_token", "4096")  # logged values win over computed ones
+    failed = client.create_run(experiment_id, run_name="tpa-3", tags={"attention": "tpa"}).info.run_id
+    client.log_param(failed, "attention.name", "tpa")
+    client.log_metric(failed, "val/loss", 99.0, step=3)
+    client.set_terminated(failed, "FAILED")
+    ids["tpa-3"] = failed
+    return {"uri": uri, "client": client, "experiment_id": experiment_id, "ids": ids, "trained": trained}
+
+
+def test_report_from_real_runs(store, tmp_path):
+    client, ids, trained = store["client"], store["ids"], store["trained"]
+    decode = tmp_path / "decode.json"
+    decode.write_text(json.dumps([{"attention": "mha", "context": 64, "tokens_per_s": 100.0, "kv_cache_bytes_per_token": 1},
+                                  {"attention": "mha", "context": 64, "tokens_per_s": 120.0, "kv_cache_bytes_per_token": 1},
+                                  {"attention": "tpa", "context": 64, "tokens_per_s": 150.0, "kv_cache_bytes_per_token": 1}]))
+    out = load_cli().main(["--experiment", "cmp", "--tracking-uri", store["uri"], "--out", str(tmp_path / "rep"),
+                           "--decode-json", str(decode)])
+    md = (out / "report.md").read_text()
+    lines = md.splitlines()
+
+    def row(title: str, label: str) -> str:
+        start = next(i for i, line in enumerate(lines) if line.startswith("## " + title))
+        return next(line for line in lines[start:] if line.startswith(f"| {label} |"))
+
+    # zero-shot: mha over 2 seeds; tpa's boolq and average only from the seed that has all tasks
+    assert "| attention | arc_easy (acc_norm) | boolq (acc) | t6_local (acc) | Avg. |" in md
+    avg_mha = statistics.fmean([statistics.fmean([0.30, 0.60, 0.25]), statistics.fmean([0.40, 0.50, 0.35])])
+    assert row("Zero-shot", "mha") == (
+        f"| mha | 35.00 ± 7.07 | **55.00 ± 7.07** | 30.00 ± 7.07 | {avg_mha * 100:.2f} ± 2.36 |")
+    assert row("Zero-shot", "tpa") == (
+        f"| tpa | **46.00 ± 1.41** | 54.00 (1/2 runs) | **39.00 ± 1.41** | **{(0.45 + 0.54 + 0.40) / 3 * 100:.2f} (1/2 runs)** |")
+    two_shot = [statistics.fmean([0.46, 0.56, 0.41]), statistics.fmean([0.48, 0.58, 0.39])]
+    assert row("Two-shot", "tpa").endswith(
+        f"| **{statistics.fmean(two_shot) * 100:.2f} ± {statistics.stdev(two_shot) * 100:.2f}** |")
+    assert "- tpa-2 (" in md and "eval/0shot/boolq/acc" in md  # the missing metric is named
+
+    # the failed run is listed and kept out of every number
+    assert row("Runs", "tpa-3").endswith("| FAILED | 4 | 99.0000 | no: status FAILED |")
+    val = {a: trained[a]["trainer"].callback_metrics["val/loss"].item() for a in trained}
+    assert row("Final losses", "mha").split(" | ")[2].strip("*") == (
+        f"{statistics.fmean([val['mha'], val['mha'] + 0.5]):.4f} ± {statistics.stdev([val['mha'], val['mha'] + 0.5]):.4f}")
+
+    # parameters from the config (model on the meta device) equal the trained model's; KV logged for tpa wins
+    mha = trained["mha"]["model"].model
+    kv_mha = sum(sum(s.numel() for s in c.tensors.values()) for c in mha.build_kv_caches(1, 1)) * 2
+    assert row("Memory", "mha").startswith(f"| mha | {mha.num_params() / 1e6:.2f}M | {kv_mha / 1024:.1f} KiB | 110.0 |")
+    assert row("Memory", "tpa").startswith(
+        f"| tpa | {trained['tpa']['model'].model.num_params() / 1e6:.2f}M | 4.0 KiB | 150.0 |")
+    assert model_stats_from_params(client.get_run(ids["tpa-1"]).data.params)["params"] == \
+        trained["tpa"]["model"].model.num_params()
+
+    # figures are real PNGs, and everything is logged to a new `report` run
+    import matplotlib.image
+
+    for name in ("train_loss.png", "val_loss.png", "val_ppl.png"):
+        assert matplotlib.image.imread(out / name).shape[2] in (3, 4)
+    reports = client.search_runs([store["experiment_id"]], "tags.`t6.kind` = 'report'")
+    assert len(reports) == 1
+    logged = {a.path for a in client.list_artifacts(reports[0].info.run_id, "report")}
+    assert logged == {"report/report.md", "report/train_loss.png", "report/val_loss.png", "report/val_ppl.png"}
+
+    # a second report over the experiment ignores the first report run
+    md2 = (load_cli().main(["--experiment", "cmp", "--tracking-uri", store["uri"], "--out", str(tmp_path / "rep2"),
+                            "--no-log"]) / "report.md").read_text()
+    assert "| report |" not in md2 and md2.count("| yes |") == 4
+
+
+def test_report_on_a_sweep_parent_logs_to_the_parent_and_bad_input_fails_clearly(store, tmp_path):
+    client, ids = store["client"], store["ids"]
+    cli = load_cli()
+    with pytest.raises(ValueError, match="no MLflow experiment named 'nope'.*cmp"):
+        cli.main(["--experiment", "nope", "--tracking-uri", store["uri"], "--no-log"])
+    with pytest.raises(ValueError, match="has no sweep parent run; drop --parent"):
+        cli.main(["--experiment", "cmp", "--parent", "latest", "--tracking-uri", store["uri"], "--no-log"])
+    with pytest.raises(FileNotFoundError, match="decode benchmark JSON"):
+        cli.main(["--experiment", "cmp", "--tracking-uri", store["uri"], "--decode-json", str(tmp_path / "x.json")])
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{"attention": "mha"}]))
+    with pytest.raises(ValueError, match="record 0 lacks context, tokens_per_s"):
+        cli.main(["--experiment", "cmp", "--tracking-uri", store["uri"], "--decode-json", str(bad)])
+
+    parent = client.create_run(store["experiment_id"], run_name="sweep").info.run_id
+    for name in ("mha-1", "mha-2", "tpa-3"):
+        client.set_tag(ids[name], "mlflow.parentRunId", parent)
+    out = cli.main(["--experiment", "cmp", "--parent", "latest", "--tracking-uri", store["uri"],
+                           "--out", str(tmp_path / "rep")])
+    md = (out / "report.md").read_text()
+    assert md.startswith(f"# cmp: sweep sweep ({parent[:8]})")
+    assert "| mha-1 |" in md and "| tpa-3 |" in md and "| tpa-1 |" not in md  # only this sweep's children
+    assert "report/report.md" in {a.path for a in client.list_artifacts(parent, "report")}
+
+
+def test_build_report_without_finished_runs_says_so(tmp_path):
+    run = RunData("abc12345", "x", "RUNNING", {"attention.name": "mha"})
+    report = build_report([run], tmp_path, "t")
+    assert "| x | abc12345 | mha | – | RUNNING | – | – | no: status RUNNING |" in report.markdown
+    assert "No finished run to report on." in report.markdown

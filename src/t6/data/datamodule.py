@@ -141,10 +141,15 @@ class TokenDataModule(L.LightningDataModule):
                 "data.global_batch_size and number of devices"
             )
         stream = TrainStream(self.train_windows, self.seed, self.shuffle, start, rank, world)
-        return DataLoader(stream, batch_size=self.batch_size)
+        return DataLoader(stream, batch_size=self.batch_size, generator=self.loader_generator())
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False)
+        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, generator=self.loader_generator())
+
+    def loader_generator(self) -> torch.Generator:
+        """The loaders' own generator: creating their iterators never draws from the global RNG,
+        which would shift the training randomness between an interrupted and a resumed run."""
+        return torch.Generator().manual_seed(self.seed)
 
     def state_dict(self) -> dict:
         return {"samples_seen": self.samples_seen()}

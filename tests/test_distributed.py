@@ -24,7 +24,9 @@ DDP = ["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.p
 def command(tmp_path: Path, data_dir: Path, *overrides: str) -> tuple[list[str], dict]:
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     env.update(T6_ROOT=str(tmp_path), PYTHONPATH=str(ROOT / "src"), MLFLOW_ENABLE_ASYNC_LOGGING="false")
-    args = [sys.executable, str(ROOT / "train.py"), *TEST_SIZE, *TEST_RUN, f"paths.data_dir={data_dir}", *overrides]
+    flags = [o for o in overrides if o.startswith("-")]  # -m goes before the overrides
+    rest = [o for o in overrides if not o.startswith("-")]
+    args = [sys.executable, str(ROOT / "train.py"), *flags, *TEST_SIZE, *TEST_RUN, f"paths.data_dir={data_dir}", *rest]
     return args, env
 
 

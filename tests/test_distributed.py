@@ -92,7 +92,8 @@ def test_sweep_has_one_parent_and_a_child_per_job(tmp_path, shared_data_dir):
     parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     assert len(runs) == 3 and len(parents) == 1 and parents[0].info.status == "FINISHED"
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
-    assert {r.data.tags["sweep.overrides"] for r in children} == {"attention=mha", "attention=tpa"}
+    assert {r.data.tags["sweep.params"] for r in children} == {"attention=mha", "attention=tpa"}
+    assert {r.info.run_name for r in children} == {"attention=mha", "attention=tpa"}
     assert all(r.info.status == "FINISHED" and "train/loss" in r.data.metrics for r in children)
 
 

@@ -62,7 +62,8 @@ class MLflowSweepCallback(Callback):
         parent = client.create_run(
             experiment_id, run_name=f"sweep {sweep_dir.name}", tags={"sweep.dir": str(sweep_dir), "sweep.overrides": overrides}
         )
-        info = {"tracking_uri": uri, "experiment_name": name, "experiment_id": experiment_id, "parent_run_id": parent.info.run_id}
+        info = {"tracking_uri": uri, "experiment_name": name, "experiment_id": experiment_id, "parent_run_id": parent.info.run_id,
+                "sweep_overrides": list(config.hydra.overrides.task)}
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(info, indent=2))
         tmp.replace(path)
@@ -98,9 +99,11 @@ def sweep_job_info() -> dict | None:
 def attach_to_sweep(cfg: DictConfig, info: dict) -> None:
     """Point this job's MLflow logger at the sweep's experiment, as a child of its parent run."""
     mlflow_cfg = cfg.logger.mlflow
+    swept = [o for o in info["overrides"] if o not in info.get("sweep_overrides", [])]  # what varies across jobs
     tags = {
         "mlflow.parentRunId": info["parent_run_id"],
         "sweep.job": str(info["job_num"]),
+        "sweep.params": " ".join(swept),
         "sweep.overrides": " ".join(info["overrides"]),
     }
     for override in info["overrides"]:
@@ -108,5 +111,5 @@ def attach_to_sweep(cfg: DictConfig, info: dict) -> None:
         tags[f"override.{key.lstrip('+~')}"] = value
     with open_dict(cfg):
         mlflow_cfg.experiment_name = info["experiment_name"]
-        mlflow_cfg.run_name = " ".join(info["overrides"]) or f"job {info['job_num']}"
+        mlflow_cfg.run_name = " ".join(swept) or f"job {info['job_num']}"
         mlflow_cfg.tags = {**(mlflow_cfg.get("tags") or {}), **tags}

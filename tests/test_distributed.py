@@ -99,7 +99,7 @@ def test_sweep_has_one_parent_and_a_child_per_job(tmp_path, shared_data_dir):
 
 def test_sigterm_saves_a_checkpoint_and_the_rerun_resumes(tmp_path, shared_data_dir):
     run_dir = tmp_path / "job"
-    overrides = ["trainer.max_steps=100000", "callbacks.model_checkpoint.every_n_train_steps=2", f"hydra.run.dir={run_dir}"]
+    overrides = ["trainer.max_steps=100000", "auto_resume=true", "callbacks.model_checkpoint.every_n_train_steps=2", f"hydra.run.dir={run_dir}"]
     args, env = command(tmp_path, shared_data_dir, *overrides)
     proc = subprocess.Popen(args, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
@@ -115,7 +115,7 @@ def test_sigterm_saves_a_checkpoint_and_the_rerun_resumes(tmp_path, shared_data_
     (killed,) = all_runs(client(tmp_path))
     assert killed.info.status == "KILLED"
 
-    rerun = run(tmp_path, shared_data_dir, *overrides[1:], f"trainer.max_steps={saved + 2}")  # same run dir
+    rerun = run(tmp_path, shared_data_dir, *overrides[1:], f"trainer.max_steps={saved + 2}")  # same run dir: auto-resume
     assert "Restoring states from the checkpoint path at" in rerun.stdout + rerun.stderr
     assert step_of(run_dir / "checkpoints" / "last.ckpt") == saved + 2
     (resumed,) = all_runs(client(tmp_path))

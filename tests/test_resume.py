@@ -84,7 +84,7 @@ def test_sigterm_then_auto_resume_matches_an_uninterrupted_run(make_cfg, tmp_pat
     run_id = ckpt["mlflow_run_id"]
     assert client.get_run(run_id).info.status == "KILLED"
 
-    _, resumed = train(in_dir(make_cfg(), run_dir, "rec=test_resume.Recorder"))  # same run dir: auto-resume
+    _, resumed = train(in_dir(make_cfg("auto_resume=true"), run_dir, "rec=test_resume.Recorder"))  # same run dir
     rec = recorder(resumed)
     assert resumed["trainer"].global_step == 8 and sorted(rec.loss) == [4, 5, 6, 7, 8]
     for step in rec.loss:

@@ -62,11 +62,13 @@ class T6LitModule(L.LightningModule):
 
     def on_nonfinite_loss(self, loss: torch.Tensor) -> None:
         ckpt = self.trainer.checkpoint_callback
-        last_good = (ckpt.last_model_path or ckpt.dirpath) if ckpt is not None else None
+        last_good = (ckpt.last_model_path or None) if ckpt is not None else None
         message = f"non-finite training loss ({loss.item()} on rank {self.global_rank}, or another rank) at step {self.global_step}"
         if self.nonfinite_loss == "stop":
             raise FloatingPointError(
-                f"{message}; stopping. The last good checkpoint is kept: {last_good}. Lower the learning rate, "
+                f"{message}; stopping. "
+                + (f"The last good checkpoint is kept: {last_good}. " if last_good else "No checkpoint was saved yet. ")
+                + "Lower the learning rate, "
                 "or set nonfinite_loss=skip to drop such batches"
             )
         self.skipped_batches += 1

@@ -22,6 +22,13 @@ log = logging.getLogger(__name__)
 SWEEP_FILE = "mlflow_sweep.json"
 
 
+def swept_keys(overrides: list[str]) -> list[str]:
+    """The keys a sweep varies (`attention=mha,tpa`, `range(...)`, `choice(...)`), by Hydra's own parser."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return [o.key_or_group for o in OverridesParser.create().parse_overrides(overrides) if o.is_sweep_override()]
+
+
 def _client(uri: str):
     from mlflow import MlflowClient
 
@@ -63,7 +70,7 @@ class MLflowSweepCallback(Callback):
             experiment_id, run_name=f"sweep {sweep_dir.name}", tags={"sweep.dir": str(sweep_dir), "sweep.overrides": overrides}
         )
         info = {"tracking_uri": uri, "experiment_name": name, "experiment_id": experiment_id, "parent_run_id": parent.info.run_id,
-                "sweep_overrides": list(config.hydra.overrides.task)}
+                "swept_keys": swept_keys(list(config.hydra.overrides.task))}
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(info, indent=2))
         tmp.replace(path)
@@ -99,7 +106,7 @@ def sweep_job_info() -> dict | None:
 def attach_to_sweep(cfg: DictConfig, info: dict) -> None:
     """Point this job's MLflow logger at the sweep's experiment, as a child of its parent run."""
     mlflow_cfg = cfg.logger.mlflow
-    swept = [o for o in info["overrides"] if o not in info.get("sweep_overrides", [])]  # what varies across jobs
+    swept = [o for o in info["overrides"] if o.partition("=")[0].lstrip("+~") in info["swept_keys"]]  # what varies
     tags = {
         "mlflow.parentRunId": info["parent_run_id"],
         "sweep.job": str(info["job_num"]),

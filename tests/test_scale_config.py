@@ -78,3 +78,14 @@ def test_dockerfile_is_pinned_and_runs_as_a_user():
     for sources in copied:
         for src in sources:
             assert (ROOT / src).exists(), src
+
+
+@pytest.mark.parametrize("option", sorted(p.stem for p in (CONF / "dataset").glob("*.yaml")))
+def test_prepare_datasets_compose(option, tmp_path):
+    from omegaconf import OmegaConf
+
+    from conftest import compose_config
+
+    cfg = compose_config([f"dataset={option}", "dataset.data_files=/x.jsonl"], tmp_path, config_name="prepare")
+    OmegaConf.resolve(cfg)
+    assert cfg.dataset.name == option and cfg.dataset.out_dir.startswith(str(tmp_path))

@@ -29,6 +29,7 @@ TEST_RUN = [
     "callbacks.model_checkpoint.every_n_train_steps=4",
     "logger.mlflow.log_model=false",
     "print_config=false",
+    "auto_resume=false",  # tests reuse one run dir; resume only where a test asks for it
 ]
 
 

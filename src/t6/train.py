@@ -15,10 +15,14 @@ import torch
 from hydra.utils import instantiate
 from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
+from t6.checkpoint import resolve_ckpt_path
 from t6.config import flatten, model_config
+from t6.distributed import destroy_process_group
 from t6.module import T6LitModule
+from t6.sweep import attach_to_sweep, sweep_job_info
 from t6.tracking import check_tracking_uri
 
 log = logging.getLogger(__name__)
@@ -67,9 +71,14 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     """Train a T6 as configured. Returns (final metrics, the objects built: model, datamodule, trainer, ...)."""
     # 1. Validate everything that can be validated without training.
     mcfg = model_config(cfg)  # ValueError naming every bad model field
-    meta = read_checkpoint_meta(cfg.ckpt_path) if cfg.get("ckpt_path") else {}
-    if "mlflow" in (cfg.get("logger") or {}):
+    ckpt_path = resolve_ckpt_path(cfg)  # ckpt_path=PATH | last, or this run dir's last.ckpt (auto_resume)
+    meta = read_checkpoint_meta(ckpt_path) if ckpt_path else {}
+    use_mlflow = "mlflow" in (cfg.get("logger") or {})
+    if use_mlflow:
         check_tracking_uri(cfg.logger.mlflow.tracking_uri)  # unreachable server: fail now, not after training
+        sweep = sweep_job_info()
+        if sweep is not None:
+            attach_to_sweep(cfg, sweep)  # a multirun job: a child run of the sweep's parent run
     datamodule: L.LightningDataModule = instantiate(cfg.data)
     datamodule.prepare_data()
     datamodule.setup("fit")  # opens and checks every shard
@@ -85,8 +94,9 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
         scheduler=instantiate(cfg.lr_ablation.scheduler) if cfg.lr_ablation.get("scheduler") else None,
         compile=cfg.get("compile", False),
         run_config=OmegaConf.to_container(cfg, resolve=True),
+        nonfinite_loss=cfg.get("nonfinite_loss", "stop"),
     )
-    if meta.get("mlflow_run_id") and "mlflow" in (cfg.get("logger") or {}) and cfg.logger.mlflow.run_id is None:
+    if meta.get("mlflow_run_id") and use_mlflow and cfg.logger.mlflow.run_id is None:
         cfg.logger.mlflow.run_id = meta["mlflow_run_id"]  # a resumed run logs into the same MLflow run
     loggers = instantiate_dict(cfg.get("logger"))
     callbacks = instantiate_dict(cfg.get("callbacks"))
@@ -97,9 +107,19 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     checkpoint_dir = trainer.checkpoint_callback.dirpath if trainer.checkpoint_callback else ""
     if mlflow is not None and not meta.get("mlflow_run_id"):
         log_run_config(mlflow, cfg, str(checkpoint_dir))
+    elif mlflow is not None and trainer.is_global_zero:
+        mlflow.experiment.update_run(mlflow.run_id, status="RUNNING")  # it was KILLED or FAILED when interrupted
 
-    # 3. Train.
-    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+    # 3. Train. SIGTERM (preemption) saves last.ckpt (callbacks.PreemptionCheckpoint) and ends the
+    # MLflow run as KILLED before the SIGTERMException leaves; the resumed run sets it running again.
+    try:
+        trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
+    except SIGTERMException:
+        if mlflow is not None and trainer.is_global_zero and mlflow.run_id:
+            mlflow.experiment.set_terminated(mlflow.run_id, "KILLED")
+        raise
+    finally:
+        destroy_process_group()  # a sweep's next job in this process starts its own group
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     objects = {"cfg": cfg, "model": model, "datamodule": datamodule, "trainer": trainer, "mlflow": mlflow}

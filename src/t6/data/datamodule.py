@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from t6.data.corpus import TINY_SHAKESPEARE, prepare_text_corpus
-from t6.data.shards import Manifest
+from t6.data.shards import Manifest, ShardError
 from t6.data.tokenizer import tokenizer_id
 
 
@@ -90,6 +90,7 @@ class TokenDataModule(L.LightningDataModule):
         val_windows: int | None = None,
         shuffle: bool = True,
         seed: int = 0,
+        prepare_command: str | None = None,
     ):
         super().__init__()
         self.data_dir = Path(data_dir)
@@ -97,6 +98,7 @@ class TokenDataModule(L.LightningDataModule):
         self.text_file = Path(text_file) if text_file else (TINY_SHAKESPEARE if embedded else None)
         self.val_fraction, self.val_windows = val_fraction, val_windows
         self.shuffle, self.seed = shuffle, seed
+        self.prepare_command = prepare_command  # how to make the shards, named when they are missing
         self.train_windows: Windows | None = None
         self.val_set: ValWindows | None = None
         self.resume_samples: int | None = None
@@ -119,7 +121,12 @@ class TokenDataModule(L.LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_windows is None:
-            manifest = Manifest.load(self.data_dir)
+            try:
+                manifest = Manifest.load(self.data_dir)
+            except ShardError as err:
+                if self.prepare_command is None or (self.data_dir / "manifest.json").exists():
+                    raise
+                raise ShardError(f"{err}; prepare it with: {self.prepare_command}") from err
             self.train_windows = Windows(manifest.open(self.data_dir, "train", tokenizer_id()), self.seq_len)
             self.val_set = ValWindows(Windows(manifest.open(self.data_dir, "val", tokenizer_id()), self.seq_len), self.val_windows)
 
@@ -141,10 +148,15 @@ class TokenDataModule(L.LightningDataModule):
                 "data.global_batch_size and number of devices"
             )
         stream = TrainStream(self.train_windows, self.seed, self.shuffle, start, rank, world)
-        return DataLoader(stream, batch_size=self.batch_size)
+        return DataLoader(stream, batch_size=self.batch_size, generator=self.loader_generator())
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False)
+        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, generator=self.loader_generator())
+
+    def loader_generator(self) -> torch.Generator:
+        """The loaders' own generator: creating their iterators never draws from the global RNG,
+        which would shift the training randomness between an interrupted and a resumed run."""
+        return torch.Generator().manual_seed(self.seed)
 
     def state_dict(self) -> dict:
         return {"samples_seen": self.samples_seen()}

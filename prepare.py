@@ -1,0 +1,27 @@
+"""Prepare token shards: `python prepare.py dataset=fineweb_edu` (see conf/prepare.yaml, conf/dataset/)."""
+
+import os
+from pathlib import Path
+
+os.environ.setdefault("T6_ROOT", str(Path(__file__).resolve().parent))
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+import t6.config  # noqa: E402,F401  (registers the config resolvers)
+from t6.data.prepare import prepare_dataset  # noqa: E402
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="prepare")
+def main(cfg: DictConfig) -> None:
+    d = cfg.dataset
+    manifest = prepare_dataset(
+        d.out_dir, path=d.path, config=d.config, split=d.split, data_files=d.data_files, text_field=d.text_field,
+        shard_tokens=d.shard_tokens, max_tokens=d.max_tokens, num_proc=d.num_proc,
+    )
+    tokens = sum(s["tokens"] for s in manifest.shards)
+    print(f"{d.out_dir}: {len(manifest.shards)} shards, {tokens:,} tokens (shard 0 is validation)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""Loader throughput: `python -m t6.bench.loader [--json PATH] [overrides ...]`.
+
+Measures, in one process, the tokens/s the training DataModule delivers on its own (memmap
+windows -> batches) and the tokens/s one training step consumes for the same configuration
+(forward + backward + optimizer step of the configured model), and prints both with their ratio:
+a ratio far above 1 means the loader never limits training. Overrides are Hydra overrides of
+conf/train.yaml (e.g. `size=small data=fineweb_edu`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from omegaconf import open_dict
+
+from t6.config import model_config
+from t6.model import T6
+from t6.optim import param_groups
+
+
+CONF = Path(__file__).resolve().parents[3] / "conf"  # the project's conf/ (src/t6/bench/ -> repo root)
+
+
+def _config(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]
+        cfg.paths.output_dir = str(Path(cfg.paths.log_dir) / "bench")
+    return cfg
+
+
+def loader_tokens_per_s(datamodule, batches: int) -> float:
+    it = iter(datamodule.train_dataloader())
+    next(it)  # open the memmaps
+    t0 = time.perf_counter()
+    tokens = sum(next(it)[0].numel() for _ in range(batches))
+    return tokens / (time.perf_counter() - t0)
+
+
+def step_tokens_per_s(cfg, datamodule, steps: int) -> float:
+    model = T6(model_config(cfg))
+    optimizer = instantiate(cfg.optimizer)(param_groups(model, cfg.optimizer.get("weight_decay", 0.0)))
+    it = iter(datamodule.train_dataloader())
+    batches = [next(it) for _ in range(steps + 1)]
+
+    def step(x, y):
+        loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step(*batches[0])  # warm-up
+    t0 = time.perf_counter()
+    for x, y in batches[1:]:
+        step(x, y)
+    return sum(b[0].numel() for b in batches[1:]) / (time.perf_counter() - t0)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, default=200, help="loader batches to time")
+    parser.add_argument("--steps", type=int, default=5, help="training steps to time")
+    parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    cfg = _config(args.overrides)
+    datamodule = instantiate(cfg.data)
+    datamodule.prepare_data()
+    datamodule.setup("fit")
+    loader = loader_tokens_per_s(datamodule, args.batches)
+    train = step_tokens_per_s(cfg, datamodule, args.steps)
+    result = {
+        "config": " ".join(args.overrides) or "defaults",
+        "batch": [cfg.data.batch_size, cfg.data.seq_len],
+        "loader_tokens_per_s": loader,
+        "train_step_tokens_per_s": train,
+        "loader_over_step": loader / train,
+    }
+    print(f"{'what':<28}{'tokens/s':>14}")
+    print(f"{'loader alone':<28}{loader:>14,.0f}")
+    print(f"{'training step consumes':<28}{train:>14,.0f}")
+    print(f"{'ratio loader / step':<28}{loader / train:>14.1f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main()

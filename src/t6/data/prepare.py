@@ -1,0 +1,149 @@
+"""Tokenize a Hugging Face text data set (FineWeb-Edu, or local JSONL / parquet) into token shards.
+
+`python prepare.py dataset=fineweb_edu` streams `HuggingFaceFW/fineweb-edu` (sample-10BT) through
+`datasets` (nothing is downloaded up front), tokenizes the documents with GPT-2 BPE in a process
+pool, each prefixed with <|endoftext|>, and writes shards of `shard_tokens` tokens with
+t6.data.shards (header, atomic rename). Shard 0 is the validation split. Progress (shards
+finished, and the document/offset where the next shard starts) is saved after every shard, so an
+interrupted run continues where it stopped: finished shards are checked and skipped, a partial
+shard (a *.tmp file) is never taken as complete. The manifest, written last, marks the data set done.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing as mp
+import os
+from itertools import islice
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from t6.data.shards import Manifest, ShardError, read_shard, write_shard
+from t6.data.tokenizer import EOT, gpt2_encoding, tokenizer_id
+
+log = logging.getLogger(__name__)
+PROGRESS = "progress.json"
+_ENCODING = None
+
+
+def _init_worker() -> None:
+    global _ENCODING
+    _ENCODING = gpt2_encoding()
+
+
+def _tokenize(texts: list[str]) -> list[np.ndarray]:
+    """[<|endoftext|>, *tokens] per document, as uint16."""
+    return [np.array([EOT, *ids], dtype=np.uint16) for ids in _ENCODING.encode_ordinary_batch(texts, num_threads=1)]
+
+
+def _batches(texts: Iterator[str], size: int) -> Iterator[list[str]]:
+    while batch := list(islice(texts, size)):
+        yield batch
+
+
+def shard_name(i: int) -> str:
+    return f"{'val' if i == 0 else 'train'}_{i:06d}.bin"
+
+
+def prepare_dataset(
+    out_dir: str | Path,
+    path: str = "HuggingFaceFW/fineweb-edu",
+    config: str | None = "sample-10BT",
+    split: str = "train",
+    data_files: str | list[str] | None = None,
+    text_field: str = "text",
+    shard_tokens: int = 100_000_000,
+    max_tokens: int | None = None,
+    num_proc: int = 8,
+    docs_per_task: int = 64,
+    progress_bar: bool = True,
+) -> Manifest:
+    """Write token shards of the data set to out_dir and return its manifest (see module doc)."""
+    import datasets
+    from tqdm import tqdm
+
+    out_dir = Path(out_dir)
+    if shard_tokens < 1:
+        raise ValueError(f"dataset.shard_tokens={shard_tokens} must be positive")
+    source = {"path": path, "config": config, "split": split, "data_files": data_files, "text_field": text_field,
+              "shard_tokens": shard_tokens, "max_tokens": max_tokens}
+    try:
+        manifest = Manifest.load(out_dir)
+    except ShardError:
+        manifest = None
+    if manifest is not None:
+        if manifest.source != source or manifest.tokenizer != tokenizer_id():
+            raise ShardError(f"{out_dir} already holds a different data set ({manifest.source}); choose another dataset.out_dir")
+        log.info("%s is already prepared", out_dir)
+        return manifest
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    state = {"source": source, "tokenizer": tokenizer_id(), "shards": [], "next_doc": 0, "next_offset": 0}
+    progress_file = out_dir / PROGRESS
+    if progress_file.is_file():
+        saved = json.loads(progress_file.read_text())
+        if saved.get("source") != source or saved.get("tokenizer") != tokenizer_id():
+            raise ShardError(f"{progress_file} belongs to another data set or tokenizer; delete {out_dir} or choose another dataset.out_dir")
+        for s in saved["shards"]:
+            read_shard(out_dir / s["file"], s["tokens"])  # a finished shard must still be whole
+        state = saved
+        log.info("resuming: %d shards already finished in %s", len(state["shards"]), out_dir)
+
+    ds = datasets.load_dataset(path, name=config, split=split, data_files=data_files, streaming=True)
+    if state["next_doc"]:
+        ds = ds.skip(state["next_doc"])
+    texts = (row[text_field] for row in ds)
+    done_tokens = sum(s["tokens"] for s in state["shards"])
+    bar = tqdm(total=max_tokens, initial=done_tokens, unit="tok", unit_scale=True, disable=not progress_bar, desc=str(out_dir.name))
+
+    buffer: list[np.ndarray] = []
+    buffered = 0
+    doc = state["next_doc"]
+    skip_tokens = state["next_offset"]
+
+    def save_progress() -> None:
+        tmp = progress_file.with_name(PROGRESS + ".tmp")
+        tmp.write_text(json.dumps(state))
+        os.replace(tmp, progress_file)
+
+    def flush(tokens: np.ndarray, next_doc: int, next_offset: int) -> None:
+        i = len(state["shards"])
+        write_shard(out_dir / shard_name(i), tokens)
+        state["shards"].append({"file": shard_name(i), "split": "val" if i == 0 else "train", "tokens": int(tokens.size)})
+        state["next_doc"], state["next_offset"] = next_doc, next_offset
+        save_progress()
+
+    limit = None if max_tokens is None else max_tokens - done_tokens
+    with mp.get_context("fork").Pool(num_proc, initializer=_init_worker) as pool:
+        for docs in pool.imap(_tokenize, _batches(texts, docs_per_task)):
+            for tokens in docs:
+                offset, skip_tokens = skip_tokens, 0  # tokens of this document already in earlier shards
+                while offset < tokens.size and (limit is None or limit > 0):
+                    take = min(tokens.size - offset, shard_tokens - buffered, limit if limit is not None else shard_tokens)
+                    buffer.append(tokens[offset : offset + take])
+                    buffered, offset = buffered + take, offset + take
+                    limit = None if limit is None else limit - take
+                    bar.update(take)
+                    if buffered == shard_tokens:  # the next shard starts at (document, offset)
+                        flush(np.concatenate(buffer), *((doc, offset) if offset < tokens.size else (doc + 1, 0)))
+                        buffer, buffered = [], 0
+                doc += 1
+                if limit is not None and limit <= 0:
+                    break
+            if limit is not None and limit <= 0:
+                break
+    if buffered:
+        flush(np.concatenate(buffer), doc, 0)
+    bar.close()
+    if len(state["shards"]) < 2:
+        raise ValueError(
+            f"{path} gave {sum(s['tokens'] for s in state['shards'])} tokens: fewer than two shards of "
+            f"dataset.shard_tokens={shard_tokens} (one validation, at least one training); lower shard_tokens"
+        )
+    manifest = Manifest(tokenizer=tokenizer_id(), source=source, shards=state["shards"])
+    manifest.save(out_dir)
+    log.info("prepared %s: %d shards, %d tokens", out_dir, len(state["shards"]), sum(s["tokens"] for s in state["shards"]))
+    return manifest

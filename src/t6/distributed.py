@@ -1,0 +1,85 @@
+"""Multi-process plumbing around Lightning's own launchers (no process management of our own).
+
+- `hydra_job_scope()`: Lightning's `ddp` strategy starts ranks 1..N-1 by re-running the entry
+  script with `sys.argv`. Inside a Hydra multirun (`-m`), `sys.argv` is the whole sweep, so
+  every child would start the sweep again. For the duration of one job this points the argv
+  (and Hydra's run dir, which Lightning passes on) at that job alone: the children run
+  `train.py <this job's overrides> hydra.run.dir=<this job's dir>`. Afterwards it restores
+  the argv and the rendezvous variables Lightning put into the environment, so the next job
+  of the sweep launches its own process group.
+- `fsdp_strategy()`: FSDP sharding each transformer block (conf/trainer/fsdp.yaml).
+- `env_rank()`: the global rank a process will have, from the launcher's environment,
+  before any process group exists (torchrun, SLURM, Lightning's children).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from contextlib import contextmanager
+from typing import Iterator
+
+RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "PL_GLOBAL_SEED")
+
+
+def env_rank() -> int:
+    """Global rank from RANK (torchrun), LOCAL_RANK (Lightning's children), SLURM_PROCID; 0 otherwise.
+    Same order as Lightning's rank_zero_only."""
+    for key in ("RANK", "LOCAL_RANK", "SLURM_PROCID"):
+        if os.environ.get(key) is not None:
+            return int(os.environ[key])
+    return 0
+
+
+def in_multirun() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+@contextmanager
+def hydra_job_scope() -> Iterator[None]:
+    """Run one Hydra job so that Lightning's re-launched DDP ranks repeat this job, not the sweep."""
+    if not in_multirun():
+        yield
+        return
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import read_write
+
+    hydra_cfg = HydraConfig.get()
+    saved_argv, saved_env = sys.argv[:], {k: os.environ.get(k) for k in RENDEZVOUS_ENV}
+    saved_run_dir = hydra_cfg.run.dir
+    sys.argv = [sys.argv[0], *hydra_cfg.overrides.task]
+    with read_write(hydra_cfg):
+        hydra_cfg.run.dir = hydra_cfg.runtime.output_dir
+    try:
+        yield
+    finally:
+        sys.argv = saved_argv
+        with read_write(hydra_cfg):
+            hydra_cfg.run.dir = saved_run_dir
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def destroy_process_group() -> None:
+    """End this process's torch.distributed group (a sweep's next job starts a new one)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def fsdp_strategy(**kwargs):
+    """Lightning's FSDPStrategy wrapping (and optionally activation-checkpointing) each T6 block."""
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from t6.model.t6 import Block
+
+    if kwargs.pop("activation_checkpointing", False):
+        kwargs["activation_checkpointing_policy"] = {Block}
+    return FSDPStrategy(auto_wrap_policy={Block}, **kwargs)

@@ -1,0 +1,156 @@
+"""Exact resume, preemption (a real SIGTERM), non-finite losses and safe checkpoint files, in-process on CPU."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+from pathlib import Path
+
+import lightning as L
+import mlflow
+import pytest
+import torch
+from omegaconf import open_dict
+
+from t6.checkpoint import AtomicCheckpointIO
+from t6.train import train
+
+
+class Recorder(L.Callback):
+    """Per optimizer step: the loss, and one draw from torch's RNG (as dropout would make)."""
+
+    def __init__(self):
+        self.loss, self.draw = {}, {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if outputs:  # empty when the step was skipped
+            self.loss[trainer.global_step] = outputs["loss"].item()
+        self.draw[trainer.global_step] = torch.rand(1).item()
+
+
+class SigtermAt(L.Callback):
+    """Sends this process a real SIGTERM after optimizer step `step`."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+class NaNAt(L.Callback):
+    """Makes the model's output NaN for the training batch of optimizer step `step` only."""
+
+    def __init__(self, step: int):
+        self.step, self.handle = step, None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            self.handle = pl_module.model.register_forward_hook(lambda m, args, out: out * float("nan"))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+
+def in_dir(cfg, run_dir: Path, *callbacks: str):
+    """The config with its run directory at run_dir and the given test callbacks (name=target) added."""
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(run_dir)
+        for spec in callbacks:
+            name, target = spec.split("=")
+            cfg.callbacks[name] = {"_target_": target.split("(")[0], **({"step": int(target.split("(")[1][:-1])} if "(" in target else {})}
+    return cfg
+
+
+def recorder(objects) -> Recorder:
+    return next(cb for cb in objects["trainer"].callbacks if isinstance(cb, Recorder))
+
+
+def test_sigterm_then_auto_resume_matches_an_uninterrupted_run(make_cfg, tmp_path):
+    _, full = train(in_dir(make_cfg(), tmp_path / "full", "rec=test_resume.Recorder"))
+    full_rec = recorder(full)
+
+    run_dir = tmp_path / "preempted"
+    with pytest.raises(SystemExit):  # Lightning's SIGTERMException
+        train(in_dir(make_cfg(), run_dir, "rec=test_resume.Recorder", "term=test_resume.SigtermAt(3)"))
+    last = run_dir / "checkpoints" / "last.ckpt"
+    ckpt = torch.load(last, map_location="cpu", weights_only=True)
+    assert ckpt["global_step"] == 3  # saved by the SIGTERM path, not a periodic checkpoint (every 4 steps)
+    client = mlflow.MlflowClient(tracking_uri=make_cfg().logger.mlflow.tracking_uri)
+    run_id = ckpt["mlflow_run_id"]
+    assert client.get_run(run_id).info.status == "KILLED"
+
+    _, resumed = train(in_dir(make_cfg("auto_resume=true"), run_dir, "rec=test_resume.Recorder"))  # same run dir
+    rec = recorder(resumed)
+    assert resumed["trainer"].global_step == 8 and sorted(rec.loss) == [4, 5, 6, 7, 8]
+    for step in rec.loss:
+        assert rec.loss[step] == full_rec.loss[step], step  # bitwise: same weights, optimizer, data, schedule
+        assert rec.draw[step] == full_rec.draw[step], step  # RNG continues where it stopped
+    assert resumed["mlflow"].run_id == run_id and client.get_run(run_id).info.status == "FINISHED"
+    steps = [m.step for m in client.get_metric_history(run_id, "train/loss")]
+    assert sorted(set(steps)) == list(range(8))
+
+
+def test_ckpt_path_last_needs_a_checkpoint(make_cfg):
+    with pytest.raises(FileNotFoundError, match="ckpt_path=last: .*last.ckpt does not exist"):
+        train(make_cfg("ckpt_path=last"))
+
+
+def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(make_cfg, tmp_path):
+    cfg = in_dir(make_cfg("trainer.max_steps=8"), tmp_path / "nan", "nan=test_resume.NaNAt(5)")
+    with pytest.raises(FloatingPointError, match=r"non-finite training loss \(nan.*at step 5.*last good checkpoint is kept: .*last.ckpt"):
+        train(cfg)
+    ckpt = torch.load(tmp_path / "nan" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert ckpt["global_step"] == 4
+    assert all(torch.isfinite(t).all() for t in ckpt["state_dict"].values())
+
+
+def test_nonfinite_loss_skip_drops_the_batch_and_goes_on(make_cfg, tmp_path):
+    cfg = in_dir(make_cfg("nonfinite_loss=skip"), tmp_path / "skip", "nan=test_resume.NaNAt(5)", "rec=test_resume.Recorder")
+    metrics, objects = train(cfg)
+    assert objects["model"].skipped_batches == 1
+    assert all(torch.isfinite(p).all() for p in objects["model"].parameters())
+    assert all(torch.isfinite(torch.tensor(v)) for v in recorder(objects).loss.values())
+    assert torch.isfinite(torch.tensor(metrics["val/loss"]))
+
+
+class Payload:
+    """Pickled, it runs code on load (what weights_only loading must refuse)."""
+
+    def __reduce__(self):
+        return (Path.touch, (Path(os.environ["T6_PAYLOAD_MARKER"]),))
+
+
+def test_checkpoints_never_run_pickled_code(make_cfg, tmp_path, monkeypatch):
+    _, first = train(in_dir(make_cfg("trainer.max_steps=4"), tmp_path / "a"))
+    assert isinstance(first["trainer"].strategy.checkpoint_io, AtomicCheckpointIO)
+    ckpt = torch.load(tmp_path / "a" / "checkpoints" / "last.ckpt", weights_only=True)
+    marker = tmp_path / "pwned"
+    monkeypatch.setenv("T6_PAYLOAD_MARKER", str(marker))
+    ckpt["payload"] = Payload()
+    evil = tmp_path / "evil.ckpt"
+    torch.save(ckpt, evil)
+    with pytest.raises(pickle.UnpicklingError):
+        train(in_dir(make_cfg("trainer.max_steps=6", f"ckpt_path={evil}"), tmp_path / "b"))
+    with pytest.raises(pickle.UnpicklingError):  # Lightning's own resume path reads through the same plugin
+        first["trainer"].strategy.checkpoint_io.load_checkpoint(evil)
+    assert not marker.exists()
+
+
+class Unpicklable:
+    def __reduce__(self):
+        raise RuntimeError("disk full")  # a failure half-way through writing
+
+
+def test_checkpoint_write_is_atomic(tmp_path):
+    io, path = AtomicCheckpointIO(), tmp_path / "last.ckpt"
+    io.save_checkpoint({"step": torch.tensor(1), "blob": torch.zeros(1000)}, path)
+    before = path.read_bytes()
+    with pytest.raises(RuntimeError, match="disk full"):
+        io.save_checkpoint({"blob": torch.ones(1000), "bad": Unpicklable()}, path)
+    assert path.read_bytes() == before and list(tmp_path.iterdir()) == [path]
+    assert io.load_checkpoint(path)["step"] == 1

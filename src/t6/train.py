@@ -18,6 +18,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from t6.config import flatten, model_config
+from t6.evaluation.callback import build_eval_callback
 from t6.module import T6LitModule
 from t6.tracking import check_tracking_uri
 
@@ -73,6 +74,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     datamodule: L.LightningDataModule = instantiate(cfg.data)
     datamodule.prepare_data()
     datamodule.setup("fit")  # opens and checks every shard
+    eval_callback = build_eval_callback(cfg.get("eval"))  # unknown tasks / missing datasets fail here
 
     if cfg.get("print_config", True):
         print_config_tree(cfg)
@@ -89,7 +91,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     if meta.get("mlflow_run_id") and "mlflow" in (cfg.get("logger") or {}) and cfg.logger.mlflow.run_id is None:
         cfg.logger.mlflow.run_id = meta["mlflow_run_id"]  # a resumed run logs into the same MLflow run
     loggers = instantiate_dict(cfg.get("logger"))
-    callbacks = instantiate_dict(cfg.get("callbacks"))
+    callbacks = instantiate_dict(cfg.get("callbacks")) + ([eval_callback] if eval_callback else [])
     trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
     trainer.accumulate_grad_batches = datamodule.accumulation(trainer.world_size)
 

@@ -49,13 +49,13 @@ class DownstreamEval(L.Callback):
         if trainer.is_global_zero:
             start = time.perf_counter()
             results = run_harness(pl_module.model, self.spec, self.task_manager)
-            metrics = self.log(trainer, results, step)
+            metrics = self.log_to_loggers(trainer, results, step)
             self.history.append((step, metrics))
             shown = ", ".join(f"{k}={v:.4f}" for k, v in metrics.items() if k.endswith("/avg"))
             log.info("downstream evaluation at step %d in %.1f s: %s", step, time.perf_counter() - start, shown)
         trainer.strategy.barrier("t6-downstream-eval")
 
-    def log(self, trainer: L.Trainer, results: dict, step: int) -> dict[str, float]:
+    def log_to_loggers(self, trainer: L.Trainer, results: dict, step: int) -> dict[str, float]:
         from t6.evaluation.harness import flat_metrics
 
         mlflow = next((lg for lg in trainer.loggers if isinstance(lg, MLFlowLogger)), None)

@@ -175,7 +175,7 @@ def test_unknown_task_fails_before_training(make_cfg, tmp_path):
 
 
 def test_eval_py_logs_into_training_run_and_lm_eval_cli_runs(make_cfg, tmp_path):
-    cfg = make_cfg(*SMALL_TASK, "eval=none", "trainer.max_steps=4")
+    cfg = make_cfg("eval=none", "trainer.max_steps=4")
     _, obj = train(cfg)
     ckpt = Path(obj["trainer"].checkpoint_callback.dirpath) / "last.ckpt"
 

@@ -56,6 +56,8 @@ class T6LM(TemplateLM):
         """model: a T6 to evaluate as it is, or checkpoint: a training checkpoint to load.
         batch_size: sequences per forward pass ("auto" and None mean 16)."""
         super().__init__()
+        if device is not None and str(device).startswith("cuda") and not torch.cuda.is_available():
+            device = "cpu"  # lm_eval's CLI passes --device cuda by default
         if (model is None) == (checkpoint is None):
             raise ValueError("give the t6 model exactly one of model= or checkpoint= (e.g. --model_args checkpoint=PATH)")
         if model is None:

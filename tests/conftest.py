@@ -59,6 +59,8 @@ def make_cfg(tmp_path, shared_data_dir, monkeypatch):
 
     def make(*overrides: str, config_name: str = "train", small: bool = True) -> DictConfig:
         base = [*TEST_SIZE, *TEST_RUN] if small else []
+        if small and not any(o.startswith("eval") for o in overrides):
+            base.append("eval=none")  # downstream evaluation only where a test asks for it
         cfg = compose_config([*base, *overrides], tmp_path, config_name)
         with open_dict(cfg):
             cfg.paths.data_dir = str(shared_data_dir)

@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from t6.checkpoint import resolve_ckpt_path
 from t6.config import flatten, model_config
 from t6.distributed import destroy_process_group
+from t6.evaluation.callback import build_eval_callback
 from t6.module import T6LitModule
 from t6.sweep import attach_to_sweep, sweep_job_info
 from t6.tracking import check_tracking_uri
@@ -82,6 +83,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     datamodule: L.LightningDataModule = instantiate(cfg.data)
     datamodule.prepare_data()
     datamodule.setup("fit")  # opens and checks every shard
+    eval_callback = build_eval_callback(cfg.get("eval"))  # unknown tasks / missing datasets fail here
 
     if cfg.get("print_config", True):
         print_config_tree(cfg)
@@ -99,7 +101,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     if meta.get("mlflow_run_id") and use_mlflow and cfg.logger.mlflow.run_id is None:
         cfg.logger.mlflow.run_id = meta["mlflow_run_id"]  # a resumed run logs into the same MLflow run
     loggers = instantiate_dict(cfg.get("logger"))
-    callbacks = instantiate_dict(cfg.get("callbacks"))
+    callbacks = instantiate_dict(cfg.get("callbacks")) + ([eval_callback] if eval_callback else [])
     trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
     trainer.accumulate_grad_batches = datamodule.accumulation(trainer.world_size)
 

@@ -3,7 +3,8 @@
 - kv_memory: bytes of the allocated KV caches per token, and the longest context a budget holds;
 - decode: tokens/s of single-token decoding against a cache filled to each context length;
 - prefill: tokens/s of processing a prompt of each length;
-- loader: training-data loader tokens/s alone vs what a training step consumes.
+- loader: training-data loader tokens/s alone vs what a training step consumes;
+- eval_items: items/s of the lm-eval adapter on the local task, batched vs one request at a time.
 
 Mechanisms are measured side by side in one run and reported as ratios to MHA.
 """

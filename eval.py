@@ -1,0 +1,26 @@
+"""Evaluate a checkpoint downstream: `python eval.py ckpt_path=PATH [eval=paper] [run_id=train]` (conf/evaluate.yaml)."""
+
+import os
+from pathlib import Path
+
+os.environ.setdefault("T6_ROOT", str(Path(__file__).resolve().parent))
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+import t6.config  # noqa: E402,F401  (registers the config resolvers)
+from t6.evaluation.checkpoint import evaluate_checkpoint  # noqa: E402
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="evaluate")
+def main(cfg: DictConfig) -> float | None:
+    metrics, run_id = evaluate_checkpoint(cfg)
+    for name, value in metrics.items():
+        if "stderr" not in name:
+            print(f"{name:48s} {value:.4f}")
+    print(f"MLflow run {run_id}")
+    return next((v for k, v in metrics.items() if k.endswith("/avg")), None)
+
+
+if __name__ == "__main__":
+    main()

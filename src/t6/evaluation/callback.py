@@ -1,0 +1,81 @@
+"""Downstream evaluation during training, configured by the `eval` group.
+
+`build_eval_callback(cfg.eval)` runs before the Trainer exists: it builds the embedded task,
+checks every task name and loads every dataset, so a typo or a machine without the datasets
+fails in seconds rather than after hours of training. The callback then evaluates every
+`every_n_steps` optimizer steps and/or at the end of training.
+
+Under DDP, rank 0 evaluates the unwrapped T6 while the other ranks wait at a barrier: the
+evaluation touches neither the gradients nor the DDP wrapper, so no collective is left half done.
+The model runs in eval mode under torch.no_grad(); its train/eval flags and the global RNG
+states are restored afterwards, so training continues exactly as it would have without it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import lightning as L
+from lightning.pytorch.loggers import MLFlowLogger
+from omegaconf import DictConfig, OmegaConf
+
+from t6.evaluation.harness import EvalSpec, log_results, resolve_tasks, run_harness, spec_from_config
+from t6.evaluation.next_line import build_next_line_task
+
+log = logging.getLogger(__name__)
+
+
+class DownstreamEval(L.Callback):
+    def __init__(self, spec: EvalSpec, task_manager, every_n_steps: int | None = None, at_end: bool = True):
+        if every_n_steps is not None and every_n_steps <= 0:
+            raise ValueError(f"eval.every_n_steps={every_n_steps} must be a positive number of steps or null")
+        self.spec, self.task_manager = spec, task_manager
+        self.every_n_steps, self.at_end = every_n_steps, at_end
+        self.last_step: int | None = None
+        self.history: list[tuple[int, dict[str, float]]] = []  # (step, metrics) of every evaluation
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
+        step = trainer.global_step
+        if self.every_n_steps and step and step % self.every_n_steps == 0 and step != self.last_step:
+            self.evaluate(trainer, pl_module)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.at_end and trainer.global_step != self.last_step:
+            self.evaluate(trainer, pl_module)
+
+    def evaluate(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        step = self.last_step = trainer.global_step
+        if trainer.is_global_zero:
+            start = time.perf_counter()
+            results = run_harness(pl_module.model, self.spec, self.task_manager)
+            metrics = self.log_to_loggers(trainer, results, step)
+            self.history.append((step, metrics))
+            shown = ", ".join(f"{k}={v:.4f}" for k, v in metrics.items() if k.endswith("/avg"))
+            log.info("downstream evaluation at step %d in %.1f s: %s", step, time.perf_counter() - start, shown)
+        trainer.strategy.barrier("t6-downstream-eval")
+
+    def log_to_loggers(self, trainer: L.Trainer, results: dict, step: int) -> dict[str, float]:
+        from t6.evaluation.harness import flat_metrics
+
+        mlflow = next((lg for lg in trainer.loggers if isinstance(lg, MLFlowLogger)), None)
+        if mlflow is not None:
+            run_name = mlflow.experiment.get_run(mlflow.run_id).info.run_name
+            return log_results(mlflow.experiment, mlflow.run_id, results, self.spec, step, run_name)
+        metrics = flat_metrics(results, self.spec)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
+        return metrics
+
+
+def build_eval_callback(eval_cfg: DictConfig | dict | None) -> DownstreamEval | None:
+    """The callback of the `eval` group, with its tasks built and checked; None for `eval=none`."""
+    if not eval_cfg:
+        return None
+    cfg = OmegaConf.to_container(eval_cfg, resolve=True) if isinstance(eval_cfg, DictConfig) else dict(eval_cfg)
+    include = []
+    if cfg.get("local_task"):
+        include.append(build_next_line_task(**cfg["local_task"]))
+    spec = spec_from_config(cfg, include)
+    tm = resolve_tasks(spec)
+    return DownstreamEval(spec, tm, every_n_steps=cfg.get("every_n_steps"), at_end=bool(cfg.get("at_end", True)))

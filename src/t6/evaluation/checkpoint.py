@@ -1,0 +1,54 @@
+"""`python eval.py ckpt_path=...`: evaluate a saved training checkpoint with the `eval` group, into MLflow."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlflow
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from t6.evaluation.adapter import load_checkpoint_model
+from t6.evaluation.callback import build_eval_callback
+from t6.evaluation.harness import log_results, run_harness
+from t6.tracking import check_tracking_uri
+
+
+def evaluate_checkpoint(cfg: DictConfig) -> tuple[dict[str, float], str]:
+    """Evaluate cfg.ckpt_path on cfg.eval; log into cfg.run_id (null: a new run, "train": the
+    checkpoint's own training run). Returns (metrics, MLflow run id)."""
+    path = Path(cfg.ckpt_path)
+    if not path.is_file():
+        raise FileNotFoundError(f"ckpt_path={str(path)!r} does not exist")
+    check_tracking_uri(cfg.tracking_uri)
+    callback = build_eval_callback(cfg.eval)  # tasks and datasets checked before the model is loaded
+    if callback is None:
+        raise ValueError("eval=none: choose an eval group to run (eval=local, eval=paper)")
+    ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    run_config, step = ckpt.get("run_config") or {}, int(ckpt.get("global_step", 0))
+    run_id = ckpt.get("mlflow_run_id") if cfg.run_id == "train" else cfg.run_id
+    if cfg.run_id == "train" and not run_id:
+        raise ValueError(f"run_id=train but {path} records no MLflow run; use run_id=null for a new run")
+
+    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_checkpoint_model(path, device)
+    client = mlflow.MlflowClient(tracking_uri=cfg.tracking_uri)
+    if run_id is None:
+        experiment = cfg.experiment_name or run_config.get("experiment_name", "t6")
+        exp = client.get_experiment_by_name(experiment)
+        exp_id = exp.experiment_id if exp else client.create_experiment(experiment)
+        run = client.create_run(exp_id, run_name=f"eval-{run_config.get('run_name', path.stem)}", tags={
+            "checkpoint": str(path.resolve()), "source_run_id": str(ckpt.get("mlflow_run_id")), "global_step": str(step),
+        })
+        run_id, new_run = run.info.run_id, True
+    else:
+        client.get_run(run_id)  # an unknown run id fails here
+        new_run = False
+    run_name = client.get_run(run_id).info.run_name
+    results = run_harness(model, callback.spec, callback.task_manager)
+    metrics = log_results(client, run_id, results, callback.spec, step, run_name)
+    client.log_text(run_id, OmegaConf.to_yaml(cfg.eval, resolve=True), f"eval/step{step:06d}/eval_config.yaml")
+    if new_run:
+        client.set_terminated(run_id)
+    return metrics, run_id
+

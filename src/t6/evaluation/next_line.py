@@ -1,0 +1,127 @@
+"""The embedded downstream task `t6_next_line`, built from the held-out part of a text corpus.
+
+Each item is a passage of `context_lines` consecutive lines and four candidate next lines:
+the true one and three distractors drawn (seeded) from far away in the same held-out text.
+A model that has learned anything of the text's local statistics (who speaks, how a
+sentence continues across a line break) beats the 25% of chance; an untrained one does not.
+Few-shot examples come from the first part of the held-out text, test items from the rest.
+
+The task is written as JSONL plus an lm-eval task YAML with absolute paths, loaded with
+`TaskManager(include_path=out_dir, include_defaults=False)`; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from t6.data.corpus import TINY_SHAKESPEARE
+from t6.data.tokenizer import EOT, gpt2_encoding
+
+TASK = "t6_next_line"
+MIN_DISTANCE = 200  # distractors come from at least this many lines away
+
+
+def held_out_text(text_file: Path, val_fraction: float) -> str:
+    """The validation part of the corpus as `prepare_text_corpus` splits it (the last val_fraction
+    of the tokens), starting at the first full line."""
+    enc = gpt2_encoding()
+    tokens = [EOT, *enc.encode_ordinary(Path(text_file).read_text(encoding="utf-8"))]
+    n_val = int(len(tokens) * val_fraction)
+    text = enc.decode(tokens[len(tokens) - n_val:])
+    return text[text.index("\n") + 1:]
+
+
+def is_speech(line: str) -> bool:
+    """A line of dialogue: not blank and not a speaker tag such as 'ROMEO:'."""
+    return bool(line.strip()) and not line.rstrip().endswith(":")
+
+
+def make_items(lines: list[str], targets: list[int], pool: list[int], context_lines: int, rng) -> list[dict]:
+    items = []
+    for i in targets:
+        context = [ln for ln in lines[:i] if ln.strip()][-context_lines:]
+        far = [j for j in pool if abs(j - i) >= MIN_DISTANCE and lines[j] != lines[i]]
+        distractors = [lines[j] for j in rng.choice(far, size=3, replace=False)]
+        label = int(rng.integers(4))
+        choices = distractors[:label] + [lines[i]] + distractors[label:]
+        items.append({"passage": "\n".join(context), "choices": choices, "label": label})
+    return items
+
+
+def build_next_line_task(
+    out_dir: str | Path,
+    text_file: str | Path | None = None,
+    val_fraction: float = 0.1,
+    n_test: int = 100,
+    n_fewshot: int = 20,
+    context_lines: int = 3,
+    seed: int = 0,
+) -> Path:
+    """Write test.jsonl, fewshot.jsonl and t6_next_line.yaml into out_dir; returns out_dir (an include_path)."""
+    text_file = Path(text_file) if text_file else TINY_SHAKESPEARE
+    if not text_file.is_file():
+        raise FileNotFoundError(f"eval.local_task.text_file={str(text_file)!r} does not exist")
+    lines = held_out_text(text_file, val_fraction).split("\n")
+    speech = [i for i, ln in enumerate(lines) if is_speech(ln) and i >= context_lines]
+    cut = int(len(lines) * 0.15)  # few-shot examples from the first 15% of the held-out lines, tests from the rest
+    few_pool, test_pool = [i for i in speech if i < cut], [i for i in speech if i >= cut + context_lines]
+    if len(few_pool) < n_fewshot or len(test_pool) < n_test or len(speech) < 4 * MIN_DISTANCE:
+        raise ValueError(
+            f"the held-out part of {text_file} ({len(lines)} lines) is too small for "
+            f"eval.local_task.n_test={n_test} and n_fewshot={n_fewshot}"
+        )
+    rng = np.random.default_rng(seed)
+    test_targets = sorted(rng.choice(test_pool, size=n_test, replace=False).tolist())
+    few_targets = sorted(rng.choice(few_pool, size=n_fewshot, replace=False).tolist())
+    splits = {
+        "test": make_items(lines, test_targets, speech, context_lines, rng),
+        "fewshot": make_items(lines, few_targets, speech, context_lines, rng),
+    }
+    out_dir = Path(out_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, items in splits.items():
+        write_if_changed(out_dir / f"{name}.jsonl", "".join(json.dumps(it) + "\n" for it in items))
+    write_if_changed(out_dir / f"{TASK}.yaml", task_yaml(out_dir))
+    return out_dir
+
+
+def task_yaml(out_dir: Path) -> str:
+    return f"""# Built by t6.evaluation.next_line; absolute paths, rewritten on every build.
+task: {TASK}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {json.dumps(str(out_dir / "test.jsonl"))}
+    fewshot: {json.dumps(str(out_dir / "fewshot.jsonl"))}
+test_split: test
+fewshot_split: fewshot
+output_type: multiple_choice
+doc_to_text: "{{{{passage}}}}"
+doc_to_choice: choices
+doc_to_target: label
+target_delimiter: "\\n"
+fewshot_delimiter: "\\n\\n"
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+  - metric: acc_norm
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+"""
+
+
+def write_if_changed(path: Path, text: str) -> None:
+    """Atomic write, skipped when the content is already there (keeps the datasets cache valid;
+    safe when several processes build the same task)."""
+    if path.is_file() and path.read_text(encoding="utf-8") == text:
+        return
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)

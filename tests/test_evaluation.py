@@ -1,0 +1,201 @@
+"""Downstream evaluation: the lm-eval adapter's scores, the embedded task, the callback, eval.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import mlflow
+import pytest
+import torch
+import torch.nn.functional as F
+
+from t6.evaluation.adapter import T6LM
+from t6.evaluation.harness import EvalSpec, resolve_tasks, run_harness
+from t6.evaluation.next_line import TASK, build_next_line_task
+from t6.model import T6, ModelConfig
+from t6.train import train
+
+from conftest import ROOT
+
+SMALL_TASK = ["eval.local_task.n_test=12", "eval.local_task.n_fewshot=4"]
+
+
+def random_model(block_size: int = 64, seed: int = 0) -> T6:
+    torch.manual_seed(seed)
+    model = T6(ModelConfig(vocab_size=50304, block_size=block_size, n_layer=2, d_model=64, n_head=4, head_dim=16, attention="mha"))
+    with torch.no_grad():
+        for p in model.parameters():  # leave the zero-initialized branches non-trivial
+            p.add_(0.05 * torch.randn_like(p))
+    return model.eval()
+
+
+def direct_logprob(model: T6, ctx: list[int], cont: list[int]) -> tuple[float, bool]:
+    full = (ctx + cont)[-(model.cfg.block_size + 1):]
+    logits = model(torch.tensor([full[:-1]]))[0]  # [T, vocab]
+    lp = F.log_softmax(logits[-len(cont):].double(), dim=-1)  # [len(cont), vocab]
+    target = torch.tensor(cont)
+    return float(lp.gather(-1, target[:, None]).sum()), bool((lp.argmax(-1) == target).all())
+
+
+def test_loglikelihood_equals_model_logprob_including_long_contexts():
+    model = random_model(block_size=64)
+    lm = T6LM(model=model, batch_size=3)
+    g = torch.Generator().manual_seed(1)
+    requests = []
+    for ctx_len, cont_len in [(5, 1), (30, 4), (63, 1), (100, 7), (250, 12), (1, 64)]:  # some beyond block_size
+        ctx = torch.randint(0, 50257, (ctx_len,), generator=g).tolist()
+        cont = torch.randint(0, 50257, (cont_len,), generator=g).tolist()
+        requests.append((ctx, cont))
+    # a continuation that is the model's own greedy choice
+    ctx = requests[3][0]
+    with torch.no_grad():
+        greedy = [int(model(torch.tensor([ctx[-64:]]))[0, -1].argmax())]
+    requests.append((ctx, greedy))
+    got = lm._loglikelihood_tokens([(None, c, k) for c, k in requests])
+    with torch.no_grad():
+        want = [direct_logprob(model, c, k) for c, k in requests]
+    for (lp, is_greedy), (lp_ref, greedy_ref) in zip(got, want):
+        assert lp == pytest.approx(lp_ref, abs=1e-3)
+        assert is_greedy == greedy_ref
+    assert got[-1][1] is True and not any(g for _, g in got[:-1] if g is None)
+
+    # through the string interface: the continuation is the text after the context
+    instances = [SimpleNamespace(args=("To be, or not", " to be")), SimpleNamespace(args=("", "Hello world"))]
+    lp_str = lm.loglikelihood(instances, disable_tqdm=True)
+    enc = lm.enc
+    ctx, whole = enc.encode("To be, or not"), enc.encode("To be, or not to be")
+    with torch.no_grad():
+        assert lp_str[0][0] == pytest.approx(direct_logprob(model, ctx, whole[len(ctx):])[0], abs=1e-3)
+        assert lp_str[1][0] == pytest.approx(direct_logprob(model, [50256], enc.encode("Hello world"))[0], abs=1e-3)
+
+
+def test_rolling_and_generate():
+    model = random_model(block_size=32)
+    lm = T6LM(model=model)
+    text = "Now is the winter of our discontent made glorious summer by this sun of York. " * 3
+    tokens = lm.tok_encode(text)
+    with torch.no_grad():  # the first window scores tokens[:32] from EOT, the next ones keep one token of context
+        lp = F.log_softmax(model(torch.tensor([[50256] + tokens[:31]]))[0].double(), -1)
+        first = float(lp.gather(-1, torch.tensor(tokens[:32])[:, None]).sum())
+    total = lm.loglikelihood_rolling([SimpleNamespace(args=(text,))], disable_tqdm=True)[0]
+    assert len(tokens) > 32 and total < first < 0
+
+    out = lm.generate_until([SimpleNamespace(args=("Now is the", {"until": ["\n"], "max_gen_toks": 5}))], disable_tqdm=True)
+    ctx = lm.tok_encode("Now is the")
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([ctx]), 5, temperature=0.0)[0, len(ctx):].tolist()
+    expected = lm.tok_decode(ref).split("\n")[0] if 50256 not in ref else lm.tok_decode(ref[: ref.index(50256)]).split("\n")[0]
+    assert out == [expected]
+
+
+def test_next_line_task_is_built_deterministically(tmp_path):
+    a = build_next_line_task(tmp_path / "a", n_test=30, n_fewshot=6)
+    b = build_next_line_task(tmp_path / "b", n_test=30, n_fewshot=6)
+    assert (a / "test.jsonl").read_text() == (b / "test.jsonl").read_text()
+    import json
+
+    test = [json.loads(x) for x in (a / "test.jsonl").read_text().splitlines()]
+    few = [json.loads(x) for x in (a / "fewshot.jsonl").read_text().splitlines()]
+    assert len(test) == 30 and len(few) == 6
+    assert {it["passage"] for it in test}.isdisjoint(it["passage"] for it in few)  # few-shot examples are not test items
+    for it in test:
+        assert len(it["choices"]) == 4 and len(set(it["choices"])) == 4 and 0 <= it["label"] < 4
+    assert str(a / "test.jsonl") in (a / f"{TASK}.yaml").read_text()  # absolute data_files
+
+
+def test_simple_evaluate_on_local_task_is_reproducible(tmp_path):
+    include = build_next_line_task(tmp_path / "task", n_test=16, n_fewshot=4)
+    spec = EvalSpec(tasks=[TASK], num_fewshot=[0, 2], metrics={TASK: "acc_norm"}, include_path=[str(include)])
+    tm = resolve_tasks(spec)
+    model = random_model(block_size=256)
+    torch.manual_seed(123)
+    before = torch.rand(3)
+    torch.manual_seed(123)
+    first = run_harness(model, spec, tm)
+    after = torch.rand(3)
+    assert torch.equal(before, after)  # the global RNG is untouched
+    second = run_harness(model, spec, tm)
+    for n in (0, 2):
+        r1, r2 = first[n]["results"][TASK], second[n]["results"][TASK]
+        assert {"acc,none", "acc_norm,none"} <= set(r1)
+        assert (r1["acc,none"], r1["acc_norm,none"]) == (r2["acc,none"], r2["acc_norm,none"])
+
+
+def loss_history(client, run_id):
+    return [(m.step, m.value) for m in client.get_metric_history(run_id, "train/loss")]
+
+
+def test_callback_logs_to_mlflow_and_leaves_training_unchanged(make_cfg):
+    with_eval = make_cfg(*SMALL_TASK, "eval.every_n_steps=4", "eval.limit=6")
+    _, obj = train(with_eval)
+    client = mlflow.MlflowClient(tracking_uri=with_eval.logger.mlflow.tracking_uri)
+    run_id = obj["mlflow"].run_id
+    for n in (0, 2):
+        for name in (f"eval/{n}shot/{TASK}/acc", f"eval/{n}shot/{TASK}/acc_norm", f"eval/{n}shot/avg"):
+            assert [m.step for m in client.get_metric_history(run_id, name)] == [4, 8], name
+        avg = client.get_metric_history(run_id, f"eval/{n}shot/avg")
+        norm = client.get_metric_history(run_id, f"eval/{n}shot/{TASK}/acc_norm")
+        assert [m.value for m in avg] == [m.value for m in norm]  # one task: the average is its acc_norm
+    artifacts = {a.path for a in client.list_artifacts(run_id, "eval/step000008")}
+    assert {"eval/step000008/results.json", "eval/step000008/table.md"} <= artifacts
+    assert obj["model"].training  # back in train mode
+
+    without = make_cfg("eval=none")
+    _, obj2 = train(without)
+    assert loss_history(client, obj2["mlflow"].run_id) == loss_history(client, run_id)
+
+
+def test_unreachable_dataset_fails_before_training(make_cfg, tmp_path, monkeypatch):
+    import datasets.config
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # as with HF_HUB_OFFLINE=1: no network wait
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "remote.yaml").write_text(
+        "task: t6_remote\ndataset_path: t6-lab/no-such-dataset\ntest_split: test\noutput_type: multiple_choice\n"
+        "doc_to_text: '{{q}}'\ndoc_to_choice: choices\ndoc_to_target: label\n"
+    )
+    cfg = make_cfg("eval.tasks=[t6_remote]", f"eval.include_path=[{tasks}]")
+    with pytest.raises(RuntimeError, match="(?s)t6_remote.*HF_DATASETS_OFFLINE"):
+        train(cfg)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow  # indexes lm-eval's built-in tasks (~20 s) to know that the name is unknown
+def test_unknown_task_fails_before_training(make_cfg, tmp_path):
+    cfg = make_cfg("eval.tasks=[hellaswagg]")
+    with pytest.raises(ValueError, match="hellaswagg.*did you mean.*hellaswag"):
+        train(cfg)
+    assert not (tmp_path / "run").exists()
+
+
+def test_eval_py_logs_into_training_run_and_lm_eval_cli_runs(make_cfg, tmp_path):
+    cfg = make_cfg("eval=none", "trainer.max_steps=4")
+    _, obj = train(cfg)
+    ckpt = Path(obj["trainer"].checkpoint_callback.dirpath) / "last.ckpt"
+
+    from t6.evaluation.checkpoint import evaluate_checkpoint
+
+    ecfg = make_cfg(*SMALL_TASK, f"ckpt_path={ckpt}", "run_id=train", "eval.num_fewshot=[0]", config_name="evaluate", small=False)
+    ecfg.tracking_uri = cfg.logger.mlflow.tracking_uri
+    metrics, run_id = evaluate_checkpoint(ecfg)
+    assert run_id == obj["mlflow"].run_id
+    client = mlflow.MlflowClient(tracking_uri=cfg.logger.mlflow.tracking_uri)
+    hist = client.get_metric_history(run_id, f"eval/0shot/{TASK}/acc_norm")
+    assert [m.step for m in hist] == [4] and hist[0].value == metrics[f"eval/0shot/{TASK}/acc_norm"]
+
+    # lm-eval's own command line, with the t6 model registered by `python -m t6.evaluation`
+    include = Path(ecfg.paths.data_dir) / "eval" / TASK
+    proc = subprocess.run(
+        [sys.executable, "-m", "t6.evaluation", "--model", "t6", "--model_args", f"checkpoint={ckpt}",
+         "--tasks", TASK, "--include_path", str(include), "--limit", "4", "--batch_size", "4"],
+        capture_output=True, text=True, cwd=ROOT, env={**__import__("os").environ, "PYTHONPATH": str(ROOT / "src")},
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert TASK in proc.stdout and "acc_norm" in proc.stdout

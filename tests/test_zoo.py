@@ -149,6 +149,7 @@ def test_mla_caches_latents_not_heads(tmp_path):
     assert {k: tuple(t.shape[2:]) for k, t in cache.tensors.items()} == {"c_kv": (48,), "k_rope": (32,)}
 
 
+@pytest.mark.slow  # one train(cfg) per option: ~1 min each on a loaded 2-core CPU
 @pytest.mark.parametrize("attention", ATTENTIONS)
 def test_every_option_trains(attention, make_cfg):
     cfg = make_cfg(

@@ -1,5 +1,6 @@
 """Benchmarks, each runnable as `python -m t6.bench.NAME` (a table on stdout, `--json PATH`).
 
+- train_step: tokens/s (and FLOPs per token) of forward + backward + optimizer step, per attention;
 - kv_memory: bytes of the allocated KV caches per token, and the longest context a budget holds;
 - decode: tokens/s of single-token decoding against a cache filled to each context length;
 - prefill: tokens/s of processing a prompt of each length;

@@ -1,0 +1,115 @@
+"""Multi-head Latent Attention (MLA, DeepSeek-V2, arXiv 2405.04434 §2.1).
+
+Queries and keys/values are first compressed into low-rank latents, normalized, then expanded:
+
+    c_q  = RMSNorm(W_DQ x)                       [d_cq]
+    q    = W_UQ c_q  -> per head [q_nope (d_nope) | q_rope (d_rope)]
+    c_kv, k_rope = split(W_DKV x)                [d_c], [d_rope]  (k_rope shared by all heads)
+    c_kv = RMSNorm(c_kv)
+    k_nope, v = split(W_UKV c_kv) per head       [d_nope], [d_v]
+    head i:  softmax([q_nope_i | R_t q_rope_i] . [k_nope_i | R_s k_rope] / sqrt(d_nope + d_rope)) v_i
+
+RoPE is "decoupled": only the d_rope part of queries and the one shared key k_rope rotate.
+
+Cached per token and layer: the normalized KV latent c_kv and the rotated shared key k_rope,
+d_c + d_rope numbers (paper Table 1), never per-head K/V. With a cache, decoding uses the
+absorbed form: W_UK is folded into the query (q_nope W_UK gives a d_c-wide query that
+scores c_kv directly) and W_UV into the output (attention averages c_kv, W_UV expands the
+result), so per-head keys and values are never materialized. Training (no cache) uses the
+explicit up-projections. Both are the same function (tests/test_model.py checks it).
+
+Initialization: N(0, init_std) on every projection, zero W_O (the shared recipe of T6.init_weights).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from t6.model.attention.base import Attention, KVCache, causal_mask, register
+from t6.model.config import ModelConfig
+from t6.model.layers import Rotary
+
+DEFAULTS = {"q_lora_rank": 512, "kv_lora_rank": 256, "rope_dim": 32, "nope_dim": None, "v_dim": None}
+
+
+@register("mla")
+class MultiHeadLatentAttention(Attention):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        o = {k: cfg.option(k, v) for k, v in DEFAULTS.items()}
+        h = cfg.n_head
+        self.d_cq, self.d_c, self.d_rope = o["q_lora_rank"], o["kv_lora_rank"], o["rope_dim"]
+        self.d_nope = o["nope_dim"] or cfg.head_dim  # per-head no-RoPE query/key width
+        self.d_v = o["v_dim"] or cfg.head_dim
+        self.q_down = nn.Linear(cfg.d_model, self.d_cq, bias=False)  # W_DQ
+        self.q_norm = nn.RMSNorm(self.d_cq, eps=cfg.norm_eps)
+        self.q_up = nn.Linear(self.d_cq, h * (self.d_nope + self.d_rope), bias=False)  # W_UQ and W_QR
+        self.kv_down = nn.Linear(cfg.d_model, self.d_c + self.d_rope, bias=False)  # W_DKV and W_KR
+        self.kv_norm = nn.RMSNorm(self.d_c, eps=cfg.norm_eps)
+        self.kv_up = nn.Linear(self.d_c, h * (self.d_nope + self.d_v), bias=False)  # W_UK and W_UV
+        self.out = nn.Linear(h * self.d_v, cfg.d_model, bias=False)
+        self.out.is_residual_out = True
+        self.rope = Rotary(self.d_rope, cfg.block_size, cfg.rope_theta)
+        self.scale = (self.d_nope + self.d_rope) ** -0.5
+
+    @classmethod
+    def check_config(cls, cfg: ModelConfig) -> list[str]:
+        problems = []
+        for name, default in DEFAULTS.items():
+            value = cfg.option(name, default)
+            if default is None and value is None:
+                continue
+            if not isinstance(value, int) or value <= 0:
+                problems.append(f"attention.options.{name}={value!r} must be a positive integer")
+        rope = cfg.option("rope_dim", DEFAULTS["rope_dim"])
+        if isinstance(rope, int) and rope % 2:
+            problems.append(f"attention.options.rope_dim={rope} must be even (RoPE rotates pairs)")
+        return problems
+
+    def cache_spec(self) -> dict[str, tuple[int, ...]]:
+        return {"c_kv": (self.d_c,), "k_rope": (self.d_rope,)}
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        h = self.cfg.n_head
+        q = self.q_up(self.q_norm(self.q_down(x))).view(B, T, h, self.d_nope + self.d_rope)  # [B, T, h, nope+rope]
+        q_nope, q_rope = q.split([self.d_nope, self.d_rope], dim=-1)  # [B, T, h, nope], [B, T, h, rope]
+        q_rope = self.rope(q_rope, pos)  # [B, T, h, rope]
+        c_kv, k_rope = self.kv_down(x).split([self.d_c, self.d_rope], dim=-1)  # [B, T, d_c], [B, T, rope]
+        c_kv = self.kv_norm(c_kv)  # [B, T, d_c]
+        k_rope = self.rope(k_rope[:, :, None], pos)[:, :, 0]  # [B, T, rope], one key shared by all heads
+        if cache is None:
+            y = self._explicit(q_nope, q_rope, c_kv, k_rope)  # [B, T, h, d_v]
+        else:
+            c_kv, k_rope = cache.update(pos, c_kv=c_kv, k_rope=k_rope)  # [B, S, d_c], [B, S, rope]
+            y = self._absorbed(q_nope, q_rope, c_kv, k_rope, pos)  # [B, T, h, d_v]
+        return self.out(y.reshape(B, T, h * self.d_v))  # [B, T, d_model]
+
+    def _explicit(self, q_nope, q_rope, c_kv, k_rope) -> torch.Tensor:
+        """Training path: expand the latent into per-head keys and values, then SDPA."""
+        B, S, _ = c_kv.shape
+        h = self.cfg.n_head
+        kv = self.kv_up(c_kv).view(B, S, h, self.d_nope + self.d_v)  # [B, S, h, nope+d_v]
+        k_nope, v = kv.split([self.d_nope, self.d_v], dim=-1)  # [B, S, h, nope], [B, S, h, d_v]
+        q = torch.cat([q_nope, q_rope], dim=-1)  # [B, T, h, nope+rope]
+        k = torch.cat([k_nope, k_rope[:, :, None].expand(B, S, h, self.d_rope)], dim=-1)  # [B, S, h, nope+rope]
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=q.shape[1] > 1, scale=self.scale
+        )  # [B, h, T, d_v]
+        return y.transpose(1, 2)  # [B, T, h, d_v]
+
+    def _absorbed(self, q_nope, q_rope, c_kv, k_rope, pos) -> torch.Tensor:
+        """Decoding path: attend over the cached latents with W_UK and W_UV absorbed (one shared KV 'head')."""
+        h, T, S = self.cfg.n_head, q_nope.shape[1], c_kv.shape[1]
+        w = self.kv_up.weight.view(h, self.d_nope + self.d_v, self.d_c)  # [h, nope+d_v, d_c]
+        w_uk, w_uv = w.split([self.d_nope, self.d_v], dim=1)  # [h, nope, d_c], [h, d_v, d_c]
+        q_lat = torch.einsum("bthn,hnc->bhtc", q_nope, w_uk)  # [B, h, T, d_c]: q_nope^T W_UK
+        q = torch.cat([q_lat, q_rope.transpose(1, 2)], dim=-1)  # [B, h, T, d_c+rope]
+        k = torch.cat([c_kv, k_rope], dim=-1)[:, None]  # [B, 1, S, d_c+rope]
+        mask = None if T == 1 else causal_mask(pos, S)  # [T, S]; a single new token sees the whole cache
+        o = F.scaled_dot_product_attention(
+            q, k, c_kv[:, None], attn_mask=mask, scale=self.scale, enable_gqa=True
+        )  # [B, h, T, d_c]: attention-weighted latents
+        return torch.einsum("bhtc,hvc->bthv", o, w_uv)  # [B, T, h, d_v]: W_UV applied after attention

@@ -1,0 +1,112 @@
+"""TPA with non-contextual factors (paper §3.4): one of the two factors is a learned constant.
+
+- tpa_nc_a: head factors A_Q, A_K, A_V are parameters [R, h]; token factors B(x_t) stay
+  contextual. Q_t = (1/R_Q) A_Q^T B_Q(x_t). With R = h and A = R * I this is exactly MHA
+  (§3.4.1): head i's query is B_Q(x_t)[i] = (W_Q x_t)_i.
+  Cached per token and layer: the rotated B_K and B_V, (R_K + R_V) d_h numbers.
+- tpa_nc_b: token factors B_Q, B_K, B_V are parameters [R, d_h]; head factors A(x_t) stay
+  contextual. RoPE rotates the constant B_Q, B_K at each position, so the keys are
+  rebuilt from the cached A_K and the position alone.
+  Cached per token and layer: A_K and A_V, (R_K + R_V) h numbers.
+
+Both keep RoPE on the token-dimension factor, so Theorem 1 (logits depend on relative
+position only) holds. Defaults R_Q=6, R_K=R_V=2 as for `tpa`.
+
+Initialization: Xavier-uniform on the contextual factor maps (as `tpa`) and on the constant
+factors; zero W_O.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from t6.model.attention.base import Attention, KVCache, register
+from t6.model.config import ModelConfig
+from t6.model.layers import Rotary
+
+RANKS = (("q_rank", 6), ("k_rank", 2), ("v_rank", 2))
+
+
+def check_ranks(cfg: ModelConfig) -> list[str]:
+    problems = []
+    for name, default in RANKS:
+        value = cfg.option(name, default)
+        if not isinstance(value, int) or value <= 0:
+            problems.append(f"attention.options.{name}={value!r} must be a positive integer")
+    return problems
+
+
+class ConstantFactor(nn.Module):
+    """A learned factor [R, n] that does not depend on the token."""
+
+    def __init__(self, rank: int, n: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rank, n))
+        nn.init.xavier_uniform_(self.weight)
+
+    def forward(self) -> torch.Tensor:
+        return self.weight  # [R, n]
+
+
+class ContextualMap(nn.Linear):
+    """x [B, T, d_model] -> a contextual factor [B, T, R, n]."""
+
+    def __init__(self, d_model: int, rank: int, n: int):
+        super().__init__(d_model, rank * n, bias=False)
+        self.rank, self.n = rank, n
+        self.xavier_init = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        return super().forward(x).view(B, T, self.rank, self.n)  # [B, T, R, n]
+
+
+@register("tpa_nc_a", "tpa_nc_b")
+class NonContextualTPA(Attention):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        h, d = cfg.n_head, cfg.head_dim
+        self.const_a = cfg.attention == "tpa_nc_a"
+        self.ranks = {name[0]: cfg.option(name, default) for name, default in RANKS}  # {"q": R_Q, "k": R_K, "v": R_V}
+        const_n, ctx_n = (h, d) if self.const_a else (d, h)
+        self.const = nn.ModuleDict({n: ConstantFactor(r, const_n) for n, r in self.ranks.items()})
+        self.ctx = nn.ModuleDict({n: ContextualMap(cfg.d_model, r, ctx_n) for n, r in self.ranks.items()})
+        self.out = nn.Linear(h * d, cfg.d_model, bias=False)
+        self.out.is_residual_out = True
+        self.rope = Rotary(d, cfg.block_size, cfg.rope_theta)
+
+    @classmethod
+    def check_config(cls, cfg: ModelConfig) -> list[str]:
+        return check_ranks(cfg)
+
+    def cache_spec(self) -> dict[str, tuple[int, ...]]:
+        n = self.cfg.head_dim if self.const_a else self.cfg.n_head
+        return {"k": (self.ranks["k"], n), "v": (self.ranks["v"], n)}
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        ctx = {n: m(x) for n, m in self.ctx.items()}  # [B, T, R, d_h] (nc_a) or [B, T, R, h] (nc_b)
+        if self.const_a:
+            ctx["q"], ctx["k"] = self.rope(ctx["q"], pos), self.rope(ctx["k"], pos)  # rotate B_Q, B_K
+        k, v = ctx["k"], ctx["v"]
+        kv_pos = pos
+        if cache is not None:
+            k, v = cache.update(pos, k=k, v=v)  # [B, S, R, *] each
+            kv_pos = torch.arange(k.shape[1], device=x.device)  # [S]
+        q = self.expand("q", ctx["q"], pos)  # [B, T, h, d_h]
+        k = self.expand("k", k, kv_pos)  # [B, S, h, d_h]
+        v = self.expand("v", v, None)  # [B, S, h, d_h]
+        y = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), pos, cache is not None)  # [B, h, T, d_h]
+        return self.out(y.transpose(1, 2).reshape(B, T, -1))  # [B, T, d_model]
+
+    def expand(self, name: str, factor: torch.Tensor, pos: torch.Tensor | None) -> torch.Tensor:
+        """(1/R) A^T B from the contextual factor [B, T, R, *] and the constant one -> [B, T, h, d_h]."""
+        const = self.const[name]()  # [R, h] (nc_a) or [R, d_h] (nc_b)
+        rank = const.shape[0]
+        if self.const_a:
+            return torch.einsum("rh,btrd->bthd", const, factor) / rank  # B already rotated
+        if pos is not None:  # the constant B_Q / B_K rotated to each position
+            const = self.rope(const[None, None].expand(1, len(pos), rank, const.shape[1]), pos)[0]  # [T, R, d_h]
+            return torch.einsum("btrh,trd->bthd", factor, const) / rank
+        return torch.einsum("btrh,rd->bthd", factor, const) / rank

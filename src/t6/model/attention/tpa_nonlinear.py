@@ -1,0 +1,47 @@
+"""TPA with nonlinear head factors (paper §3.5): sigma(A) instead of A.
+
+    Q_t = (1/R_Q) sigma(A_Q(x_t))^T B_Q(x_t)      (same for K and V)
+
+- tpa_sigmoid: sigma = element-wise sigmoid, each rank gates every head in [0, 1];
+- tpa_softmax: sigma = softmax over the h heads, each rank component distributes one unit
+  of weight across heads ("mixture of heads").
+
+Everything else is `tpa`: the same factor maps, ranks (R_Q=6, R_K=R_V=2), RoPE on B_Q and
+B_K (Theorem 1 still holds, the nonlinearity acts on the head factor only) and forward.
+Cached per token and layer: the activated A_K, A_V and B_K, B_V, (R_K + R_V)(h + d_h)
+numbers, as `tpa`. Same parameters as `tpa`, so the same head counts.
+
+Initialization: Xavier-uniform factor maps, zero W_O (as `tpa`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from t6.model.attention.base import register
+from t6.model.attention.tpa import Factor, TensorProductAttention
+from t6.model.config import ModelConfig
+
+ACTIVATIONS = {"tpa_sigmoid": torch.sigmoid, "tpa_softmax": lambda a: a.softmax(dim=-1)}  # a: [B, T, R, h]
+
+
+class ActivatedFactor(Factor):
+    """Factor whose head factor A goes through a nonlinearity: -> sigma(A) [B, T, R, h], B [B, T, R, d_h]."""
+
+    def __init__(self, d_model: int, rank: int, n_head: int, head_dim: int, activation):
+        super().__init__(d_model, rank, n_head, head_dim)
+        self.activation = activation
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = super().forward(x)  # [B, T, R, h], [B, T, R, d_h]
+        return self.activation(a), b
+
+
+@register(*ACTIVATIONS)
+class NonlinearHeadTPA(TensorProductAttention):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        act, h, d = ACTIVATIONS[cfg.attention], cfg.n_head, cfg.head_dim
+        self.q = ActivatedFactor(cfg.d_model, cfg.option("q_rank", 6), h, d, act)
+        self.k = ActivatedFactor(cfg.d_model, self.k_rank, h, d, act)
+        self.v = ActivatedFactor(cfg.d_model, self.v_rank, h, d, act)

@@ -1,0 +1,71 @@
+"""TPA with the token-dimension factor B shared by keys and values (paper §3.4).
+
+    K_t = (1/R) A_K(x_t)^T R_t B(x_t),   V_t = (1/R) A_V(x_t)^T B(x_t)
+
+Queries are factorized as in `tpa` (R_Q=6). Keys and values have their own head factors
+A_K, A_V but one token factor B (rank R = kv_rank, default 2); RoPE rotates B for the keys
+only (values must not depend on position), so B is cached unrotated and rotated at the
+cached positions when keys are built. Theorem 1 holds (RoPE acts on B_Q and B only).
+
+Cached per token and layer: A_K, A_V and B, R (2h + d_h) numbers
+(against (R_K + R_V)(h + d_h) for `tpa`).
+
+Initialization: Xavier-uniform factor maps, zero W_O (as `tpa`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from t6.model.attention.base import Attention, KVCache, register
+from t6.model.attention.tpa import Factor, contract
+from t6.model.config import ModelConfig
+from t6.model.layers import Rotary
+
+
+@register("tpa_shared_b")
+class SharedBTPA(Attention):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        h, d = cfg.n_head, cfg.head_dim
+        self.rank = cfg.option("kv_rank", 2)
+        self.q = Factor(cfg.d_model, cfg.option("q_rank", 6), h, d)
+        self.a_k = nn.Linear(cfg.d_model, self.rank * h, bias=False)
+        self.a_v = nn.Linear(cfg.d_model, self.rank * h, bias=False)
+        self.b = nn.Linear(cfg.d_model, self.rank * d, bias=False)
+        for lin in (self.a_k, self.a_v, self.b):
+            lin.xavier_init = True
+        self.out = nn.Linear(h * d, cfg.d_model, bias=False)
+        self.out.is_residual_out = True
+        self.rope = Rotary(d, cfg.block_size, cfg.rope_theta)
+
+    @classmethod
+    def check_config(cls, cfg: ModelConfig) -> list[str]:
+        problems = []
+        for name, default in (("q_rank", 6), ("kv_rank", 2)):
+            value = cfg.option(name, default)
+            if not isinstance(value, int) or value <= 0:
+                problems.append(f"attention.options.{name}={value!r} must be a positive integer")
+        return problems
+
+    def cache_spec(self) -> dict[str, tuple[int, ...]]:
+        h, d = self.cfg.n_head, self.cfg.head_dim
+        return {"a_k": (self.rank, h), "a_v": (self.rank, h), "b": (self.rank, d)}
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        h, d = self.cfg.n_head, self.cfg.head_dim
+        a_q, b_q = self.q(x)  # [B, T, R_Q, h], [B, T, R_Q, d_h]
+        q = contract(a_q, self.rope(b_q, pos))  # [B, T, h, d_h]
+        a_k = self.a_k(x).view(B, T, self.rank, h)  # [B, T, R, h]
+        a_v = self.a_v(x).view(B, T, self.rank, h)  # [B, T, R, h]
+        b = self.b(x).view(B, T, self.rank, d)  # [B, T, R, d_h], unrotated
+        kv_pos = pos
+        if cache is not None:
+            a_k, a_v, b = cache.update(pos, a_k=a_k, a_v=a_v, b=b)  # [B, S, R, *] each
+            kv_pos = torch.arange(b.shape[1], device=x.device)  # [S]
+        k = contract(a_k, self.rope(b, kv_pos))  # [B, S, h, d_h]: keys from the rotated B
+        v = contract(a_v, b)  # [B, S, h, d_h]: values from the same B, unrotated
+        y = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), pos, cache is not None)  # [B, h, T, d_h]
+        return self.out(y.transpose(1, 2).reshape(B, T, -1))  # [B, T, d_model]

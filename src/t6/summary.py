@@ -1,0 +1,116 @@
+"""What a configured T6 costs, read off the built model rather than from formulas.
+
+`summarize(cfg)` builds the model on the meta device (no memory, no compute) and reports
+counted parameters (total, non-embedding, per block part), the KV cache its attention
+declares (elements per token per layer, bytes per token for the whole model at a dtype),
+and the FLOPs per token that `torch.utils.flop_counter.FlopCounterMode` counts on a forward
+(and forward + backward) pass over one sequence. `python summary.py` is the command.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from t6.model import T6, ModelConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def meta_model(mcfg: ModelConfig) -> T6:
+    """The model with every tensor on the meta device: shapes only."""
+    with torch.device("meta"):
+        return T6(mcfg)
+
+
+def count(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def flops_per_token(model: T6, seq_len: int) -> tuple[float, float]:
+    """(forward, forward + backward) FLOPs per token counted on one [1, seq_len] sequence.
+
+    FlopCounterMode counts matrix products (linear layers, attention scores and mixing, the
+    LM head) and counts causal attention as full (it does not halve masked scores)."""
+    device = next(model.parameters()).device
+    idx = torch.zeros(1, seq_len, dtype=torch.long, device=device)
+    with FlopCounterMode(display=False) as fwd:
+        model(idx)
+    with FlopCounterMode(display=False) as train:
+        model(idx).float().sum().backward()
+    model.zero_grad(set_to_none=True)
+    return fwd.get_total_flops() / seq_len, train.get_total_flops() / seq_len
+
+
+def summarize(
+    mcfg: ModelConfig, attention: str, size: str, cache_dtype: str = "bfloat16", seq_len: int | None = None
+) -> dict[str, Any]:
+    """Parameters, KV cache and FLOPs of one configuration, as a flat dict (one JSON line)."""
+    if cache_dtype not in DTYPES:
+        raise ValueError(f"cache_dtype={cache_dtype!r} is not one of {sorted(DTYPES)}")
+    dtype = DTYPES[cache_dtype]
+    model = meta_model(mcfg)
+    block = model.blocks[0]
+    cache = block.attn.build_kv_cache(1, 1, dtype=dtype, device="meta")  # one token of one layer
+    elements = cache.elements_per_token()
+    seq_len = seq_len or mcfg.block_size
+    fwd, train = flops_per_token(model, seq_len)
+    return {
+        "attention": attention,
+        "size": size,
+        "n_layer": mcfg.n_layer,
+        "d_model": mcfg.d_model,
+        "n_head": mcfg.n_head,
+        "params": model.num_params(),
+        "params_non_embedding": model.num_params(non_embedding=True),
+        "params_embedding": count(model.embed),
+        "params_attention_per_block": count(block.attn),
+        "params_ffn_per_block": count(block.ffn),
+        "params_norms_per_block": count(block.attn_norm) + count(block.ffn_norm),
+        "params_attention_parts": {name: count(child) for name, child in block.attn.named_children() if count(child)},
+        "kv_cache": {name: list(t.shape[2:]) for name, t in cache.tensors.items()},
+        "kv_cache_elements_per_token_per_layer": elements,
+        "kv_cache_dtype": cache_dtype,
+        "kv_cache_bytes_per_token": elements * dtype.itemsize * mcfg.n_layer,
+        "flops_seq_len": seq_len,
+        "flops_per_token_forward": fwd,
+        "flops_per_token_train": train,
+    }
+
+
+def human(n: float) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)
+
+
+def format_table(row: dict[str, Any]) -> str:
+    """A two-column table of one summary."""
+    parts = ", ".join(f"{k} {human(v)}" for k, v in row["params_attention_parts"].items())
+    cache = ", ".join(f"{k} {'x'.join(map(str, s))}" for k, s in row["kv_cache"].items())
+    lines = [
+        ("attention / size", f"{row['attention']} / {row['size']}  ({row['n_layer']} layers, d_model {row['d_model']}, {row['n_head']} heads)"),
+        ("parameters", f"{row['params']:,}  ({human(row['params'])})"),
+        ("  non-embedding", f"{row['params_non_embedding']:,}"),
+        ("  embedding (tied head)", f"{row['params_embedding']:,}"),
+        ("  per block: attention", f"{row['params_attention_per_block']:,}  ({parts})"),
+        ("  per block: SwiGLU", f"{row['params_ffn_per_block']:,}"),
+        ("  per block: norms", f"{row['params_norms_per_block']:,}"),
+        ("KV cache / token / layer", f"{row['kv_cache_elements_per_token_per_layer']:,} elements  ({cache})"),
+        ("KV cache / token (model)", f"{row['kv_cache_bytes_per_token']:,} bytes at {row['kv_cache_dtype']}"),
+        (f"FLOPs / token (T={row['flops_seq_len']})", f"forward {human(row['flops_per_token_forward'])}, forward+backward {human(row['flops_per_token_train'])}"),
+    ]
+    width = max(len(k) for k, _ in lines)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in lines)
+
+
+def render(row: dict[str, Any], output: str) -> str:
+    if output == "json":
+        return json.dumps(row)
+    if output == "table":
+        return format_table(row)
+    raise ValueError(f"output={output!r} must be 'table' or 'json'")

@@ -1,0 +1,164 @@
+"""The attention zoo against the paper: parameter-matched sizes, KV cache per token (Table 1),
+RoPE compatibility, the MHA/MQA/GQA and MHA/TPA equivalences, and training of every option."""
+
+from __future__ import annotations
+
+import math
+
+import mlflow
+import pytest
+import torch
+
+from t6.config import model_config
+from t6.model import T6
+from t6.model.attention import get_attention_class
+from t6.summary import meta_model, summarize
+from t6.train import train
+
+from conftest import CONF, compose_config
+
+ATTENTIONS = sorted(p.stem for p in (CONF / "attention").glob("*.yaml"))
+PAPER_PARAMS = {"small": 124e6, "medium": 353e6, "large": 773e6, "xl": 1.55e9}  # paper Table 6 / final version
+
+
+def build(tmp_path, *overrides: str, seed: int = 0) -> T6:
+    """A small real model (2 layers, d_model 128) with random weights everywhere, in eval mode."""
+    cfg = model_config(compose_config(["size=tiny", "size.n_layer=2", "size.d_model=128", "size.block_size=64", *overrides], tmp_path))
+    torch.manual_seed(seed)
+    model = T6(cfg)
+    with torch.no_grad():  # residual outputs start at zero; randomize so every path matters
+        for p in model.parameters():
+            p.normal_(0, 0.05)
+    return model.eval()
+
+
+@pytest.mark.parametrize("size", list(PAPER_PARAMS))
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_parameter_count_matches_paper(attention, size, tmp_path):
+    model = meta_model(model_config(compose_config([f"attention={attention}", f"size={size}"], tmp_path)))
+    assert model.num_params() == pytest.approx(PAPER_PARAMS[size], rel=0.01)
+
+
+def test_tiny_heads_match_mha_parameters(tmp_path):
+    """Every option's tiny head count gives MHA's tiny parameter count within 0.2%."""
+    def params(attention):
+        return meta_model(model_config(compose_config([f"attention={attention}", "size=tiny"], tmp_path))).num_params()
+    mha = params("mha")
+    for attention in ATTENTIONS:
+        assert params(attention) == pytest.approx(mha, rel=0.002), attention
+
+
+def table_1(name: str, h: int, d: int, o: dict) -> int:
+    """KV cache elements per token and layer, as the paper's Table 1 writes them."""
+    r_k, r_v = o.get("k_rank", 2), o.get("v_rank", 2)
+    formulas = {
+        "mha": lambda: 2 * h * d,
+        "mqa": lambda: 2 * d,
+        "gqa": lambda: 2 * o["n_kv_head"] * d,
+        "mla": lambda: o["kv_lora_rank"] + o["rope_dim"],
+        "tpa": lambda: (r_k + r_v) * (h + d),
+        "tpa_kvonly": lambda: (r_k + r_v) * (h + d),
+        "tpa_sigmoid": lambda: (r_k + r_v) * (h + d),
+        "tpa_softmax": lambda: (r_k + r_v) * (h + d),
+        "tpa_nc_a": lambda: (r_k + r_v) * d,
+        "tpa_nc_b": lambda: (r_k + r_v) * h,
+        "tpa_shared_b": lambda: o["kv_rank"] * (2 * h + d),
+        "tpa_third_order": lambda: (r_k + r_v) * (h + d // o["c_dim"] + o["c_dim"]),
+    }
+    return formulas[name]()
+
+
+@pytest.mark.parametrize("size", ["tiny", "medium"])
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_kv_cache_per_token_is_table_1(attention, size, tmp_path):
+    cfg = model_config(compose_config([f"attention={attention}", f"size={size}"], tmp_path))
+    with torch.device("meta"):
+        attn = get_attention_class(attention)(cfg)
+    cache = attn.build_kv_cache(1, 1, device="meta")
+    expected = table_1(attention, cfg.n_head, cfg.head_dim, cfg.attention_options)
+    assert cache.elements_per_token() == expected
+
+
+def test_summary_reports_the_built_model(tmp_path):
+    cfg = model_config(compose_config(["attention=tpa", "size=medium"], tmp_path))
+    row = summarize(cfg, "tpa", "medium", cache_dtype="bfloat16", seq_len=16)
+    assert row["params"] == meta_model(cfg).num_params()
+    assert row["params_non_embedding"] == row["params"] - 50304 * 1024
+    assert row["params_non_embedding"] == 24 * (row["params_attention_per_block"] + row["params_ffn_per_block"] + row["params_norms_per_block"]) + 1024
+    assert row["kv_cache_elements_per_token_per_layer"] == 4 * (47 + 64)
+    assert row["kv_cache_bytes_per_token"] == 4 * (47 + 64) * 2 * 24
+    # every matrix is counted: forward FLOPs per token are at least 2 x (parameters outside the norms)
+    norms = 24 * row["params_norms_per_block"] + 1024
+    assert row["flops_per_token_forward"] > 2 * (row["params"] - norms)
+    assert row["flops_per_token_train"] == pytest.approx(3 * row["flops_per_token_forward"], rel=0.05)
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_attention_invariant_to_position_shift(attention, tmp_path):
+    """Paper Theorem 1 (and RoPE for the baselines): logits depend on relative positions only,
+    so shifting every position by a constant leaves each attention layer's output unchanged."""
+    model = build(tmp_path, f"attention={attention}")
+    attn = model.blocks[0].attn
+    x = torch.randn(2, 16, model.cfg.d_model)
+    base = attn(x, torch.arange(16))
+    torch.testing.assert_close(attn(x, torch.arange(16) + 37), base, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(attn(x.flip(1), torch.arange(16)), base.flip(1), atol=1e-3)  # order matters
+
+
+def copy_shared(src: T6, dst: T6) -> None:
+    """Copy every parameter whose name and shape exist in both models."""
+    theirs = src.state_dict()
+    dst.load_state_dict({k: theirs[k] if k in theirs and theirs[k].shape == v.shape else v for k, v in dst.state_dict().items()})
+
+
+def test_mha_is_non_contextual_tpa_with_basis_head_factors(tmp_path):
+    """§3.4.1: with R = h and A fixed to R times the identity, (1/R) A^T B(x) puts row i of
+    B(x) = W x into head i, which is MHA with W_Q, W_K, W_V = the token-factor maps."""
+    h = 4
+    mha = build(tmp_path, "attention=mha", f"size.n_head={h}", seed=1)
+    ranks = [f"attention.options.{r}_rank={h}" for r in "qkv"]
+    tpa = build(tmp_path, "attention=tpa_nc_a", f"size.n_head={h}", *ranks, seed=2)
+    copy_shared(mha, tpa)
+    with torch.no_grad():
+        for m, t in zip(mha.blocks, tpa.blocks):
+            for n in "qkv":
+                t.attn.ctx[n].weight.copy_(getattr(m.attn, n).weight)  # [h * d_h, d_model]: B = W x
+                t.attn.const[n].weight.copy_(h * torch.eye(h))  # A = R I
+            t.attn.out.weight.copy_(m.attn.out.weight)
+    idx = torch.randint(0, mha.cfg.vocab_size, (2, 20))
+    torch.testing.assert_close(tpa(idx), mha(idx), rtol=1e-4, atol=1e-5)
+    with torch.no_grad():
+        tpa.blocks[0].attn.const["v"].weight.fill_(1.0)  # non-basis head factors break the equality
+    assert (tpa(idx) - mha(idx)).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("kv_heads,other", [(4, "mha"), (1, "mqa")])
+def test_gqa_ends_are_mha_and_mqa(kv_heads, other, tmp_path):
+    ref = build(tmp_path, f"attention={other}", "size.n_head=4", seed=1)
+    gqa = build(tmp_path, "attention=gqa", "size.n_head=4", f"attention.options.n_kv_head={kv_heads}", seed=2)
+    assert gqa.state_dict().keys() == ref.state_dict().keys()
+    gqa.load_state_dict(ref.state_dict())
+    idx = torch.randint(0, ref.cfg.vocab_size, (2, 20))
+    torch.testing.assert_close(gqa(idx), ref(idx), rtol=0, atol=0)
+    assert gqa.build_kv_caches(1, 8)[0].elements_per_token() == ref.build_kv_caches(1, 8)[0].elements_per_token()
+
+
+def test_mla_caches_latents_not_heads(tmp_path):
+    model = build(tmp_path, "attention=mla", "size.n_head=4", "attention.options.kv_lora_rank=48")
+    cache = model.build_kv_caches(1, 8)[0]
+    assert {k: tuple(t.shape[2:]) for k, t in cache.tensors.items()} == {"c_kv": (48,), "k_rope": (32,)}
+
+
+@pytest.mark.slow  # one train(cfg) per option: ~1 min each on a loaded 2-core CPU
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_every_option_trains(attention, make_cfg):
+    cfg = make_cfg(
+        f"attention={attention}", "trainer.max_steps=12", "trainer.val_check_interval=12",
+        "lr_ablation.by_size.tiny.warmup_steps=3", "callbacks.model_checkpoint=null",
+    )
+    _, objects = train(cfg)
+    assert objects["trainer"].global_step == 12
+    client = mlflow.MlflowClient(tracking_uri=cfg.logger.mlflow.tracking_uri)
+    loss = [m.value for m in client.get_metric_history(objects["mlflow"].run_id, "train/loss")]
+    assert len(loss) == 12 and all(math.isfinite(v) for v in loss)
+    assert sum(loss[-3:]) / 3 < sum(loss[:3]) / 3 - 0.5, loss

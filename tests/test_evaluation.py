@@ -199,3 +199,20 @@ def test_eval_py_logs_into_training_run_and_lm_eval_cli_runs(make_cfg, tmp_path)
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert TASK in proc.stdout and "acc_norm" in proc.stdout
+
+
+@pytest.mark.slow  # trains a small model for ~150 steps
+def test_trained_model_beats_chance_on_local_task_and_fresh_model_does_not(make_cfg, tmp_path):
+    cfg = make_cfg("trainer.max_steps=150", "data.batch_size=8", "lr_ablation.by_size.tiny.warmup_steps=10",
+                   "trainer.val_check_interval=150", "callbacks.model_checkpoint=null")
+    _, objects = train(cfg)
+    trained = objects["model"].model
+    torch.manual_seed(0)
+    fresh = T6(trained.cfg)
+    include = build_next_line_task(tmp_path / "task", n_test=100, n_fewshot=4)
+    spec = EvalSpec(tasks=[TASK], num_fewshot=[0], metrics={TASK: "acc_norm"}, include_path=[str(include)])
+    tm = resolve_tasks(spec)
+    acc = {name: run_harness(m, spec, tm)[0]["results"][TASK]["acc_norm,none"] for name, m in [("trained", trained), ("fresh", fresh)]}
+    # 100 items, chance 0.25 (binomial sd 0.043): trained far above, fresh within chance
+    assert acc["trained"] > 0.5, acc
+    assert acc["fresh"] < 0.4, acc

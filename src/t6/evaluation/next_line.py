@@ -1,10 +1,11 @@
 """The embedded downstream task `t6_next_line`, built from the held-out part of a text corpus.
 
 Each item is a passage of `context_lines` consecutive lines and four candidate next lines:
-the true one and three distractors drawn (seeded) from far away in the same held-out text.
-A model that has learned anything of the text's local statistics (who speaks, how a
-sentence continues across a line break) beats the 25% of chance; an untrained one does not.
-Few-shot examples come from the first part of the held-out text, test items from the rest.
+the true one and three distractors made of the same words in another (seeded) order. The
+candidates have the same words and length, so neither word frequencies nor length decide:
+a model must have learned how the language is ordered to beat the 25% of chance, which even
+a briefly trained tiny model does, while an untrained one does not. Few-shot examples come
+from the first part of the held-out text, test items from the rest.
 
 The task is written as JSONL plus an lm-eval task YAML with absolute paths, loaded with
 `TaskManager(include_path=out_dir, include_defaults=False)`; nothing is downloaded.
@@ -22,7 +23,7 @@ from t6.data.corpus import TINY_SHAKESPEARE
 from t6.data.tokenizer import EOT, gpt2_encoding
 
 TASK = "t6_next_line"
-MIN_DISTANCE = 200  # distractors come from at least this many lines away
+MIN_WORDS = 5  # target lines have at least this many words, so three distinct reorderings exist
 
 
 def held_out_text(text_file: Path, val_fraction: float) -> str:
@@ -36,18 +37,29 @@ def held_out_text(text_file: Path, val_fraction: float) -> str:
 
 
 def is_speech(line: str) -> bool:
-    """A line of dialogue: not blank and not a speaker tag such as 'ROMEO:'."""
-    return bool(line.strip()) and not line.rstrip().endswith(":")
+    """A line of dialogue of at least MIN_WORDS words (not blank, not a speaker tag such as 'ROMEO:')."""
+    return len(line.split()) >= MIN_WORDS and not line.rstrip().endswith(":")
 
 
-def make_items(lines: list[str], targets: list[int], pool: list[int], context_lines: int, rng) -> list[dict]:
+def reorderings(line: str, rng, n: int = 3) -> list[str]:
+    """n distinct orderings of the line's words, all different from the line itself."""
+    words, out = line.split(), []
+    seen = {" ".join(words)}
+    while len(out) < n:
+        candidate = " ".join(words[k] for k in rng.permutation(len(words)))
+        if candidate not in seen:
+            seen.add(candidate)
+            out.append(candidate)
+    return out
+
+
+def make_items(lines: list[str], targets: list[int], context_lines: int, rng) -> list[dict]:
     items = []
     for i in targets:
         context = [ln for ln in lines[:i] if ln.strip()][-context_lines:]
-        far = [j for j in pool if abs(j - i) >= MIN_DISTANCE and lines[j] != lines[i]]
-        distractors = [lines[j] for j in rng.choice(far, size=3, replace=False)]
+        distractors = reorderings(lines[i], rng)
         label = int(rng.integers(4))
-        choices = distractors[:label] + [lines[i]] + distractors[label:]
+        choices = distractors[:label] + [" ".join(lines[i].split())] + distractors[label:]
         items.append({"passage": "\n".join(context), "choices": choices, "label": label})
     return items
 
@@ -69,7 +81,7 @@ def build_next_line_task(
     speech = [i for i, ln in enumerate(lines) if is_speech(ln) and i >= context_lines]
     cut = int(len(lines) * 0.15)  # few-shot examples from the first 15% of the held-out lines, tests from the rest
     few_pool, test_pool = [i for i in speech if i < cut], [i for i in speech if i >= cut + context_lines]
-    if len(few_pool) < n_fewshot or len(test_pool) < n_test or len(speech) < 4 * MIN_DISTANCE:
+    if len(few_pool) < n_fewshot or len(test_pool) < n_test:
         raise ValueError(
             f"the held-out part of {text_file} ({len(lines)} lines) is too small for "
             f"eval.local_task.n_test={n_test} and n_fewshot={n_fewshot}"
@@ -78,8 +90,8 @@ def build_next_line_task(
     test_targets = sorted(rng.choice(test_pool, size=n_test, replace=False).tolist())
     few_targets = sorted(rng.choice(few_pool, size=n_fewshot, replace=False).tolist())
     splits = {
-        "test": make_items(lines, test_targets, speech, context_lines, rng),
-        "fewshot": make_items(lines, few_targets, speech, context_lines, rng),
+        "test": make_items(lines, test_targets, context_lines, rng),
+        "fewshot": make_items(lines, few_targets, context_lines, rng),
     }
     out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -113,7 +125,7 @@ metric_list:
     aggregation: mean
     higher_is_better: true
 metadata:
-  version: 1.0
+  version: 2.0
 """
 
 

@@ -32,6 +32,10 @@ def test_training_lowers_loss_and_lands_in_mlflow(attention, make_cfg):
     client = mlflow_client(cfg)
     run = client.get_run(objects["mlflow"].run_id)
     assert run.data.tags["attention"] == attention and run.data.params["size.name"] == "tiny"
+    model = objects["model"].model
+    assert int(run.data.params["model/params"]) == model.num_params()
+    per_layer = model.build_kv_caches(1, 1)[0].elements_per_token()
+    assert int(run.data.params["model/kv_cache_bytes_per_token"]) == per_layer * 2 * model.cfg.n_layer  # bf16
     train_loss = [m.value for m in client.get_metric_history(run.info.run_id, "train/loss")]
     assert len(train_loss) >= 30
     assert sum(train_loss[-5:]) / 5 < sum(train_loss[:5]) / 5 - 1.0  # from ~10.8 (uniform) clearly down

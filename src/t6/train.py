@@ -23,6 +23,7 @@ from t6.config import flatten, model_config
 from t6.distributed import destroy_process_group
 from t6.evaluation.callback import build_eval_callback
 from t6.module import T6LitModule
+from t6.summary import summarize
 from t6.sweep import attach_to_sweep, sweep_job_info
 from t6.tracking import check_tracking_uri
 
@@ -59,10 +60,16 @@ def print_config_tree(cfg: DictConfig) -> None:
     rich.print(tree)
 
 
-def log_run_config(logger: MLFlowLogger, cfg: DictConfig, checkpoint_dir: str) -> None:
-    """Once per run: the flattened, resolved config as params, the YAML as an artifact, the checkpoint dir as a tag."""
+MODEL_FACTS = ("params", "params_non_embedding", "kv_cache_elements_per_token_per_layer", "kv_cache_bytes_per_token")
+
+
+def log_run_config(logger: MLFlowLogger, cfg: DictConfig, checkpoint_dir: str, mcfg) -> None:
+    """Once per run: the flattened, resolved config as params, the model's size and KV cache per
+    token (`model/...`, measured on the built model, cache in bf16) for the report, the YAML as an
+    artifact, the checkpoint dir as a tag."""
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    logger.log_hyperparams(flatten(resolved))
+    facts = summarize(mcfg, cfg.attention.name, cfg.size.name, seq_len=8)
+    logger.log_hyperparams({**flatten(resolved), **{f"model/{k}": facts[k] for k in MODEL_FACTS}})
     if rank_zero_only.rank == 0:
         logger.experiment.log_text(logger.run_id, OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
         logger.experiment.set_tag(logger.run_id, "checkpoints", checkpoint_dir)
@@ -108,7 +115,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     mlflow = next((lg for lg in loggers if isinstance(lg, MLFlowLogger)), None)
     checkpoint_dir = trainer.checkpoint_callback.dirpath if trainer.checkpoint_callback else ""
     if mlflow is not None and not meta.get("mlflow_run_id"):
-        log_run_config(mlflow, cfg, str(checkpoint_dir))
+        log_run_config(mlflow, cfg, str(checkpoint_dir), mcfg)
     elif mlflow is not None and trainer.is_global_zero:
         mlflow.experiment.update_run(mlflow.run_id, status="RUNNING")  # it was KILLED or FAILED when interrupted
 

@@ -26,3 +26,12 @@ def flops_per_token(model: torch.nn.Module, seq_len: int, batch_size: int = 1, v
         for p, g in zip(model.parameters(), saved):
             p.grad = g
     return counter.get_total_flops() / (batch_size * seq_len)
+
+
+def forward_flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
+    """FLOPs of one forward pass per token, counted as in `flops_per_token`."""
+    idx = torch.zeros(1, seq_len, dtype=torch.long, device=next(model.parameters()).device)
+    counter = FlopCounterMode(display=False)
+    with counter, sdpa_kernel(SDPBackend.MATH), torch.no_grad():
+        model(idx)
+    return counter.get_total_flops() / seq_len

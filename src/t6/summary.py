@@ -13,9 +13,9 @@ import json
 from typing import Any
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 from t6.model import T6, ModelConfig
+from t6.perf import flops_per_token, forward_flops_per_token
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -30,21 +30,6 @@ def count(module: torch.nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def flops_per_token(model: T6, seq_len: int) -> tuple[float, float]:
-    """(forward, forward + backward) FLOPs per token counted on one [1, seq_len] sequence.
-
-    FlopCounterMode counts matrix products (linear layers, attention scores and mixing, the
-    LM head) and counts causal attention as full (it does not halve masked scores)."""
-    device = next(model.parameters()).device
-    idx = torch.zeros(1, seq_len, dtype=torch.long, device=device)
-    with FlopCounterMode(display=False) as fwd:
-        model(idx)
-    with FlopCounterMode(display=False) as train:
-        model(idx).float().sum().backward()
-    model.zero_grad(set_to_none=True)
-    return fwd.get_total_flops() / seq_len, train.get_total_flops() / seq_len
-
-
 def summarize(
     mcfg: ModelConfig, attention: str, size: str, cache_dtype: str = "bfloat16", seq_len: int | None = None
 ) -> dict[str, Any]:
@@ -57,7 +42,7 @@ def summarize(
     cache = block.attn.build_kv_cache(1, 1, dtype=dtype, device="meta")  # one token of one layer
     elements = cache.elements_per_token()
     seq_len = seq_len or mcfg.block_size
-    fwd, train = flops_per_token(model, seq_len)
+    fwd, train = forward_flops_per_token(model, seq_len), flops_per_token(model, seq_len)
     return {
         "attention": attention,
         "size": size,

@@ -25,7 +25,8 @@ from hydra.core.global_hydra import GlobalHydra
 
 from t6.config import model_config
 from t6.model import T6, ModelConfig
-from t6.summary import flops_per_token, meta_model
+from t6.perf import flops_per_token
+from t6.summary import meta_model
 
 DEFAULT_ATTENTIONS = "mha,mqa,gqa,mla,tpa_kvonly,tpa"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -46,6 +47,7 @@ class Row:
     flops_per_token_train: float  # forward + backward, FlopCounterMode
     achieved_tflops: float  # flops_per_token_train x tokens_per_s / 1e12
     ratio_to_mha: float | None = None  # tokens/s relative to MHA (> 1: faster)
+    mfu: float | None = None  # achieved / --peak-tflops (model FLOPs utilization)
 
 
 def conf_dir() -> Path:
@@ -104,24 +106,26 @@ def run(args: argparse.Namespace) -> list[Row]:
         times, params = bench_one(mcfg, args, device)
         step = statistics.median(times)
         tokens_per_s = args.batch_size * args.seq_len / step
-        flops = flops_per_token(meta_model(mcfg), args.seq_len)[1]
+        flops = flops_per_token(meta_model(mcfg), args.seq_len)
         rows.append(Row(attention, args.size, mcfg.n_head, params, str(device), args.dtype, args.batch_size,
                         args.seq_len, step * 1e3, tokens_per_s, flops, flops * tokens_per_s / 1e12))
         print(f"  {attention}: {step * 1e3:.1f} ms/step", flush=True)
     mha = next((r for r in rows if r.attention == "mha"), None)
     for r in rows:
         r.ratio_to_mha = r.tokens_per_s / mha.tokens_per_s if mha else None
+        r.mfu = r.achieved_tflops / args.peak_tflops if args.peak_tflops else None
     return rows
 
 
 def table(rows: list[Row]) -> str:
-    head = f"{'attention':<16}{'heads':>6}{'params':>10}{'ms/step':>10}{'tokens/s':>12}{'vs MHA':>8}{'GFLOP/tok':>11}{'TFLOP/s':>9}"
+    head = f"{'attention':<16}{'heads':>6}{'params':>10}{'ms/step':>10}{'tokens/s':>12}{'vs MHA':>8}{'GFLOP/tok':>11}{'TFLOP/s':>9}{'MFU':>7}"
     lines = [head, "-" * len(head)]
     for r in rows:
         ratio = f"{r.ratio_to_mha:.3f}" if r.ratio_to_mha is not None else "-"
         lines.append(
             f"{r.attention:<16}{r.n_head:>6}{r.params / 1e6:>9.1f}M{r.step_ms:>10.1f}{r.tokens_per_s:>12.0f}"
             f"{ratio:>8}{r.flops_per_token_train / 1e9:>11.3f}{r.achieved_tflops:>9.3f}"
+            f"{(f'{r.mfu:.1%}' if r.mfu is not None else '-'):>7}"
         )
     return "\n".join(lines)
 
@@ -138,6 +142,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="autocast dtype (float32: none)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--override", action="append", default=[], help="extra Hydra override, e.g. size.n_layer=2")
+    p.add_argument("--peak-tflops", type=float, help="the device's peak TFLOP/s at --dtype, for the MFU column "
+                   "(e.g. 989 for an H100 SXM in bf16, 312 for an A100)")
     p.add_argument("--json", type=Path, help="write the rows here as JSON")
     return p.parse_args(argv)
 

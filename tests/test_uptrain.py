@@ -166,3 +166,15 @@ def test_converted_model_is_close_to_its_source_and_uptrains(make_cfg, tmp_path)
     first = client.get_metric_history(run.info.run_id, "train/loss")[0]
     assert first.step == 0 and first.value < rand_loss - 1.0  # the first batch already sees trained weights
     assert math.isfinite(metrics["val/loss"]) and metrics["val/loss"] < rand_loss - 2.0
+
+
+def test_train_tells_warm_start_from_resume(make_cfg, tmp_path):
+    ckpt = save_training_checkpoint(random_mha(), tmp_path / "mha.ckpt")
+    out = tmp_path / "mqa.ckpt"
+    convert_checkpoint(ckpt, "mqa", out=out)
+    with pytest.raises(ValueError, match="is a converted .warm-start. checkpoint: start from it with init_from="):
+        train(make_cfg(f"ckpt_path={out}"))
+    with pytest.raises(ValueError, match="is not a warm-start checkpoint .write one with `python convert.py`"):
+        train(make_cfg(f"init_from={ckpt}"))
+    with pytest.raises(ValueError, match="does not record how many tokens"):  # no run config, no data position
+        train(make_cfg("experiment=uptrain", f"init_from={out}", small=False))

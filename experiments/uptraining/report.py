@@ -65,7 +65,8 @@ def main() -> None:
     source_tokens = source_ckpt["TokenDataModule"]["samples_seen"] * source_ckpt["run_config"]["data"]["seq_len"]
 
     rows = []
-    for run_dir in sorted(p for p in runs_dir.iterdir() if (p / "checkpoints/last.ckpt").is_file()):
+    done = [p for p in runs_dir.iterdir() if (p / "checkpoints/last.ckpt").is_file()]
+    for run_dir in sorted(done, key=lambda p: (p.name != "mha-scratch", p.name)):
         run = mlflow_run(client, experiment.experiment_id, run_dir.name)
         ckpt = torch.load(run_dir / "checkpoints/last.ckpt", map_location="cpu", weights_only=True, mmap=True)
         cfg = ModelConfig(**ckpt["hyper_parameters"]["model_config"])
@@ -118,7 +119,12 @@ def main() -> None:
     for name, cfg, loss in converted:
         n_kv = cfg.attention_options.get("n_kv_head", 1)
         lines.append(f"| {name} | {cfg.attention} | {n_kv} | {loss:.4f} | {loss - source_loss:+.4f} | {kv(cfg)} |")
-    lines.append("")
+    lines += [
+        "",
+        "Decode tokens/s and the local zero-/two-shot evaluation are not in this table: they come from the",
+        "inference benchmark and the lm-eval local task, to be run on the checkpoints listed above.",
+        "",
+    ]
     Path(args.out).write_text("\n".join(lines))
     print("\n".join(lines))
 

@@ -13,7 +13,7 @@ PY=${PY:-python}
 STEPS=${STEPS:-200}        # source length; 5% of it should be at least ~10 steps
 SIZE=${SIZE:-tiny}
 HEADS=${HEADS:-4}          # query heads of every model (the MHA's; conversion keeps them)
-GROUPS=${GROUPS_KV:-2}     # KV heads of the GQA models
+KV=${KV:-2}               # KV heads of the GQA models
 OUT=${OUT:-logs/uptraining}
 EXTRA=${EXTRA:-}           # more overrides for every training run, e.g. "data.batch_size=4"
 mkdir -p "$OUT"
@@ -32,22 +32,22 @@ train() {  # train NAME ARGS...: one run in $OUT/NAME, skipped when it already f
 
 # 1. From scratch.
 train mha-scratch attention=mha trainer.max_steps="$STEPS" trainer.val_check_interval="$STEPS"
-train gqa"$GROUPS"-scratch attention=gqa attention.options.n_kv_head="$GROUPS" trainer.max_steps="$STEPS" trainer.val_check_interval="$STEPS"
+train gqa"$KV"-scratch attention=gqa attention.options.n_kv_head="$KV" trainer.max_steps="$STEPS" trainer.val_check_interval="$STEPS"
 train mqa-scratch attention=mqa trainer.max_steps="$STEPS" trainer.val_check_interval="$STEPS"
 
 # 2. Convert the MHA (mean-pooling, and the paper's "first head" comparison).
 SRC="$OUT/mha-scratch/checkpoints/last.ckpt"
-"$PY" convert.py ckpt_path="$SRC" target=gqa target_kv_heads="$GROUPS" out="$OUT/converted/gqa$GROUPS-mean.ckpt"
+"$PY" convert.py ckpt_path="$SRC" target=gqa target_kv_heads="$KV" out="$OUT/converted/gqa$KV-mean.ckpt"
 "$PY" convert.py ckpt_path="$SRC" target=mqa out="$OUT/converted/mqa-mean.ckpt"
-"$PY" convert.py ckpt_path="$SRC" target=gqa target_kv_heads="$GROUPS" method=first out="$OUT/converted/gqa$GROUPS-first.ckpt"
+"$PY" convert.py ckpt_path="$SRC" target=gqa target_kv_heads="$KV" method=first out="$OUT/converted/gqa$KV-first.ckpt"
 "$PY" convert.py ckpt_path="$SRC" target=mqa method=first out="$OUT/converted/mqa-first.ckpt"
 
 # 3. Uptrain the mean-pooled conversions at 5% and 10% of the MHA's tokens.
-for target in gqa"$GROUPS" mqa; do
+for target in gqa"$KV" mqa; do
   for fraction in 0.05 0.10; do
     train "$target-uptrain-$fraction" experiment=uptrain init_from="$OUT/converted/$target-mean.ckpt" uptrain_fraction="$fraction"
   done
 done
 
 # 4. The report.
-"$PY" experiments/uptraining/report.py --runs "$OUT" --out experiments/uptraining/REPORT.md
+"$PY" experiments/uptraining/report.py --runs "$OUT" --out "${REPORT:-experiments/uptraining/REPORT.md}"

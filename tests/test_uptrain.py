@@ -176,5 +176,10 @@ def test_train_tells_warm_start_from_resume(make_cfg, tmp_path):
         train(make_cfg(f"ckpt_path={out}"))
     with pytest.raises(ValueError, match="is not a warm-start checkpoint .write one with `python convert.py`"):
         train(make_cfg(f"init_from={ckpt}"))
+    odd = torch.load(out, weights_only=True)
+    odd["model_config"]["rope_theta"] = 500000.0
+    torch.save(odd, tmp_path / "odd.ckpt")
+    with pytest.raises(ValueError, match=r"cannot be expressed by size/attention: rope_theta=500000.0 \(the config gives 10000.0\)"):
+        train(make_cfg(f"init_from={tmp_path / 'odd.ckpt'}"))
     with pytest.raises(ValueError, match="does not record how many tokens"):  # no run config, no data position
         train(make_cfg("experiment=uptrain", f"init_from={out}", small=False))

@@ -204,6 +204,12 @@ def adopt_model_config(cfg, model_cfg: dict) -> list[str]:
             changed.append(f"attention: {cfg.attention.name} {current} -> {model_cfg['attention']} {options}")
             cfg.attention.name = model_cfg["attention"]
             cfg.attention.options = options
+    from t6.config import model_config
+
+    built = asdict(model_config(cfg))
+    differ = [f"{k}={model_cfg.get(k)!r} (the config gives {v!r})" for k, v in built.items() if model_cfg.get(k) != v]
+    if differ:
+        raise ValueError("init_from: the converted model's config cannot be expressed by size/attention: " + ", ".join(differ))
     return changed
 
 

@@ -3,6 +3,7 @@ config into the plain dataclasses the model uses. Nothing under t6.model imports
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -15,9 +16,24 @@ def _abspath(path: str) -> str:
     return str(Path(path).expanduser().resolve())
 
 
+def _uptrain_steps(*args) -> int:
+    from t6.uptrain import uptrain_steps
+
+    return uptrain_steps(*args)
+
+
+def _ceil_mul(value: float, factor: float) -> int:
+    return math.ceil(float(value) * float(factor))
+
+
 def register_resolvers() -> None:
     if not OmegaConf.has_resolver("t6.abspath"):
         OmegaConf.register_new_resolver("t6.abspath", _abspath)
+    if not OmegaConf.has_resolver("t6.uptrain_steps"):
+        # ${t6.uptrain_steps:init_from,fraction,batch_size,global_batch_size,devices,seq_len} (conf/experiment/uptrain.yaml)
+        OmegaConf.register_new_resolver("t6.uptrain_steps", _uptrain_steps)
+    if not OmegaConf.has_resolver("t6.ceil_mul"):
+        OmegaConf.register_new_resolver("t6.ceil_mul", _ceil_mul)  # ${t6.ceil_mul:x,f} = ceil(x * f), e.g. warmup steps
 
 
 register_resolvers()

@@ -16,7 +16,7 @@ from hydra.utils import instantiate
 from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from t6.checkpoint import resolve_ckpt_path
 from t6.config import flatten, model_config
@@ -26,6 +26,7 @@ from t6.module import T6LitModule
 from t6.summary import summarize
 from t6.sweep import attach_to_sweep, sweep_job_info
 from t6.tracking import check_tracking_uri
+from t6.uptrain import WARM_START_FORMAT, adopt_model_config, load_warm_start
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,8 @@ def read_checkpoint_meta(ckpt_path: str) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"ckpt_path={ckpt_path!r} does not exist")
     ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    if ckpt.get("format") == WARM_START_FORMAT:
+        raise ValueError(f"ckpt_path={ckpt_path!r} is a converted (warm-start) checkpoint: start from it with init_from=")
     return {k: ckpt[k] for k in ("mlflow_run_id", "run_config", "global_step") if k in ckpt}
 
 
@@ -78,6 +81,12 @@ def log_run_config(logger: MLFlowLogger, cfg: DictConfig, checkpoint_dir: str, m
 def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     """Train a T6 as configured. Returns (final metrics, the objects built: model, datamodule, trainer, ...)."""
     # 1. Validate everything that can be validated without training.
+    # A warm start (init_from) takes the model shape and weights from a converted checkpoint,
+    # with a fresh optimizer, schedule, step count and MLflow run tagged with its source.
+    init = load_warm_start(cfg.init_from) if cfg.get("init_from") else None
+    if init is not None:
+        for change in adopt_model_config(cfg, init["model_config"]):
+            log.warning("init_from sets %s", change)
     mcfg = model_config(cfg)  # ValueError naming every bad model field
     ckpt_path = resolve_ckpt_path(cfg)  # ckpt_path=PATH | last, or this run dir's last.ckpt (auto_resume)
     meta = read_checkpoint_meta(ckpt_path) if ckpt_path else {}
@@ -105,6 +114,14 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
         run_config=OmegaConf.to_container(cfg, resolve=True),
         nonfinite_loss=cfg.get("nonfinite_loss", "stop"),
     )
+    if init is not None:
+        model.model.load_state_dict(init["state_dict"])  # a resume (ckpt_path) then overrides these weights
+        if use_mlflow:
+            with open_dict(cfg):
+                cfg.logger.mlflow.tags.source_run_id = init["source"]["mlflow_run_id"] or ""
+                cfg.logger.mlflow.tags.init_from = str(cfg.init_from)
+                conv = init["conversion"]
+                cfg.logger.mlflow.tags.conversion = f"{conv['target']} kv_heads={conv['kv_heads']} {conv['method']}"
     if meta.get("mlflow_run_id") and use_mlflow and cfg.logger.mlflow.run_id is None:
         cfg.logger.mlflow.run_id = meta["mlflow_run_id"]  # a resumed run logs into the same MLflow run
     loggers = instantiate_dict(cfg.get("logger"))

@@ -1,0 +1,22 @@
+"""Convert an MHA checkpoint into GQA or MQA for uptraining:
+`python convert.py ckpt_path=MHA.ckpt target=gqa target_kv_heads=2 out=gqa2.ckpt` (see conf/convert.yaml)."""
+
+import hydra
+from omegaconf import DictConfig
+
+from t6.uptrain import convert_checkpoint
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="convert")
+def main(cfg: DictConfig) -> None:
+    ckpt = convert_checkpoint(cfg.ckpt_path, cfg.target, cfg.target_kv_heads, cfg.method, cfg.out)
+    conv, src = ckpt["conversion"], ckpt["source"]
+    print(
+        f"wrote {cfg.out}: {src['attention']} (h={src['n_head']}) -> {conv['target']} with {conv['kv_heads']} KV head{'s' if conv['kv_heads'] > 1 else ''} "
+        f"({conv['method']}); source run {src['mlflow_run_id']}, {src['tokens']} tokens in {src['steps']} steps\n"
+        f"uptrain with: python train.py experiment=uptrain init_from={cfg.out} uptrain_fraction=0.05"
+    )
+
+
+if __name__ == "__main__":
+    main()

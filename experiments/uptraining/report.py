@@ -1,0 +1,133 @@
+"""Write experiments/uptraining/REPORT.md from the runs of run.sh: final validation loss of every
+run (MLflow), the converted checkpoints' validation loss before any uptraining (measured here on
+the same validation windows), tokens trained, and KV-cache bytes per token.
+
+    python experiments/uptraining/report.py --runs logs/uptraining --out experiments/uptraining/REPORT.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import mlflow
+import torch
+
+from t6.data.datamodule import TokenDataModule
+from t6.model import T6, ModelConfig
+from t6.uptrain import validation_loss
+
+ROOT = Path(__file__).resolve().parents[2]
+KV_DTYPE_BYTES = 2  # bf16 caches, as served
+
+
+def kv_bytes_per_token(cfg: ModelConfig) -> int:
+    """Cached numbers per token over all layers (the attention's cache_spec) x bytes per number."""
+    with torch.device("meta"):
+        model = T6(cfg)
+    return sum(b.attn.build_kv_cache(1, 1, device="meta").elements_per_token() for b in model.blocks) * KV_DTYPE_BYTES
+
+
+def val_loader(run_config: dict):
+    data = dict(run_config["data"])
+    data.pop("_target_")
+    dm = TokenDataModule(**data)
+    dm.prepare_data()
+    dm.setup("fit")
+    return dm.val_dataloader()
+
+
+def mlflow_run(client: mlflow.MlflowClient, experiment_id: str, name: str):
+    runs = client.search_runs([experiment_id], f"tags.mlflow.runName = '{name}'", order_by=["attributes.start_time DESC"], max_results=1)
+    return runs[0] if runs else None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", default="logs/uptraining")
+    ap.add_argument("--out", default="experiments/uptraining/REPORT.md")
+    ap.add_argument("--experiment", default="uptraining")
+    ap.add_argument("--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI", f"sqlite:///{ROOT}/mlruns/mlflow.db"))
+    args = ap.parse_args()
+    runs_dir = Path(args.runs)
+    client = mlflow.MlflowClient(tracking_uri=args.tracking_uri)
+    experiment = client.get_experiment_by_name(args.experiment)
+    if experiment is None:
+        raise SystemExit(f"no MLflow experiment {args.experiment!r} in {args.tracking_uri}; run experiments/uptraining/run.sh first")
+
+    source_ckpt = torch.load(runs_dir / "mha-scratch/checkpoints/last.ckpt", map_location="cpu", weights_only=True)
+    loader = val_loader(source_ckpt["run_config"])
+    source_cfg = ModelConfig(**source_ckpt["hyper_parameters"]["model_config"])
+    mha = T6(source_cfg)
+    mha.load_state_dict({k[6:]: v for k, v in source_ckpt["state_dict"].items() if k.startswith("model.")})
+    source_loss = validation_loss(mha, loader)
+    source_tokens = source_ckpt["TokenDataModule"]["samples_seen"] * source_ckpt["run_config"]["data"]["seq_len"]
+
+    rows = []
+    done = [p for p in runs_dir.iterdir() if (p / "checkpoints/last.ckpt").is_file()]
+    for run_dir in sorted(done, key=lambda p: (p.name != "mha-scratch", p.name)):
+        run = mlflow_run(client, experiment.experiment_id, run_dir.name)
+        ckpt = torch.load(run_dir / "checkpoints/last.ckpt", map_location="cpu", weights_only=True, mmap=True)
+        cfg = ModelConfig(**ckpt["hyper_parameters"]["model_config"])
+        tokens = ckpt["TokenDataModule"]["samples_seen"] * ckpt["run_config"]["data"]["seq_len"]
+        init_from = ckpt["run_config"].get("init_from")
+        total = tokens + (source_tokens if init_from else 0)
+        val = run.data.metrics.get("val/loss") if run else None
+        rows.append((run_dir.name, cfg, ckpt["global_step"], tokens, total, val, run.info.run_id if run else "-"))
+
+    converted = []
+    for path in sorted((runs_dir / "converted").glob("*.ckpt")):
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        cfg = ModelConfig(**ckpt["model_config"])
+        model = T6(cfg)
+        model.load_state_dict(ckpt["state_dict"])
+        converted.append((path.stem, cfg, validation_loss(model, loader)))
+    torch.manual_seed(0)
+    random_loss = validation_loss(T6(ModelConfig(**converted[0][1].__dict__)), loader) if converted else float("nan")
+
+    def kv(cfg: ModelConfig) -> str:
+        return f"{kv_bytes_per_token(cfg):,}"
+
+    lines = [
+        "# Uptraining MHA → GQA / MQA at CPU scale",
+        "",
+        f"Embedded corpus (Tiny Shakespeare, GPT-2 BPE), `size={source_ckpt['run_config']['size']['name']}` "
+        f"(d_model={source_cfg.d_model}, {source_cfg.n_layer} layers, {source_cfg.n_head} query heads of {source_cfg.head_dim}), "
+        f"AdamW, paper LR schedule. The MHA source trained {source_ckpt['global_step']} steps = {source_tokens:,} tokens. "
+        f"Validation: {len(loader.dataset)} windows of {source_ckpt['run_config']['data']['seq_len']} tokens. "
+        f"KV bytes/token: all layers, bf16, from each attention's `cache_spec`. Produced by `experiments/uptraining/run.sh`.",
+        "",
+        "## Runs",
+        "",
+        "| run | attention | KV heads | steps | tokens (this run) | tokens incl. source | val loss | KV bytes/token | MLflow run |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for name, cfg, steps, tokens, total, val, run_id in rows:
+        n_kv = cfg.n_head if cfg.attention == "mha" else cfg.attention_options.get("n_kv_head", 1)
+        val_s = f"{val:.4f}" if val is not None else "-"
+        lines.append(f"| {name} | {cfg.attention} | {n_kv} | {steps} | {tokens:,} | {total:,} | {val_s} | {kv(cfg)} | `{run_id}` |")
+    lines += [
+        "",
+        "## Converted checkpoints before any uptraining",
+        "",
+        f"Same validation windows. MHA source: **{source_loss:.4f}**; a randomly initialized model: {random_loss:.4f}.",
+        "",
+        "| checkpoint | attention | KV heads | val loss | gap to source | KV bytes/token |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for name, cfg, loss in converted:
+        n_kv = cfg.attention_options.get("n_kv_head", 1)
+        lines.append(f"| {name} | {cfg.attention} | {n_kv} | {loss:.4f} | {loss - source_loss:+.4f} | {kv(cfg)} |")
+    lines += [
+        "",
+        "Decode tokens/s and the local zero-/two-shot evaluation are not in this table: they come from the",
+        "inference benchmark and the lm-eval local task, to be run on the checkpoints listed above.",
+        "",
+    ]
+    Path(args.out).write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

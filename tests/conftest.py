@@ -46,6 +46,24 @@ def compose_config(overrides: list[str], root: Path, config_name: str = "train")
     return cfg
 
 
+def random_model(tmp_path: Path, *overrides: str, seed: int = 0):
+    """A small real model (size=tiny shrunk to 2 layers x 128, block 64) built from the composed
+    config, with random weights everywhere (the zero-initialized residual outputs too), in eval mode."""
+    import torch
+
+    from t6.config import model_config
+    from t6.model import T6
+
+    base = ["size=tiny", "size.n_layer=2", "size.d_model=128", "size.block_size=64"]
+    cfg = model_config(compose_config([*base, *overrides], tmp_path))
+    torch.manual_seed(seed)
+    model = T6(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.05)
+    return model.eval()
+
+
 @pytest.fixture(scope="session")
 def shared_data_dir(tmp_path_factory) -> Path:
     """One tokenization of the embedded corpus for the whole session."""

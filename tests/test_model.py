@@ -5,25 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from t6.config import model_config
 from t6.model import T6, ModelConfig
 from t6.model.layers import Rotary
 
-from conftest import CONF, compose_config
+from conftest import CONF, random_model
 
 ATTENTIONS = sorted(p.stem for p in (CONF / "attention").glob("*.yaml"))
 
 
 def tiny_model(attention: str, tmp_path, seed: int = 0, **size) -> T6:
-    overrides = [f"attention={attention}", "size=tiny", "size.n_layer=2", "size.d_model=128", "size.block_size=64"]
-    overrides += [f"size.{k}={v}" for k, v in size.items()]
-    cfg = model_config(compose_config(overrides, tmp_path))
-    torch.manual_seed(seed)
-    model = T6(cfg)
-    with torch.no_grad():  # residual outputs start at zero; randomize so every path matters
-        for p in model.parameters():
-            p.normal_(0, 0.05)
-    return model.eval()
+    return random_model(tmp_path, f"attention={attention}", *(f"size.{k}={v}" for k, v in size.items()), seed=seed)
 
 
 @pytest.mark.parametrize("attention", ATTENTIONS)

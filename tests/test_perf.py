@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from t6.model import T6, ModelConfig
 from t6.perf import flops_per_token

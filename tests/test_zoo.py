@@ -15,21 +15,10 @@ from t6.model.attention import get_attention_class
 from t6.summary import meta_model, summarize
 from t6.train import train
 
-from conftest import CONF, compose_config
+from conftest import CONF, compose_config, random_model
 
 ATTENTIONS = sorted(p.stem for p in (CONF / "attention").glob("*.yaml"))
 PAPER_PARAMS = {"small": 124e6, "medium": 353e6, "large": 773e6, "xl": 1.55e9}  # paper Table 6 / final version
-
-
-def build(tmp_path, *overrides: str, seed: int = 0) -> T6:
-    """A small real model (2 layers, d_model 128) with random weights everywhere, in eval mode."""
-    cfg = model_config(compose_config(["size=tiny", "size.n_layer=2", "size.d_model=128", "size.block_size=64", *overrides], tmp_path))
-    torch.manual_seed(seed)
-    model = T6(cfg)
-    with torch.no_grad():  # residual outputs start at zero; randomize so every path matters
-        for p in model.parameters():
-            p.normal_(0, 0.05)
-    return model.eval()
 
 
 @pytest.mark.parametrize("size", list(PAPER_PARAMS))
@@ -97,7 +86,7 @@ def test_summary_reports_the_built_model(tmp_path):
 def test_attention_invariant_to_position_shift(attention, tmp_path):
     """Paper Theorem 1 (and RoPE for the baselines): logits depend on relative positions only,
     so shifting every position by a constant leaves each attention layer's output unchanged."""
-    model = build(tmp_path, f"attention={attention}")
+    model = random_model(tmp_path, f"attention={attention}")
     attn = model.blocks[0].attn
     x = torch.randn(2, 16, model.cfg.d_model)
     base = attn(x, torch.arange(16))
@@ -115,9 +104,9 @@ def test_mha_is_non_contextual_tpa_with_basis_head_factors(tmp_path):
     """§3.4.1: with R = h and A fixed to R times the identity, (1/R) A^T B(x) puts row i of
     B(x) = W x into head i, which is MHA with W_Q, W_K, W_V = the token-factor maps."""
     h = 4
-    mha = build(tmp_path, "attention=mha", f"size.n_head={h}", seed=1)
+    mha = random_model(tmp_path, "attention=mha", f"size.n_head={h}", seed=1)
     ranks = [f"attention.options.{r}_rank={h}" for r in "qkv"]
-    tpa = build(tmp_path, "attention=tpa_nc_a", f"size.n_head={h}", *ranks, seed=2)
+    tpa = random_model(tmp_path, "attention=tpa_nc_a", f"size.n_head={h}", *ranks, seed=2)
     copy_shared(mha, tpa)
     with torch.no_grad():
         for m, t in zip(mha.blocks, tpa.blocks):
@@ -134,8 +123,8 @@ def test_mha_is_non_contextual_tpa_with_basis_head_factors(tmp_path):
 
 @pytest.mark.parametrize("kv_heads,other", [(4, "mha"), (1, "mqa")])
 def test_gqa_ends_are_mha_and_mqa(kv_heads, other, tmp_path):
-    ref = build(tmp_path, f"attention={other}", "size.n_head=4", seed=1)
-    gqa = build(tmp_path, "attention=gqa", "size.n_head=4", f"attention.options.n_kv_head={kv_heads}", seed=2)
+    ref = random_model(tmp_path, f"attention={other}", "size.n_head=4", seed=1)
+    gqa = random_model(tmp_path, "attention=gqa", "size.n_head=4", f"attention.options.n_kv_head={kv_heads}", seed=2)
     assert gqa.state_dict().keys() == ref.state_dict().keys()
     gqa.load_state_dict(ref.state_dict())
     idx = torch.randint(0, ref.cfg.vocab_size, (2, 20))
@@ -144,7 +133,7 @@ def test_gqa_ends_are_mha_and_mqa(kv_heads, other, tmp_path):
 
 
 def test_mla_caches_latents_not_heads(tmp_path):
-    model = build(tmp_path, "attention=mla", "size.n_head=4", "attention.options.kv_lora_rank=48")
+    model = random_model(tmp_path, "attention=mla", "size.n_head=4", "attention.options.kv_lora_rank=48")
     cache = model.build_kv_caches(1, 8)[0]
     assert {k: tuple(t.shape[2:]) for k, t in cache.tensors.items()} == {"c_kv": (48,), "k_rope": (32,)}
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from t6.model.attention.base import Attention, KVCache, causal_mask, register, registry
+from t6.model.attention.base import Attention, KVCache, causal_mask, positive_int_options, register, registry
 
 _discovered = False
 
@@ -36,4 +36,4 @@ def available() -> list[str]:
     return sorted(registry)
 
 
-__all__ = ["Attention", "KVCache", "available", "causal_mask", "get_attention_class", "register"]
+__all__ = ["Attention", "KVCache", "available", "causal_mask", "get_attention_class", "positive_int_options", "register"]

@@ -78,6 +78,18 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
+def positive_int_options(cfg: ModelConfig, defaults: dict[str, int | None]) -> list[str]:
+    """Problems with mechanism options that must be positive integers (a None default: optional)."""
+    problems = []
+    for name, default in defaults.items():
+        value = cfg.option(name, default)
+        if value is None and default is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            problems.append(f"attention.options.{name}={value!r} must be a positive integer")
+    return problems
+
+
 def causal_mask(pos: torch.Tensor, end: int) -> torch.Tensor:
     """Boolean mask [T, end]: query at absolute position pos[i] may see keys 0..pos[i]."""
     return torch.arange(end, device=pos.device)[None, :] <= pos[:, None]

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from t6.model.attention.base import Attention, KVCache, causal_mask, register
+from t6.model.attention.base import Attention, KVCache, causal_mask, positive_int_options, register
 from t6.model.config import ModelConfig
 from t6.model.layers import Rotary
 
@@ -56,13 +56,7 @@ class MultiHeadLatentAttention(Attention):
 
     @classmethod
     def check_config(cls, cfg: ModelConfig) -> list[str]:
-        problems = []
-        for name, default in DEFAULTS.items():
-            value = cfg.option(name, default)
-            if default is None and value is None:
-                continue
-            if not isinstance(value, int) or value <= 0:
-                problems.append(f"attention.options.{name}={value!r} must be a positive integer")
+        problems = positive_int_options(cfg, DEFAULTS)
         rope = cfg.option("rope_dim", DEFAULTS["rope_dim"])
         if isinstance(rope, int) and rope % 2:
             problems.append(f"attention.options.rope_dim={rope} must be even (RoPE rotates pairs)")

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from t6.model.attention.base import Attention, KVCache, register
+from t6.model.attention.base import Attention, KVCache, positive_int_options, register
 from t6.model.config import ModelConfig
 from t6.model.layers import Rotary
 
@@ -29,12 +29,7 @@ RANKS = (("q_rank", 6), ("k_rank", 2), ("v_rank", 2))
 
 
 def check_ranks(cfg: ModelConfig) -> list[str]:
-    problems = []
-    for name, default in RANKS:
-        value = cfg.option(name, default)
-        if not isinstance(value, int) or value <= 0:
-            problems.append(f"attention.options.{name}={value!r} must be a positive integer")
-    return problems
+    return positive_int_options(cfg, dict(RANKS))
 
 
 class ConstantFactor(nn.Module):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from t6.model.attention.base import Attention, KVCache, register
+from t6.model.attention.base import Attention, KVCache, positive_int_options, register
 from t6.model.attention.tpa import Factor, contract
 from t6.model.config import ModelConfig
 from t6.model.layers import Rotary
@@ -42,12 +42,7 @@ class SharedBTPA(Attention):
 
     @classmethod
     def check_config(cls, cfg: ModelConfig) -> list[str]:
-        problems = []
-        for name, default in (("q_rank", 6), ("kv_rank", 2)):
-            value = cfg.option(name, default)
-            if not isinstance(value, int) or value <= 0:
-                problems.append(f"attention.options.{name}={value!r} must be a positive integer")
-        return problems
+        return positive_int_options(cfg, {"q_rank": 6, "kv_rank": 2})
 
     def cache_spec(self) -> dict[str, tuple[int, ...]]:
         h, d = self.cfg.n_head, self.cfg.head_dim

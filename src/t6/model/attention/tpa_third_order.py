@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from t6.model.attention.base import Attention, KVCache, register
+from t6.model.attention.base import Attention, KVCache, positive_int_options, register
 from t6.model.config import ModelConfig
 from t6.model.layers import Rotary
 
@@ -66,11 +66,7 @@ class ThirdOrderTPA(Attention):
 
     @classmethod
     def check_config(cls, cfg: ModelConfig) -> list[str]:
-        problems = []
-        for name, default in (*RANKS, ("c_dim", 4)):
-            value = cfg.option(name, default)
-            if not isinstance(value, int) or value <= 0:
-                problems.append(f"attention.options.{name}={value!r} must be a positive integer")
+        problems = positive_int_options(cfg, {**dict(RANKS), "c_dim": 4})
         c = cfg.option("c_dim", 4)
         if isinstance(c, int) and c > 0 and (cfg.head_dim % c or (cfg.head_dim // c) % 2):
             problems.append(

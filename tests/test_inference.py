@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
-from t6.bench.common import FALLBACK_OPTIONS, conf_dir, model_configs
+from t6.bench.common import FALLBACK_OPTIONS, attention_yaml, conf_dir, model_configs
 from t6.data.tokenizer import EOT
 from t6.generate import generate_text, load_model, run
+from t6.summary import summarize
 from t6.model import T6, ModelConfig
 from t6.model.attention import available, get_attention_class
 from t6.model.t6 import left_pad
@@ -22,7 +22,7 @@ TPA = [n for n in ("tpa", "tpa_kvonly") if n in NAMES]
 def options(name: str) -> dict:
     path = conf_dir() / "attention" / f"{name}.yaml"
     if path.exists():
-        return OmegaConf.to_container(OmegaConf.load(path), resolve=True).get("options") or {}
+        return attention_yaml(path, "tiny").get("options") or {}
     return FALLBACK_OPTIONS.get(name, {})
 
 
@@ -85,6 +85,7 @@ def test_allocated_cache_holds_the_paper_count_per_token(name):
         assert all(t.shape[:2] == (3, 20) for t in cache.tensors.values())
         assert sum(t.numel() for t in cache.tensors.values()) == 3 * 20 * expected
         assert cache.elements_per_token() == expected
+    assert summarize(model.cfg, name, "test")["kv_cache_elements_per_token_per_layer"] == expected  # what summary.py prints
 
 
 @pytest.mark.parametrize("name", TPA)

@@ -61,6 +61,12 @@ def matched_heads(name: str, options: dict, base: dict) -> int:
     return best[1]
 
 
+def attention_yaml(path: Path, size: str) -> dict:
+    """conf/attention/NAME.yaml resolved as composed with size=`size` (options may depend on the size)."""
+    cfg = OmegaConf.create({"size": {"name": size}, "attention": OmegaConf.load(path)})
+    return OmegaConf.to_container(cfg, resolve=True)["attention"]
+
+
 def model_configs(names: list[str], size: str, block_size: int | None = None, **overrides) -> dict[str, ModelConfig]:
     """name -> ModelConfig at the given size; names that are not registered are skipped with a message."""
     base = size_config(size)
@@ -74,7 +80,7 @@ def model_configs(names: list[str], size: str, block_size: int | None = None, **
             print(f"skipped {name}: not a registered attention (registered: {', '.join(sorted(registered))})")
             continue
         path = conf_dir() / "attention" / f"{name}.yaml"
-        yaml = OmegaConf.to_container(OmegaConf.load(path), resolve=True) if path.exists() else {}
+        yaml = attention_yaml(path, size) if path.exists() else {}
         options = yaml.get("options") or FALLBACK_OPTIONS.get(name, {})
         heads = (yaml.get("heads") or {}).get(size)
         if heads is None:

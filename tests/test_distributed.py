@@ -26,6 +26,8 @@ def command(tmp_path: Path, data_dir: Path, *overrides: str) -> tuple[list[str],
     env.update(T6_ROOT=str(tmp_path), PYTHONPATH=str(ROOT / "src"), MLFLOW_ENABLE_ASYNC_LOGGING="false")
     flags = [o for o in overrides if o.startswith("-")]  # -m goes before the overrides
     rest = [o for o in overrides if not o.startswith("-")]
+    if not any(o.startswith("eval") for o in rest):
+        rest.insert(0, "eval=none")  # downstream evaluation only where a test asks for it
     args = [sys.executable, str(ROOT / "train.py"), *flags, *TEST_SIZE, *TEST_RUN, f"paths.data_dir={data_dir}", *rest]
     return args, env
 
@@ -66,6 +68,15 @@ def test_ddp_two_processes_run_and_resume_exactly(tmp_path, shared_data_dir):
     assert sorted(history) == list(range(8))
     for step in range(4, 8):  # logged by the uninterrupted run and again by the resumed one
         assert len(history[step]) == 2 and history[step][0] == pytest.approx(history[step][1], abs=1e-6), step
+
+
+def test_ddp_evaluation_runs_on_rank_zero_while_the_other_rank_waits(tmp_path, shared_data_dir):
+    run(tmp_path, shared_data_dir, *DDP, "eval=local", "eval.limit=8", "eval.num_fewshot=[0]", "eval.every_n_steps=4",
+        f"hydra.run.dir={tmp_path / 'run'}")
+    (run_,) = all_runs(client(tmp_path))
+    history = client(tmp_path).get_metric_history(run_.info.run_id, "eval/0shot/t6_next_line/acc_norm")
+    assert sorted(m.step for m in history) == [4, 8]  # once per evaluation (every 4 steps, not again at the end of step 8), not once per rank
+    assert step_of(tmp_path / "run" / "checkpoints" / "last.ckpt") == 8  # training went on after each evaluation
 
 
 def test_ddp_inside_a_multirun_runs_each_job_once(tmp_path, shared_data_dir):

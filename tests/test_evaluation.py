@@ -16,7 +16,7 @@ from t6.evaluation.adapter import T6LM
 from t6.evaluation.harness import EvalSpec, resolve_tasks, run_harness
 from t6.evaluation.next_line import TASK, build_next_line_task
 from t6.model import T6, ModelConfig
-from t6.train import train
+from t6.train import summary, train
 
 from conftest import ROOT
 
@@ -130,7 +130,7 @@ def loss_history(client, run_id):
 
 def test_callback_logs_to_mlflow_and_leaves_training_unchanged(make_cfg):
     with_eval = make_cfg(*SMALL_TASK, "eval.every_n_steps=4", "eval.limit=6")
-    _, obj = train(with_eval)
+    metrics, obj = train(with_eval)
     client = mlflow.MlflowClient(tracking_uri=with_eval.logger.mlflow.tracking_uri)
     run_id = obj["mlflow"].run_id
     for n in (0, 2):
@@ -142,6 +142,7 @@ def test_callback_logs_to_mlflow_and_leaves_training_unchanged(make_cfg):
     artifacts = {a.path for a in client.list_artifacts(run_id, "eval/step000008")}
     assert {"eval/step000008/results.json", "eval/step000008/table.md"} <= artifacts
     assert obj["model"].training  # back in train mode
+    assert metrics["eval/2shot/avg"] == avg[-1].value and "eval/2shot/avg" in summary(metrics, obj)  # the run's closing lines
 
     without = make_cfg("eval=none")
     _, obj2 = train(without)

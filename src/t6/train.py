@@ -148,6 +148,8 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
         destroy_process_group()  # a sweep's next job in this process starts its own group
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    if eval_callback is not None and eval_callback.history:
+        metrics.update(eval_callback.history[-1][1])  # the last downstream evaluation (rank 0)
     objects = {"cfg": cfg, "model": model, "datamodule": datamodule, "trainer": trainer, "mlflow": mlflow}
     return metrics, objects
 
@@ -158,6 +160,8 @@ def summary(metrics: dict[str, float], objects: dict[str, Any]) -> str:
     lines = []
     if "val/loss" in metrics:
         lines.append(f"final val/loss {metrics['val/loss']:.4f}   val/ppl {metrics['val/ppl']:.2f}")
+    for key in sorted(k for k in metrics if k.startswith("eval/") and k.endswith("/avg")):
+        lines.append(f"{key:<15} {metrics[key]:.4f}   (per task: eval/{key.split('/')[1]}/<task>/<metric> in MLflow)")
     if trainer.checkpoint_callback and trainer.checkpoint_callback.last_model_path:
         lines.append(f"checkpoint      {trainer.checkpoint_callback.last_model_path}")
     if mlflow is not None:

@@ -36,13 +36,17 @@ def compose_recipe(name: str, *overrides: str):
         return compose("train", overrides=[f"experiment={name}", *overrides], return_hydra_config=True)
 
 
+SINGLE_RUN = {"uptrain"}  # recipes that continue one given checkpoint rather than sweep attentions
+
+
 @pytest.mark.parametrize("name", RECIPES)
 def test_recipe_documents_itself(name):
     text = (CONF / "experiment" / f"{name}.yaml").read_text()
     assert text.startswith("# @package _global_\n")
     for word in ("Reproduces:", "Hardware:", "Expected duration:"):
         assert word in text, f"conf/experiment/{name}.yaml lacks a '{word}' comment"
-    assert OmegaConf.load(CONF / "experiment" / f"{name}.yaml").hydra.sweeper.params.attention.split(",") == SIX
+    if name not in SINGLE_RUN:  # the paper's studies sweep the six attentions
+        assert OmegaConf.load(CONF / "experiment" / f"{name}.yaml").hydra.sweeper.params.attention.split(",") == SIX
 
 
 @pytest.mark.parametrize("name", sorted(PAPER))

@@ -53,12 +53,14 @@ def test_resume_continues_step_count_and_mlflow_run(make_cfg):
     ckpt = torch.load(last, map_location="cpu", weights_only=True)  # loads without running pickled code
     assert ckpt["global_step"] == 8 and ckpt["mlflow_run_id"] == first["mlflow"].run_id
 
-    resumed_cfg = make_cfg("trainer.max_steps=12", f"ckpt_path={last}")
+    resumed_cfg = make_cfg("trainer.max_steps=11", f"ckpt_path={last}")
     _, resumed = train(resumed_cfg)
-    assert resumed["trainer"].global_step == 12
+    assert resumed["trainer"].global_step == 11
+    final = torch.load(Path(resumed["trainer"].checkpoint_callback.dirpath) / "last.ckpt", map_location="cpu", weights_only=True)
+    assert final["global_step"] == 11  # saved at the end too, not only every 4 steps
     assert resumed["mlflow"].run_id == first["mlflow"].run_id
     steps = [m.step for m in mlflow_client(cfg).get_metric_history(first["mlflow"].run_id, "train/loss")]
-    assert max(steps) == 11 and min(steps) == 0
+    assert max(steps) == 10 and min(steps) == 0
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)

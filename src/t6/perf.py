@@ -32,6 +32,6 @@ def forward_flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
     """FLOPs of one forward pass per token, counted as in `flops_per_token`."""
     idx = torch.zeros(1, seq_len, dtype=torch.long, device=next(model.parameters()).device)
     counter = FlopCounterMode(display=False)
-    with counter, sdpa_kernel(SDPBackend.MATH), torch.no_grad():
+    with counter, sdpa_kernel(SDPBackend.MATH):  # (no torch.no_grad: the counter's module hooks reject no-grad views)
         model(idx)
     return counter.get_total_flops() / seq_len

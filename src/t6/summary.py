@@ -31,7 +31,8 @@ def count(module: torch.nn.Module) -> int:
 
 
 def summarize(
-    mcfg: ModelConfig, attention: str, size: str, cache_dtype: str = "bfloat16", seq_len: int | None = None
+    mcfg: ModelConfig, attention: str, size: str, cache_dtype: str = "bfloat16", seq_len: int | None = None,
+    flops: bool = True,
 ) -> dict[str, Any]:
     """Parameters, KV cache and FLOPs of one configuration, as a flat dict (one JSON line)."""
     if cache_dtype not in DTYPES:
@@ -42,7 +43,7 @@ def summarize(
     cache = block.attn.build_kv_cache(1, 1, dtype=dtype, device="meta")  # one token of one layer
     elements = cache.elements_per_token()
     seq_len = seq_len or mcfg.block_size
-    fwd, train = forward_flops_per_token(model, seq_len), flops_per_token(model, seq_len)
+    fwd, train = (forward_flops_per_token(model, seq_len), flops_per_token(model, seq_len)) if flops else (None, None)
     return {
         "attention": attention,
         "size": size,

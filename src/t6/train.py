@@ -71,7 +71,7 @@ def log_run_config(logger: MLFlowLogger, cfg: DictConfig, checkpoint_dir: str, m
     token (`model/...`, measured on the built model, cache in bf16) for the report, the YAML as an
     artifact, the checkpoint dir as a tag."""
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    facts = summarize(mcfg, cfg.attention.name, cfg.size.name, seq_len=8)
+    facts = summarize(mcfg, cfg.attention.name, cfg.size.name, flops=False)
     logger.log_hyperparams({**flatten(resolved), **{f"model/{k}": facts[k] for k in MODEL_FACTS}})
     if rank_zero_only.rank == 0:
         logger.experiment.log_text(logger.run_id, OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")

@@ -102,6 +102,6 @@ class NonContextualTPA(Attention):
         if self.const_a:
             return torch.einsum("rh,btrd->bthd", const, factor) / rank  # B already rotated
         if pos is not None:  # the constant B_Q / B_K rotated to each position
-            const = self.rope(const[None, None].expand(1, len(pos), rank, const.shape[1]), pos)[0]  # [T, R, d_h]
+            const = self.rope(const[None, None], pos)[0]  # [1, 1, R, d_h] broadcast against [1, T, 1, d_h/2] -> [T, R, d_h]
             return torch.einsum("btrh,trd->bthd", factor, const) / rank
         return torch.einsum("btrh,rd->bthd", factor, const) / rank

@@ -22,11 +22,23 @@ class PreemptionCheckpoint(L.Callback):
     """On SIGTERM (SLURM preemption, `scancel`, `docker stop`, a cluster's eviction), Lightning stops
     at the next batch boundary on every rank with SIGTERMException; this saves `last.ckpt` in the
     ModelCheckpoint directory before the process exits, so a re-run with the same run directory
-    (auto_resume) or `ckpt_path=last` continues from that exact step."""
+    (auto_resume) or `ckpt_path=last` continues from that exact step. It also writes `last.ckpt` after
+    the final step when the periodic checkpoint interval does not fall on it."""
 
     def __init__(self, filename: str = "last.ckpt"):
         self.filename = filename
         self.saved_path: str | None = None
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
+        # The final optimizer step, saved in the same hook (hence the same loop state) as ModelCheckpoint's
+        # periodic saves, unless that one saves this step anyway.
+        ckpt = trainer.checkpoint_callback
+        if ckpt is None or ckpt.dirpath is None or trainer.global_step != trainer.max_steps:
+            return
+        every = getattr(ckpt, "_every_n_train_steps", 0)
+        if not (every and trainer.global_step % every == 0) and self.saved_path is None:
+            self.saved_path = str(Path(ckpt.dirpath) / self.filename)
+            trainer.save_checkpoint(self.saved_path)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         if not isinstance(exception, SIGTERMException) or trainer.checkpoint_callback is None:

@@ -117,24 +117,31 @@ def prepare_dataset(
         save_progress()
 
     limit = None if max_tokens is None else max_tokens - done_tokens
+    batches = _batches(texts, docs_per_task)
     with mp.get_context("fork").Pool(num_proc, initializer=_init_worker) as pool:
-        for docs in pool.imap(_tokenize, _batches(texts, docs_per_task)):
-            for tokens in docs:
-                offset, skip_tokens = skip_tokens, 0  # tokens of this document already in earlier shards
-                while offset < tokens.size and (limit is None or limit > 0):
-                    take = min(tokens.size - offset, shard_tokens - buffered, limit if limit is not None else shard_tokens)
-                    buffer.append(tokens[offset : offset + take])
-                    buffered, offset = buffered + take, offset + take
-                    limit = None if limit is None else limit - take
-                    bar.update(take)
-                    if buffered == shard_tokens:  # the next shard starts at (document, offset)
-                        flush(np.concatenate(buffer), *((doc, offset) if offset < tokens.size else (doc + 1, 0)))
-                        buffer, buffered = [], 0
-                doc += 1
+        # The main thread reads a bounded group of batches, then the pool tokenizes them: the pool's
+        # own threads never pull from the data set, so an interrupt terminates idle workers cleanly.
+        while limit is None or limit > 0:
+            group = list(islice(batches, 4 * num_proc))
+            if not group:
+                break
+            for docs in pool.map(_tokenize, group):
+                for tokens in docs:
+                    offset, skip_tokens = skip_tokens, 0  # tokens of this document already in earlier shards
+                    while offset < tokens.size and (limit is None or limit > 0):
+                        take = min(tokens.size - offset, shard_tokens - buffered, limit if limit is not None else shard_tokens)
+                        buffer.append(tokens[offset : offset + take])
+                        buffered, offset = buffered + take, offset + take
+                        limit = None if limit is None else limit - take
+                        bar.update(take)
+                        if buffered == shard_tokens:  # the next shard starts at (document, offset)
+                            flush(np.concatenate(buffer), *((doc, offset) if offset < tokens.size else (doc + 1, 0)))
+                            buffer, buffered = [], 0
+                    doc += 1
+                    if limit is not None and limit <= 0:
+                        break
                 if limit is not None and limit <= 0:
                     break
-            if limit is not None and limit <= 0:
-                break
     if buffered:
         flush(np.concatenate(buffer), doc, 0)
     bar.close()

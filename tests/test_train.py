@@ -95,3 +95,11 @@ def test_unreachable_tracking_server_fails_fast(make_cfg, monkeypatch):
     cfg = make_cfg()
     with pytest.raises(ConnectionError, match="127.0.0.1:9 is unreachable"):
         train(cfg)
+
+
+def test_compiled_module_keeps_plain_checkpoint_keys():
+    from t6.module import T6LitModule
+
+    cfg = dict(attention="tpa", n_layer=1, d_model=64, n_head=2, vocab_size=128, block_size=16)
+    plain, compiled = T6LitModule(model_config=cfg), T6LitModule(model_config=cfg, compile=True)
+    assert list(compiled.state_dict()) == list(plain.state_dict())  # compile is lazy: nothing runs here

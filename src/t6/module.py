@@ -42,10 +42,11 @@ class T6LitModule(L.LightningModule):
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.run_config = run_config
         self.val_loss = MeanMetric()
-        self.forward_fn = torch.compile(self.model) if compile else self.model
+        if compile:
+            self.model.compile()  # in place: checkpoints keep the plain `model.` parameter names
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.forward_fn(idx)  # [B, T, vocab]
+        return self.model(idx)  # [B, T, vocab]
 
     def loss(self, batch) -> torch.Tensor:
         x, y = batch  # [B, T], [B, T]

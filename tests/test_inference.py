@@ -233,3 +233,16 @@ def test_benchmarks_run_and_write_their_records(tmp_path):
     assert kv["mha"]["kv_cache_bytes_per_token"] == 4 * 2 * 2 * 4 * 64  # bf16, 4 layers, 2 h d_h
     assert kv["tpa"]["smaller_than_mha"] == kv["mha"]["kv_cache_bytes_per_token"] / kv["tpa"]["kv_cache_bytes_per_token"]
     assert {r["attention"] for r in json.loads((tmp_path / "prefill.json").read_text())["records"]} == {"mha", "tpa"}
+
+
+def test_decode_measure_times_given_shapes_past_their_block_size():
+    from t6.bench.decode import measure
+
+    base = dict(n_layer=1, d_model=64, head_dim=16, vocab_size=128, block_size=16, n_head=4)
+    configs = {"mha": ModelConfig(attention="mha", **base),
+               "gqa2": ModelConfig(attention="gqa", attention_options={"n_kv_head": 2}, **base)}
+    records = measure(configs, [40], steps=1, rounds=1, warmup=1, verbose=False)  # context 40 > block 16
+    by_name = {r["attention"]: r for r in records}
+    assert set(by_name) == {"mha", "gqa2"} and by_name["mha"]["speed_vs_mha"] == 1.0
+    assert by_name["gqa2"]["kv_cache_bytes_per_token"] * 2 == by_name["mha"]["kv_cache_bytes_per_token"]
+    assert all(r["tokens_per_s"] > 0 and r["context"] == 40 for r in records)

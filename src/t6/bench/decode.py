@@ -19,6 +19,7 @@ for the cache layout, see HeadMajorMHA).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 
@@ -67,16 +68,18 @@ def attention_of(layer):
     return layer.attn if isinstance(layer, Block) else layer
 
 
-def run(args) -> dict:
-    dtype = getattr(torch, args.dtype)
-    contexts = ints(args.contexts)
+def measure(configs: dict, contexts: list[int], *, batch: int = 1, scope: str = "attention", device: str = "cpu",
+            dtype: torch.dtype = torch.float32, steps: int = 10, rounds: int = 5, warmup: int = 3,
+            reference: bool = False, verbose: bool = True) -> list[dict]:
+    """Decode records (one per name and context) for the given name -> ModelConfig, timed
+    interleaved round by round; `speed_vs_mha` is filled where a config is named "mha"."""
     max_len = max(contexts) + 1
-    configs = model_configs(args.attentions.split(","), args.size, block_size=max_len)
     layers, caches, info = {}, {}, {}
     for name, cfg in configs.items():
-        layer = build_layer(cfg, args.scope, args.device, dtype)
+        cfg = dataclasses.replace(cfg, block_size=max(cfg.block_size, max_len))  # RoPE tables reach the context
+        layer = build_layer(cfg, scope, device, dtype)
         attn = attention_of(layer)
-        cache = attn.build_kv_cache(args.batch, max_len, dtype, args.device)
+        cache = attn.build_kv_cache(batch, max_len, dtype, device)
         for t in cache.tensors.values():
             t.normal_()  # a full cache of random keys/values (or factors, latents)
         layers[name], caches[name] = layer, cache
@@ -86,31 +89,41 @@ def run(args) -> dict:
             "layer_params": sum(p.numel() for p in attn.parameters()),
             "kv_cache_bytes_per_token": cache_bytes_per_token(attn, dtype),
         }
-    if args.reference and "mha" in layers and args.scope == "attention":
-        layers[REFERENCE] = HeadMajorMHA(layers["mha"], args.batch, max_len, dtype, args.device)
+    if reference and "mha" in layers and scope == "attention":
+        layers[REFERENCE] = HeadMajorMHA(layers["mha"], batch, max_len, dtype, device)
         caches[REFERENCE] = None
         info[REFERENCE] = {**info["mha"]}
     records = []
     for context in contexts:
-        pos = torch.tensor([context], device=args.device)  # the new token sees context + 1 tokens
-        x = torch.randn(args.batch, 1, configs[next(iter(configs))].d_model, device=args.device, dtype=dtype)
+        pos = torch.tensor([context], device=device)  # the new token sees context + 1 tokens
+        x = torch.randn(batch, 1, configs[next(iter(configs))].d_model, device=device, dtype=dtype)
         seconds = {name: [] for name in layers}
         with torch.inference_mode():
             for name, layer in layers.items():  # warm up
-                time_call(lambda: layer(x, pos, caches[name]), args.warmup, args.device)
-            for _ in range(args.rounds):
+                time_call(lambda: layer(x, pos, caches[name]), warmup, device)
+            for _ in range(rounds):
                 for name, layer in layers.items():
-                    seconds[name].append(time_call(lambda: layer(x, pos, caches[name]), args.steps, args.device))
+                    seconds[name].append(time_call(lambda: layer(x, pos, caches[name]), steps, device))
         for name in layers:
             s = median(seconds[name])
-            records.append({"attention": name, "context": context, "batch": args.batch, "ms_per_token": 1e3 * s,
-                            "tokens_per_s": args.batch / s, **info[name]})
+            records.append({"attention": name, "context": context, "batch": batch, "ms_per_token": 1e3 * s,
+                            "tokens_per_s": batch / s, **info[name]})
         base = {r["attention"]: r["tokens_per_s"] for r in records if r["context"] == context}
         for r in records:
             if r["context"] == context:
                 r["speed_vs_mha"] = r["tokens_per_s"] / base["mha"] if "mha" in base else None
-        print(table([r for r in records if r["context"] == context], COLUMNS), flush=True)
-        print()
+        if verbose:
+            print(table([r for r in records if r["context"] == context], COLUMNS), flush=True)
+            print()
+    return records
+
+
+def run(args) -> dict:
+    contexts = ints(args.contexts)
+    configs = model_configs(args.attentions.split(","), args.size, block_size=max(contexts) + 1)
+    records = measure(configs, contexts, batch=args.batch, scope=args.scope, device=args.device,
+                      dtype=getattr(torch, args.dtype), steps=args.steps, rounds=args.rounds, warmup=args.warmup,
+                      reference=args.reference)
     return {"benchmark": "decode", "scope": args.scope, "size": args.size, "dtype": args.dtype,
             "environment": environment(args.device), "records": records}
 

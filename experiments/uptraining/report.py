@@ -1,6 +1,7 @@
-"""Write experiments/uptraining/REPORT.md from the runs of run.sh: final validation loss of every
-run (MLflow), the converted checkpoints' validation loss before any uptraining (measured here on
-the same validation windows), tokens trained, and KV-cache bytes per token.
+"""Write experiments/uptraining/REPORT.md from the runs of run.sh: final validation loss and the
+local zero-/two-shot scores of every run (MLflow), the converted checkpoints' validation loss before
+any uptraining (measured here on the same validation windows), tokens trained, KV-cache bytes per
+token, and decode tokens/s of each run's attention layer (t6.bench.decode, timed side by side here).
 
     python experiments/uptraining/report.py --runs logs/uptraining --out experiments/uptraining/REPORT.md
 """
@@ -14,6 +15,7 @@ from pathlib import Path
 import mlflow
 import torch
 
+from t6.bench.decode import measure
 from t6.data.datamodule import TokenDataModule
 from t6.model import T6, ModelConfig
 from t6.uptrain import validation_loss
@@ -27,6 +29,25 @@ def kv_bytes_per_token(cfg: ModelConfig) -> int:
     with torch.device("meta"):
         model = T6(cfg)
     return sum(b.attn.build_kv_cache(1, 1, device="meta").elements_per_token() for b in model.blocks) * KV_DTYPE_BYTES
+
+
+def kv_heads(cfg: ModelConfig) -> int:
+    return cfg.n_head if cfg.attention == "mha" else cfg.attention_options.get("n_kv_head", 1)
+
+
+def decode_speeds(configs: list[ModelConfig], contexts: list[int]) -> dict[tuple, dict[int, float]]:
+    """Tokens/s of one attention layer decoding at each context, for every distinct attention shape
+    among `configs` (keyed by attention, query heads, KV heads), timed interleaved in one run."""
+    shapes = {}
+    for cfg in configs:
+        key = (cfg.attention, cfg.n_head, kv_heads(cfg))
+        shapes.setdefault(key, cfg)
+    named = {("mha" if key[0] == "mha" else f"{key[0]}{key[2]}"): (key, cfg) for key, cfg in shapes.items()}
+    records = measure({name: cfg for name, (_, cfg) in named.items()}, contexts, verbose=False)
+    speeds: dict[tuple, dict[int, float]] = {}
+    for r in records:
+        speeds.setdefault(named[r["attention"]][0], {})[r["context"]] = r["tokens_per_s"]
+    return speeds
 
 
 def val_loader(run_config: dict):
@@ -48,6 +69,7 @@ def main() -> None:
     ap.add_argument("--runs", default="logs/uptraining")
     ap.add_argument("--out", default="experiments/uptraining/REPORT.md")
     ap.add_argument("--experiment", default="uptraining")
+    ap.add_argument("--contexts", default="256,4096", help="decode contexts (cached tokens) for the tokens/s columns")
     ap.add_argument("--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI", f"sqlite:///{ROOT}/mlruns/mlflow.db"))
     args = ap.parse_args()
     runs_dir = Path(args.runs)
@@ -73,8 +95,9 @@ def main() -> None:
         tokens = ckpt["TokenDataModule"]["samples_seen"] * ckpt["run_config"]["data"]["seq_len"]
         init_from = ckpt["run_config"].get("init_from")
         total = tokens + (source_tokens if init_from else 0)
-        val = run.data.metrics.get("val/loss") if run else None
-        rows.append((run_dir.name, cfg, ckpt["global_step"], tokens, total, val, run.info.run_id if run else "-"))
+        metrics = run.data.metrics if run else {}
+        scores = [metrics.get("val/loss"), metrics.get("eval/0shot/avg"), metrics.get("eval/2shot/avg")]
+        rows.append((run_dir.name, cfg, ckpt["global_step"], tokens, total, scores, run.info.run_id if run else "-"))
 
     converted = []
     for path in sorted((runs_dir / "converted").glob("*.ckpt")):
@@ -89,6 +112,15 @@ def main() -> None:
     def kv(cfg: ModelConfig) -> str:
         return f"{kv_bytes_per_token(cfg):,}"
 
+    contexts = [int(c) for c in args.contexts.split(",")]
+    speeds = decode_speeds([r[1] for r in rows] + [c[1] for c in converted], contexts)
+
+    def decode(cfg: ModelConfig) -> list[str]:
+        return [f"{speeds[(cfg.attention, cfg.n_head, kv_heads(cfg))][c]:,.0f}" for c in contexts]
+
+    def number(value: float | None, fmt: str) -> str:
+        return "-" if value is None else format(value, fmt)
+
     lines = [
         "# Uptraining MHA → GQA / MQA at CPU scale",
         "",
@@ -96,17 +128,22 @@ def main() -> None:
         f"(d_model={source_cfg.d_model}, {source_cfg.n_layer} layers, {source_cfg.n_head} query heads of {source_cfg.head_dim}), "
         f"AdamW, paper LR schedule. The MHA source trained {source_ckpt['global_step']} steps = {source_tokens:,} tokens. "
         f"Validation: {len(loader.dataset)} windows of {source_ckpt['run_config']['data']['seq_len']} tokens. "
-        f"KV bytes/token: all layers, bf16, from each attention's `cache_spec`. Produced by `experiments/uptraining/run.sh`.",
+        f"KV bytes/token: all layers, bf16, from each attention's `cache_spec`. "
+        f"0-/2-shot: the local lm-eval task `t6_next_line` (acc_norm, pick the true next line among four), "
+        f"evaluated at the end of each run. Decode tok/s: one attention layer of the run's shape decoding one token "
+        f"against a cache of {' and '.join(map(str, contexts))} tokens (`t6.bench.decode.measure`, fp32, batch 1, "
+        f"all shapes interleaved in one run on this machine, median of 5 rounds). "
+        f"Produced by `experiments/uptraining/run.sh`.",
         "",
         "## Runs",
         "",
-        "| run | attention | KV heads | steps | tokens (this run) | tokens incl. source | val loss | KV bytes/token | MLflow run |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+        "| run | attention | KV heads | steps | tokens (this run) | tokens incl. source | val loss | 0-shot | 2-shot | KV bytes/token | "
+        + " | ".join(f"decode tok/s @ {c}" for c in contexts) + " | MLflow run |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(contexts) + "---|",
     ]
-    for name, cfg, steps, tokens, total, val, run_id in rows:
-        n_kv = cfg.n_head if cfg.attention == "mha" else cfg.attention_options.get("n_kv_head", 1)
-        val_s = f"{val:.4f}" if val is not None else "-"
-        lines.append(f"| {name} | {cfg.attention} | {n_kv} | {steps} | {tokens:,} | {total:,} | {val_s} | {kv(cfg)} | `{run_id}` |")
+    for name, cfg, steps, tokens, total, (val, zero, two), run_id in rows:
+        lines.append(f"| {name} | {cfg.attention} | {kv_heads(cfg)} | {steps} | {tokens:,} | {total:,} | {number(val, '.4f')} | "
+                     f"{number(zero, '.3f')} | {number(two, '.3f')} | {kv(cfg)} | {' | '.join(decode(cfg))} | `{run_id}` |")
     lines += [
         "",
         "## Converted checkpoints before any uptraining",
@@ -117,14 +154,8 @@ def main() -> None:
         "|---|---|---:|---:|---:|---:|",
     ]
     for name, cfg, loss in converted:
-        n_kv = cfg.attention_options.get("n_kv_head", 1)
-        lines.append(f"| {name} | {cfg.attention} | {n_kv} | {loss:.4f} | {loss - source_loss:+.4f} | {kv(cfg)} |")
-    lines += [
-        "",
-        "Decode tokens/s and the local zero-/two-shot evaluation are not in this table: they come from the",
-        "inference benchmark and the lm-eval local task, to be run on the checkpoints listed above.",
-        "",
-    ]
+        lines.append(f"| {name} | {cfg.attention} | {kv_heads(cfg)} | {loss:.4f} | {loss - source_loss:+.4f} | {kv(cfg)} |")
+    lines.append("")
     Path(args.out).write_text("\n".join(lines))
     print("\n".join(lines))
 

@@ -79,3 +79,13 @@ def test_cpu_comparison_sweeps_six_attentions_and_three_seeds_at_one_budget():
     assert set(tokens.values()) == {100 * 8 * 256}
     for attention, n in params.items():  # the tiny head counts keep every mechanism near MHA's size
         assert abs(n / params["mha"] - 1) < 0.1, f"{attention}: {n} non-embedding parameters vs mha {params['mha']}"
+
+
+def test_a_recipes_declared_sweep_names_its_child_runs():
+    from t6.sweep import swept_keys
+
+    cfg = compose_recipe("cpu_comparison")
+    keys = swept_keys(["trainer.max_steps=5", "size=tiny"], cfg.hydra.sweeper.params)
+    assert keys == ["attention", "seed"]  # what varies, so each child run is named "attention=mha seed=1"
+    assert swept_keys(["attention=mha,tpa", "seed=1"], {"seed": "1,2"}) == ["seed", "attention"]
+    assert swept_keys(["attention=mha"], {}) == []

@@ -22,11 +22,14 @@ log = logging.getLogger(__name__)
 SWEEP_FILE = "mlflow_sweep.json"
 
 
-def swept_keys(overrides: list[str]) -> list[str]:
-    """The keys a sweep varies (`attention=mha,tpa`, `range(...)`, `choice(...)`), by Hydra's own parser."""
+def swept_keys(overrides: list[str], sweeper_params: dict | None = None) -> list[str]:
+    """The keys a sweep varies (`attention=mha,tpa`, `range(...)`, `choice(...)`), by Hydra's own parser:
+    on the command line, and in `hydra.sweeper.params` (where a recipe declares its sweep)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    return [o.key_or_group for o in OverridesParser.create().parse_overrides(overrides) if o.is_sweep_override()]
+    declared = [f"{key}={value}" for key, value in (sweeper_params or {}).items()]
+    keys = [o.key_or_group for o in OverridesParser.create().parse_overrides(declared + overrides) if o.is_sweep_override()]
+    return list(dict.fromkeys(keys))
 
 
 def _client(uri: str):
@@ -70,7 +73,7 @@ class MLflowSweepCallback(Callback):
             experiment_id, run_name=f"sweep {sweep_dir.name}", tags={"sweep.dir": str(sweep_dir), "sweep.overrides": overrides}
         )
         info = {"tracking_uri": uri, "experiment_name": name, "experiment_id": experiment_id, "parent_run_id": parent.info.run_id,
-                "swept_keys": swept_keys(list(config.hydra.overrides.task))}
+                "swept_keys": swept_keys(list(config.hydra.overrides.task), config.hydra.sweeper.get("params"))}
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(info, indent=2))
         tmp.replace(path)

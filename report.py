@@ -3,6 +3,7 @@
     python report.py --experiment cpu_comparison                # every run of an experiment
     python report.py --experiment cpu_comparison --parent latest  # the newest sweep of it
     python report.py --parent RUN_ID --decode-json decode.json --out experiments/NAME
+    python report.py --sweep logs/train/multiruns/DATE          # the sweep run in that directory
 
 Writes report.md, train_loss.png, val_loss.png and val_ppl.png into --out and logs them as
 artifacts (report/) to the sweep's parent run, or to a new run named `report` in the experiment.
@@ -15,6 +16,7 @@ import os
 from pathlib import Path
 
 from t6.report import build_report, find_runs, load_decode_records, load_runs, log_report
+from t6.sweep import read_sweep_file
 
 ROOT = Path(__file__).resolve().parent
 
@@ -23,6 +25,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--experiment", help="MLflow experiment name")
     parser.add_argument("--parent", help="a sweep's parent run id, or `latest` (the newest sweep of --experiment)")
+    parser.add_argument("--sweep", help="a sweep's directory (hydra.sweep.dir): its store and parent run")
     parser.add_argument("--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI", f"sqlite:///{ROOT / 'mlruns' / 'mlflow.db'}"),
                         help="MLflow store (default: $MLFLOW_TRACKING_URI, else the project's mlruns/mlflow.db)")
     parser.add_argument("--out", help="output folder (default: reports/<experiment or parent run>)")
@@ -32,8 +35,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--title", help="report title")
     parser.add_argument("--no-log", action="store_true", help="write the files only, log nothing to MLflow")
     args = parser.parse_args(argv)
+    if args.sweep:
+        if args.parent or args.experiment:
+            parser.error("--sweep names the sweep's parent run itself; drop --parent/--experiment")
+        try:
+            info = read_sweep_file(args.sweep)
+        except FileNotFoundError as err:
+            parser.error(str(err))
+        args.parent, args.tracking_uri = info["parent_run_id"], info["tracking_uri"]
     if not args.experiment and not args.parent:
-        parser.error("give --experiment NAME or --parent RUN_ID")
+        parser.error("give --experiment NAME, --parent RUN_ID or --sweep DIR")
     return args
 
 

@@ -226,3 +226,20 @@ def test_build_report_without_finished_runs_says_so(tmp_path):
     report = build_report([run], tmp_path, "t")
     assert "| x | abc12345 | mha | – | RUNNING | – | – | no: status RUNNING |" in report.markdown
     assert "No finished run to report on." in report.markdown
+
+
+def test_report_on_a_sweep_directory_reads_its_store_and_parent(store, tmp_path):
+    from t6.sweep import SWEEP_FILE
+
+    client, ids = store["client"], store["ids"]
+    cli = load_cli()
+    with pytest.raises(SystemExit):  # argparse error naming the missing file
+        cli.main(["--sweep", str(tmp_path / "not-a-sweep")])
+    parent = client.create_run(store["experiment_id"], run_name="sweep").info.run_id
+    client.set_tag(ids["tpa-3"], "mlflow.parentRunId", parent)
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    (sweep / SWEEP_FILE).write_text(json.dumps({"tracking_uri": store["uri"], "parent_run_id": parent}))
+    out = cli.main(["--sweep", str(sweep), "--out", str(tmp_path / "rep"), "--no-log"])
+    md = (out / "report.md").read_text()
+    assert "| tpa-3 |" in md and "| mha-1 |" not in md  # only the sweep's child

@@ -88,6 +88,15 @@ class MLflowSweepCallback(Callback):
             _client(info["tracking_uri"]).set_terminated(info["parent_run_id"], "FINISHED")
 
 
+def read_sweep_file(sweep_dir: str | Path) -> dict:
+    """The MLflow store, experiment and parent run a sweep directory (hydra.sweep.dir) recorded."""
+    path = Path(sweep_dir) / SWEEP_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: {sweep_dir} is not the directory of a sweep "
+                                f"(python train.py -m ... with logger=mlflow writes it at the start)")
+    return json.loads(path.read_text())
+
+
 def sweep_job_info() -> dict | None:
     """For a job of a multirun: the sweep's MLflow experiment and parent run, plus this job's overrides."""
     from hydra.core.hydra_config import HydraConfig

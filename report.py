@@ -1,9 +1,9 @@
 """Report on MLflow runs as the paper's tables and figures.
 
-    python report.py --experiment cpu_comparison                # every run of an experiment
-    python report.py --experiment cpu_comparison --parent latest  # the newest sweep of it
+    python report.py --sweep logs/train/multiruns/DATE           # the sweep run in that directory
+    python report.py --experiment NAME                          # every run of an experiment
+    python report.py --experiment NAME --parent latest          # the newest sweep (parent run) in it
     python report.py --parent RUN_ID --decode-json decode.json --out experiments/NAME
-    python report.py --sweep logs/train/multiruns/DATE          # the sweep run in that directory
 
 Writes report.md, train_loss.png, val_loss.png and val_ppl.png into --out and logs them as
 artifacts (report/) to the sweep's parent run, or to a new run named `report` in the experiment.

@@ -17,6 +17,7 @@ from t6.uptrain import (
     convert_checkpoint,
     convert_state_dict,
     load_warm_start,
+    source_lr,
     pool_heads,
     target_config,
     validation_loss,
@@ -155,6 +156,9 @@ def test_converted_model_is_close_to_its_source_and_uptrains(make_cfg, tmp_path)
     # Uptrain 25% of the source's tokens: 10 steps from the converted weights, a new run tagged with its source.
     run_opts = [o for o in TEST_RUN if not o.startswith(("trainer.max_steps", "trainer.val_check_interval"))]
     up_cfg = make_cfg(*run_opts, "experiment=uptrain", f"init_from={out}", "uptrain_fraction=0.25", "data.val_windows=8", small=False)
+    # The recipe's learning rate starts where the source's schedule ended and decays to a tenth of it.
+    assert up_cfg.lr_ablation.max_lr == pytest.approx(cfg.lr_ablation.min_lr)
+    assert up_cfg.lr_ablation.min_lr == pytest.approx(0.1 * cfg.lr_ablation.min_lr)
     metrics, up = train(up_cfg)
     assert up["trainer"].global_step == 10
     assert up["model"].model.cfg.attention == "gqa" and up["model"].model.blocks[0].attn.n_kv == 2
@@ -181,5 +185,10 @@ def test_train_tells_warm_start_from_resume(make_cfg, tmp_path):
     torch.save(odd, tmp_path / "odd.ckpt")
     with pytest.raises(ValueError, match=r"cannot be expressed by size/attention: rope_theta=500000.0 \(the config gives 10000.0\)"):
         train(make_cfg(f"init_from={tmp_path / 'odd.ckpt'}"))
+    lrs = ["lr_ablation.max_lr=1e-3", "lr_ablation.min_lr=1e-4"]
     with pytest.raises(ValueError, match="does not record how many tokens"):  # no run config, no data position
-        train(make_cfg("experiment=uptrain", f"init_from={out}", small=False))
+        train(make_cfg("experiment=uptrain", f"init_from={out}", *lrs, small=False))
+    with pytest.raises(ValueError, match="records no lr_ablation.min_lr; set lr_ablation.max_lr and lr_ablation.min_lr"):
+        train(make_cfg("experiment=uptrain", f"init_from={out}", "trainer.max_steps=2", small=False))
+    with pytest.raises(FileNotFoundError, match="init_from='nope.ckpt' does not exist"):
+        source_lr("nope.ckpt")

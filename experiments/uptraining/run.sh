@@ -7,9 +7,8 @@
 #
 #   bash experiments/uptraining/run.sh              # STEPS=200: 5% = 10 steps, 10% = 20 steps
 #   STEPS=400 SIZE=tiny bash experiments/uptraining/run.sh
-# The committed REPORT.md ran on 2 shared CPU cores with the shrunk tiny model:
-#   STEPS=200 EXTRA="size.n_layer=2 size.d_model=64 size.block_size=64 data.batch_size=4 data.val_windows=64" \
-#     bash experiments/uptraining/run.sh
+# The committed REPORT.md ran on 2 CPU cores (~22 min):
+#   STEPS=100 SIZE=tiny EXTRA="data.batch_size=8" PY=.venv/bin/python bash experiments/uptraining/run.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-python}
@@ -45,21 +44,21 @@ SRC="$OUT/mha-scratch/checkpoints/last.ckpt"
 "$PY" convert.py ckpt_path="$SRC" target=gqa target_kv_heads="$KV" method=first out="$OUT/converted/gqa$KV-first.ckpt"
 "$PY" convert.py ckpt_path="$SRC" target=mqa method=first out="$OUT/converted/mqa-first.ckpt"
 
-# 3. Uptrain the mean-pooled conversions at 5% and 10% of the MHA's tokens.
+# 3. Uptrain the mean-pooled conversions at 5% and 10% of the MHA's tokens, re-warming to the
+#    size's peak learning rate (the pretraining schedule again: tiny 3e-3 -> 3e-4).
+PEAK=("lr_ablation.max_lr=\${lr_ablation.by_size.$SIZE.max_lr}" "lr_ablation.min_lr=\${lr_ablation.by_size.$SIZE.min_lr}")
 for target in gqa"$KV" mqa; do
   for fraction in 0.05 0.10; do
-    train "$target-uptrain-$fraction" experiment=uptrain init_from="$OUT/converted/$target-mean.ckpt" uptrain_fraction="$fraction"
+    train "$target-uptrain-$fraction" experiment=uptrain init_from="$OUT/converted/$target-mean.ckpt" uptrain_fraction="$fraction" "${PEAK[@]}"
   done
 done
 
-# 3b. The same at the source's final learning rate (tiny: min_lr 3e-4) instead of re-warming to its peak (3e-3).
-LOW_LR=${LOW_LR:-3.0e-4}
-LOW_MIN_LR=${LOW_MIN_LR:-3.0e-5}
-LOW_TAG=${LOW_TAG:-lr3e-4}   # run-name suffix
+# 3b. The same with the recipe's default: start at the source's final learning rate (its min_lr,
+#     tiny 3e-4) and decay to a tenth of it.
+LOW_TAG=${LOW_TAG:-lr3e-4}   # run-name suffix (the tiny source's final learning rate)
 for target in gqa"$KV" mqa; do
   for fraction in 0.05 0.10; do
-    train "$target-uptrain-$fraction-$LOW_TAG" experiment=uptrain init_from="$OUT/converted/$target-mean.ckpt" \
-      uptrain_fraction="$fraction" lr_ablation.max_lr="$LOW_LR" lr_ablation.min_lr="$LOW_MIN_LR"
+    train "$target-uptrain-$fraction-$LOW_TAG" experiment=uptrain init_from="$OUT/converted/$target-mean.ckpt" uptrain_fraction="$fraction"
   done
 done
 

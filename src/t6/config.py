@@ -22,6 +22,12 @@ def _uptrain_steps(*args) -> int:
     return uptrain_steps(*args)
 
 
+def _source_lr(*args) -> float:
+    from t6.uptrain import source_lr
+
+    return source_lr(*args)
+
+
 def _ceil_mul(value: float, factor: float) -> int:
     return math.ceil(float(value) * float(factor))
 
@@ -32,6 +38,9 @@ def register_resolvers() -> None:
     if not OmegaConf.has_resolver("t6.uptrain_steps"):
         # ${t6.uptrain_steps:init_from,fraction,batch_size,global_batch_size,devices,seq_len} (conf/experiment/uptrain.yaml)
         OmegaConf.register_new_resolver("t6.uptrain_steps", _uptrain_steps)
+    if not OmegaConf.has_resolver("t6.source_lr"):
+        # ${t6.source_lr:init_from,key,factor}: factor x the source run's lr_ablation.<key> (conf/experiment/uptrain.yaml)
+        OmegaConf.register_new_resolver("t6.source_lr", _source_lr)
     if not OmegaConf.has_resolver("t6.ceil_mul"):
         OmegaConf.register_new_resolver("t6.ceil_mul", _ceil_mul)  # ${t6.ceil_mul:x,f} = ceil(x * f), e.g. warmup steps
 

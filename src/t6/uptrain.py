@@ -238,6 +238,27 @@ def uptrain_steps(init_from: str, fraction: float, batch_size: int, global_batch
     return max(1, math.ceil(float(fraction) * source["tokens"] / tokens_per_step))
 
 
+def source_lr(init_from: str, key: str = "min_lr", factor: float = 1.0) -> float:
+    """factor x the source run's lr_ablation.<key> (min_lr: the learning rate its schedule ended at),
+    read from the converted checkpoint `init_from`."""
+    if not init_from:
+        raise ValueError("the uptrain recipe needs init_from=PATH, a checkpoint written by `python convert.py`")
+    path = Path(init_from)
+    if not path.is_file():
+        raise FileNotFoundError(f"init_from={init_from!r} does not exist")
+    run = _warm_start_run_config(str(path.resolve()), path.stat().st_mtime)
+    value = (run.get("lr_ablation") or {}).get(key)
+    if value is None:
+        raise ValueError(f"init_from={init_from!r}: its source run config records no lr_ablation.{key}; "
+                         "set lr_ablation.max_lr and lr_ablation.min_lr explicitly")
+    return float(value) * float(factor)
+
+
+@lru_cache(maxsize=16)
+def _warm_start_run_config(path: str, mtime: float) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("source_run_config") or {}
+
+
 @torch.no_grad()
 def validation_loss(model: T6, loader) -> float:
     """Mean next-token cross-entropy of model over a loader of (input [B, T], target [B, T]) batches."""

@@ -43,7 +43,7 @@ def decode_speeds(configs: list[ModelConfig], contexts: list[int]) -> dict[tuple
         key = (cfg.attention, cfg.n_head, kv_heads(cfg))
         shapes.setdefault(key, cfg)
     named = {("mha" if key[0] == "mha" else f"{key[0]}{key[2]}"): (key, cfg) for key, cfg in shapes.items()}
-    records = measure({name: cfg for name, (_, cfg) in named.items()}, contexts, verbose=False)
+    records = measure({name: cfg for name, (_, cfg) in named.items()}, contexts, steps=50, rounds=7, warmup=20, verbose=False)
     speeds: dict[tuple, dict[int, float]] = {}
     for r in records:
         speeds.setdefault(named[r["attention"]][0], {})[r["context"]] = r["tokens_per_s"]
@@ -132,7 +132,7 @@ def main() -> None:
         f"0-/2-shot: the local lm-eval task `t6_next_line` (acc_norm, pick the true next line among four), "
         f"evaluated at the end of each run. Decode tok/s: one attention layer of the run's shape decoding one token "
         f"against a cache of {' and '.join(map(str, contexts))} tokens (`t6.bench.decode.measure`, fp32, batch 1, "
-        f"all shapes interleaved in one run on this machine, median of 5 rounds). "
+        f"all shapes interleaved in one run on this machine, median of 7 rounds of 50 calls). "
         f"Produced by `experiments/uptraining/run.sh`.",
         "",
         "## Runs",

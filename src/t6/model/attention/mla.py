@@ -99,11 +99,15 @@ class MultiHeadLatentAttention(Attention):
         h, T, S = self.cfg.n_head, q_nope.shape[1], c_kv.shape[1]
         w = self.kv_up.weight.view(h, self.d_nope + self.d_v, self.d_c)  # [h, nope+d_v, d_c]
         w_uk, w_uv = w.split([self.d_nope, self.d_v], dim=1)  # [h, nope, d_c], [h, d_v, d_c]
+        B = q_nope.shape[0]
         q_lat = torch.einsum("bthn,hnc->bhtc", q_nope, w_uk)  # [B, h, T, d_c]: q_nope^T W_UK
-        q = torch.cat([q_lat, q_rope.transpose(1, 2)], dim=-1)  # [B, h, T, d_c+rope]
-        k = torch.cat([c_kv, k_rope], dim=-1)[:, None]  # [B, 1, S, d_c+rope]
-        mask = None if T == 1 else causal_mask(pos, S)  # [T, S]; a single new token sees the whole cache
-        o = F.scaled_dot_product_attention(
-            q, k, c_kv[:, None], attn_mask=mask, scale=self.scale, enable_gqa=True
-        )  # [B, h, T, d_c]: attention-weighted latents
+        # All heads share one key/value (the latent), so the heads become extra query rows of one
+        # batched matmul: the cache is read once, never copied per head or concatenated.
+        scores = q_lat.reshape(B, h * T, self.d_c) @ c_kv.transpose(1, 2)  # [B, h*T, S]: latent part
+        scores = scores + q_rope.transpose(1, 2).reshape(B, h * T, self.d_rope) @ k_rope.transpose(1, 2)  # [B, h*T, S]: + RoPE part
+        scores = scores.view(B, h, T, S) * self.scale  # [B, h, T, S]
+        if T > 1:  # a single new token sees the whole cache
+            scores = scores.masked_fill(~causal_mask(pos, S), float("-inf"))  # [B, h, T, S]
+        probs = scores.float().softmax(dim=-1).to(c_kv.dtype)  # [B, h, T, S]
+        o = (probs.view(B, h * T, S) @ c_kv).view(B, h, T, self.d_c)  # [B, h, T, d_c]: attention-weighted latents
         return torch.einsum("bhtc,hvc->bthv", o, w_uv)  # [B, T, h, d_v]: W_UV applied after attention

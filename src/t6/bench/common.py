@@ -124,6 +124,14 @@ def common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, help="write the records to this JSON file")
 
 
+def layer_args(parser: argparse.ArgumentParser, contexts: str, contexts_help: str) -> None:
+    """The options of the one-layer inference benchmarks (decode, prefill): lengths, batch, scope."""
+    parser.add_argument("--contexts", default=contexts, help=contexts_help)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--scope", default="attention", choices=["attention", "block"],
+                        help="one attention layer, or the whole decoder block (adds the norms and SwiGLU)")
+
+
 def table(records: list[dict], columns: list[tuple[str, str, str]]) -> str:
     """columns: (key, header, format) -> a fixed-width text table."""
     cells = [[h for _, h, _ in columns]]

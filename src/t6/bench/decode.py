@@ -23,8 +23,8 @@ import dataclasses
 
 import torch
 
-from t6.bench.common import (cache_bytes_per_token, common_args, environment, ints, median, model_configs, table,
-                             time_call, write_json)
+from t6.bench.common import (cache_bytes_per_token, common_args, environment, ints, layer_args, median, model_configs,
+                             table, time_call, write_json)
 from t6.model.attention.gqa import GroupedQueryAttention
 from t6.model.t6 import Block
 
@@ -150,9 +150,7 @@ def summary(records: list[dict]) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common_args(parser)
-    parser.add_argument("--contexts", default="1k,2k,4k,8k,16k,32k", help="cached tokens before the new one")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--scope", default="attention", choices=["attention", "block"])
+    layer_args(parser, "1k,2k,4k,8k,16k,32k", "cached tokens before the new one")
     parser.add_argument("--steps", type=int, default=10, help="decode calls per timed round")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the median is reported")
     parser.add_argument("--warmup", type=int, default=3)

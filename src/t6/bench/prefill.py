@@ -16,8 +16,8 @@ import argparse
 
 import torch
 
-from t6.bench.common import (cache_bytes_per_token, common_args, environment, ints, median, model_configs, table,
-                             time_call, write_json)
+from t6.bench.common import (cache_bytes_per_token, common_args, environment, ints, layer_args, median, model_configs,
+                             table, time_call, write_json)
 from t6.bench.decode import attention_of, build_layer
 
 
@@ -62,9 +62,7 @@ COLUMNS = [("attention", "attention", ""), ("context", "prompt", "d"), ("n_head"
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common_args(parser)
-    parser.add_argument("--contexts", default="512,1k,2k,4k", help="prompt lengths")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--scope", default="attention", choices=["attention", "block"])
+    layer_args(parser, "512,1k,2k,4k", "prompt lengths")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
     if args.threads:

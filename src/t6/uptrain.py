@@ -214,20 +214,28 @@ def adopt_model_config(cfg, model_cfg: dict) -> list[str]:
 
 
 @lru_cache(maxsize=16)
-def _warm_start_source(path: str, mtime: float) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)["source"]
+def _warm_start_meta(path: str, mtime: float) -> dict:
+    """A converted checkpoint's `source` and `source_run_config`, loaded once per file version
+    (the uptrain recipe's resolvers read both while the config is composed)."""
+    ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    return {"source": ckpt["source"], "run_config": ckpt.get("source_run_config") or {}}
+
+
+def converted_meta(init_from: str, needed_by: str) -> dict:
+    """`source` and `run_config` of the converted checkpoint `init_from`, for the recipe value `needed_by`."""
+    if not init_from:
+        raise ValueError(f"{needed_by} needs init_from=PATH, a checkpoint written by `python convert.py`")
+    path = Path(init_from)
+    if not path.is_file():
+        raise FileNotFoundError(f"init_from={init_from!r} does not exist")
+    return _warm_start_meta(str(path.resolve()), path.stat().st_mtime)
 
 
 def uptrain_steps(init_from: str, fraction: float, batch_size: int, global_batch_size: int | None, devices, seq_len: int) -> int:
     """Optimizer steps that train on `fraction` of the source's tokens at this run's global batch and seq_len."""
-    if not init_from:
-        raise ValueError("uptrain_fraction needs init_from=PATH, a checkpoint written by `python convert.py`")
     if not 0 < float(fraction):
         raise ValueError(f"uptrain_fraction={fraction} must be positive")
-    path = Path(init_from)
-    if not path.is_file():
-        raise FileNotFoundError(f"init_from={init_from!r} does not exist")
-    source = _warm_start_source(str(path.resolve()), path.stat().st_mtime)
+    source = converted_meta(init_from, "uptrain_fraction")["source"]
     if not source.get("tokens"):
         raise ValueError(
             f"init_from={init_from!r}: its source checkpoint does not record how many tokens it was trained on; "
@@ -241,22 +249,12 @@ def uptrain_steps(init_from: str, fraction: float, batch_size: int, global_batch
 def source_lr(init_from: str, key: str = "min_lr", factor: float = 1.0) -> float:
     """factor x the source run's lr_ablation.<key> (min_lr: the learning rate its schedule ended at),
     read from the converted checkpoint `init_from`."""
-    if not init_from:
-        raise ValueError("the uptrain recipe needs init_from=PATH, a checkpoint written by `python convert.py`")
-    path = Path(init_from)
-    if not path.is_file():
-        raise FileNotFoundError(f"init_from={init_from!r} does not exist")
-    run = _warm_start_run_config(str(path.resolve()), path.stat().st_mtime)
+    run = converted_meta(init_from, f"lr_ablation.{key} from the source")["run_config"]
     value = (run.get("lr_ablation") or {}).get(key)
     if value is None:
         raise ValueError(f"init_from={init_from!r}: its source run config records no lr_ablation.{key}; "
                          "set lr_ablation.max_lr and lr_ablation.min_lr explicitly")
     return float(value) * float(factor)
-
-
-@lru_cache(maxsize=16)
-def _warm_start_run_config(path: str, mtime: float) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("source_run_config") or {}
 
 
 @torch.no_grad()

@@ -89,3 +89,31 @@ def test_a_recipes_declared_sweep_names_its_child_runs():
     assert keys == ["attention", "seed"]  # what varies, so each child run is named "attention=mha seed=1"
     assert swept_keys(["attention=mha,tpa", "seed=1"], {"seed": "1,2"}) == ["seed", "attention"]
     assert swept_keys(["attention=mha"], {}) == []
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_every_recipe_runs_without_tracking(name):
+    """`experiment=NAME logger=none`: a recipe's own `logger.mlflow.*` settings leave no half logger behind."""
+    from t6.tracking import mlflow_config
+    from t6.train import instantiate_dict
+
+    cfg = compose_recipe(name, "logger=none")
+    assert mlflow_config(cfg) is None and instantiate_dict(cfg.get("logger")) == []
+    assert mlflow_config(compose_recipe(name)) is not None  # and with the default logger it is one
+
+
+def test_a_recipe_trains_with_logger_none(tmp_path, shared_data_dir, monkeypatch):
+    from omegaconf import open_dict
+
+    from t6.train import train
+
+    from conftest import TEST_RUN, TEST_SIZE, compose_config
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    run = [o for o in TEST_RUN if not o.startswith("logger.")] + ["trainer.max_steps=3", "trainer.val_check_interval=3"]
+    cfg = compose_config(["experiment=cpu_comparison", "logger=none", "eval=none", *TEST_SIZE, *run], tmp_path)
+    with open_dict(cfg):
+        cfg.paths.data_dir = str(shared_data_dir)
+    metrics, objects = train(cfg)
+    assert objects["mlflow"] is None and objects["trainer"].global_step == 3 and "val/loss" in metrics
+    assert not (tmp_path / "mlruns").exists()

@@ -45,9 +45,9 @@ class MLflowSweepCallback(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from t6.distributed import env_rank
-        from t6.tracking import check_tracking_uri
+        from t6.tracking import check_tracking_uri, mlflow_config
 
-        mlflow_cfg = (config.get("logger") or {}).get("mlflow")
+        mlflow_cfg = mlflow_config(config)
         if mlflow_cfg is None or env_rank() != 0:
             return
         sweep_dir = Path(config.hydra.sweep.dir)

@@ -8,6 +8,14 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from lightning.pytorch.loggers import MLFlowLogger
+from omegaconf import DictConfig
+
+
+def mlflow_config(cfg: DictConfig) -> DictConfig | None:
+    """The MLflow logger's config when one is configured. A recipe may set `logger.mlflow.<key>`
+    for its runs; under `logger=none` that leaves a bare dict without `_target_`, which is no logger."""
+    conf = (cfg.get("logger") or {}).get("mlflow")
+    return conf if isinstance(conf, DictConfig) and "_target_" in conf else None
 
 
 def check_tracking_uri(uri: str, timeout_s: float = 10.0) -> None:

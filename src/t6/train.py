@@ -25,7 +25,7 @@ from t6.evaluation.callback import build_eval_callback
 from t6.module import T6LitModule
 from t6.summary import summarize
 from t6.sweep import attach_to_sweep, sweep_job_info
-from t6.tracking import check_tracking_uri
+from t6.tracking import check_tracking_uri, mlflow_config
 from t6.uptrain import WARM_START_FORMAT, adopt_model_config, load_warm_start
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     mcfg = model_config(cfg)  # ValueError naming every bad model field
     ckpt_path = resolve_ckpt_path(cfg)  # ckpt_path=PATH | last, or this run dir's last.ckpt (auto_resume)
     meta = read_checkpoint_meta(ckpt_path) if ckpt_path else {}
-    use_mlflow = "mlflow" in (cfg.get("logger") or {})
+    use_mlflow = mlflow_config(cfg) is not None
     if use_mlflow:
         check_tracking_uri(cfg.logger.mlflow.tracking_uri)  # unreachable server: fail now, not after training
         sweep = sweep_job_info()

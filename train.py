@@ -1,6 +1,7 @@
 """Train a T6: `python train.py attention=tpa size=tiny` (see conf/train.yaml for every group)."""
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -13,8 +14,6 @@ import t6.config  # noqa: E402,F401  (registers the config resolvers)
 from t6.distributed import hydra_job_scope  # noqa: E402
 from t6.train import summary, train  # noqa: E402
 
-PREEMPTED_EXIT = 143  # 128 + SIGTERM: the status schedulers and torchrun expect of a terminated job
-
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
@@ -23,9 +22,11 @@ def main(cfg: DictConfig) -> float | None:
     try:
         with hydra_job_scope():  # DDP ranks started by Lightning repeat this job, not the whole sweep
             metrics, objects = train(cfg)
-    except SIGTERMException:
-        print("terminated (SIGTERM): last.ckpt saved; run the same command again to resume", file=sys.stderr)
-        sys.exit(PREEMPTED_EXIT)
+    except SIGTERMException as stop:  # SIGTERM or Ctrl-C: last.ckpt saved, the MLflow run marked KILLED
+        signum = getattr(stop, "signum", signal.SIGTERM)
+        what = "interrupted (Ctrl-C)" if signum == signal.SIGINT else f"terminated ({signal.Signals(signum).name})"
+        print(f"{what}: last.ckpt saved; run the same command again to resume", file=sys.stderr)
+        sys.exit(128 + signum)  # 143 for SIGTERM, 130 for Ctrl-C: what schedulers and shells expect
     if objects["trainer"].is_global_zero:
         print(summary(metrics, objects))
     return metrics.get("val/loss")  # for Hydra sweepers that optimize a value

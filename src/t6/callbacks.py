@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import logging
 import random
+import signal
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -23,11 +26,28 @@ class PreemptionCheckpoint(L.Callback):
     at the next batch boundary on every rank with SIGTERMException; this saves `last.ckpt` in the
     ModelCheckpoint directory before the process exits, so a re-run with the same run directory
     (auto_resume) or `ckpt_path=last` continues from that exact step. It also writes `last.ckpt` after
-    the final step when the periodic checkpoint interval does not fall on it."""
+    the final step when the periodic checkpoint interval does not fall on it.
+
+    Ctrl-C (SIGINT) takes the same path: the first one asks Lightning to stop at the next batch
+    boundary (its SIGTERM flag), so the interrupted run is saved and resumable; a second Ctrl-C
+    interrupts at once, without saving. `signum` is the signal that stopped the run."""
 
     def __init__(self, filename: str = "last.ckpt"):
         self.filename = filename
         self.saved_path: str | None = None
+        self.signum: int = signal.SIGTERM
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Lightning's teardown restores the handlers it found at fit start, this one included.
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, lambda signum, frame: self._on_sigint(trainer))
+
+    def _on_sigint(self, trainer: L.Trainer) -> None:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C: KeyboardInterrupt now
+        self.signum = signal.SIGINT
+        trainer._signal_connector.received_sigterm = True  # the flag Lightning's loops check at batch boundaries
+        if trainer.is_global_zero:
+            sys.stderr.write("\nCtrl-C: stopping after this step to save last.ckpt (press Ctrl-C again to quit without saving)\n")
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
         # The final optimizer step, saved in the same hook (hence the same loop state) as ModelCheckpoint's
@@ -50,7 +70,8 @@ class PreemptionCheckpoint(L.Callback):
         trainer.save_checkpoint(path)  # every rank calls it (a collective under DDP/FSDP); rank 0 writes
         self.saved_path = path
         if trainer.is_global_zero:
-            log.warning("SIGTERM: saved %s at step %d; re-run the same command to resume", path, trainer.global_step)
+            log.warning("%s: saved %s at step %d; re-run the same command to resume",
+                        signal.Signals(self.signum).name, path, trainer.global_step)
 
 
 def _rng_state() -> dict:

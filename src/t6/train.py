@@ -7,6 +7,7 @@ checked before the Trainer starts, so a bad option costs seconds, not a run.
 from __future__ import annotations
 
 import logging
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from t6.callbacks import PreemptionCheckpoint
 from t6.checkpoint import resolve_ckpt_path
 from t6.config import flatten, model_config
 from t6.distributed import destroy_process_group
@@ -136,13 +138,16 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     elif mlflow is not None and trainer.is_global_zero:
         mlflow.experiment.update_run(mlflow.run_id, status="RUNNING")  # it was KILLED or FAILED when interrupted
 
-    # 3. Train. SIGTERM (preemption) saves last.ckpt (callbacks.PreemptionCheckpoint) and ends the
-    # MLflow run as KILLED before the SIGTERMException leaves; the resumed run sets it running again.
+    # 3. Train. SIGTERM (preemption) and Ctrl-C save last.ckpt (callbacks.PreemptionCheckpoint) and end
+    # the MLflow run as KILLED before the SIGTERMException leaves, carrying the signal as `signum`;
+    # the resumed run sets it running again.
     try:
         trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
-    except SIGTERMException:
+    except SIGTERMException as stop:
         if mlflow is not None and trainer.is_global_zero and mlflow.run_id:
             mlflow.experiment.set_terminated(mlflow.run_id, "KILLED")
+        preemption = next((cb for cb in trainer.callbacks if isinstance(cb, PreemptionCheckpoint)), None)
+        stop.signum = preemption.signum if preemption is not None else signal.SIGTERM
         raise
     finally:
         destroy_process_group()  # a sweep's next job in this process starts its own group

@@ -1,0 +1,55 @@
+"""`python train.py` in a subprocess whose stdout is a pipe (as under nohup or SLURM): plain progress
+lines, then a real Ctrl-C (SIGINT) that saves a resumable last.ckpt and marks the MLflow run KILLED."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+
+from test_distributed import ROOT, all_runs, client, command, run, step_of
+
+pytestmark = pytest.mark.slow
+LINE = re.compile(r"^step (\d+)/(\d+) \((\d+)%\) \| loss (\d+\.\d{4}) \| lr (\S+) \| ([\d,]+) tok/s \| elapsed \S+ \| ETA \S+$")
+
+
+def test_ctrl_c_saves_last_ckpt_and_progress_lines_go_to_a_pipe(tmp_path, shared_data_dir):
+    run_dir = tmp_path / "job"
+    overrides = ["trainer.max_steps=100000", "callbacks.model_checkpoint.every_n_train_steps=1000", f"hydra.run.dir={run_dir}"]
+    args, env = command(tmp_path, shared_data_dir, *overrides)
+    with open(tmp_path / "stderr.txt", "w") as err:
+        proc = subprocess.Popen(args, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True)
+        try:
+            lines, deadline = [], time.time() + 300
+            while len([line for line in lines if line.startswith("step ")]) < 3:
+                line = proc.stdout.readline()
+                assert line and time.time() < deadline, "\n".join(lines[-5:]) + (tmp_path / "stderr.txt").read_text()[-3000:]
+                lines.append(line.rstrip("\n"))
+            proc.send_signal(signal.SIGINT)  # Ctrl-C
+            rest, _ = proc.communicate(timeout=120)
+        finally:
+            proc.kill()
+    stderr = (tmp_path / "stderr.txt").read_text()
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "interrupted (Ctrl-C): last.ckpt saved" in stderr and "Traceback" not in stderr
+
+    progress = [LINE.match(line) for line in lines + rest.splitlines() if line.startswith("step ")]
+    assert all(progress), [line for line in lines if line.startswith("step ")]
+    steps = [int(m[1]) for m in progress]
+    assert steps[:3] == [1, 2, 3] and all(int(m[2]) == 100000 for m in progress)  # log_every_n_steps=1 in tests
+    assert all(float(m[4]) > 0 and float(m[5]) > 0 for m in progress)
+
+    saved = step_of(run_dir / "checkpoints" / "last.ckpt")  # no periodic checkpoint yet: saved by the interrupt
+    assert saved >= 3 and not list((run_dir / "checkpoints").glob("step*.ckpt"))
+    (killed,) = all_runs(client(tmp_path))
+    assert killed.info.status == "KILLED"
+
+    resumed = run(tmp_path, shared_data_dir, *overrides[1:], "ckpt_path=last", f"trainer.max_steps={saved + 2}")
+    steps = [int(LINE.match(line)[1]) for line in resumed.stdout.splitlines() if LINE.match(line)]
+    assert steps == [saved + 1, saved + 2]  # counted from the resumed step, against the same max_steps
+    assert step_of(run_dir / "checkpoints" / "last.ckpt") == saved + 2
+    (finished,) = all_runs(client(tmp_path))
+    assert finished.info.run_id == killed.info.run_id and finished.info.status == "FINISHED"

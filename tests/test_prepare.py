@@ -109,3 +109,91 @@ def test_missing_fineweb_shards_name_the_prepare_command(make_cfg, tmp_path):
     dm = instantiate(cfg.data)
     with pytest.raises(ShardError, match="prepare it with: python prepare.py dataset=fineweb_edu"):
         dm.setup("fit")
+
+
+@pytest.fixture(scope="module")
+def five_mb_jsonl(tmp_path_factory):
+    """~5 MB of JSONL made from the shipped Tiny Shakespeare: its speeches, repeated, one document a line."""
+    docs = [d for d in TINY_SHAKESPEARE.read_text().split("\n\n") if d]
+    path = tmp_path_factory.mktemp("local") / "docs.jsonl"
+    with open(path, "w") as f:
+        while f.tell() < 5_000_000:
+            f.write("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return path
+
+
+def test_a_small_local_file_prepares_and_trains_with_the_defaults(five_mb_jsonl, tmp_path, monkeypatch, caplog):
+    """prepare.py dataset=local (shard size from the data), then train.py data=local, both with their defaults."""
+    import logging
+
+    from omegaconf import open_dict
+
+    from t6.train import train
+
+    from conftest import TEST_SIZE, compose_config
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    d = compose_config(["dataset=local", f"dataset.data_files={five_mb_jsonl}"], tmp_path, "prepare").dataset
+    manifest = prepare.prepare_dataset(d.out_dir, path=d.path, config=d.config, split=d.split, data_files=d.data_files,
+                                       text_field=d.text_field, shard_tokens=d.shard_tokens, max_tokens=d.max_tokens,
+                                       num_proc=d.num_proc, progress_bar=False)
+    counts = [s["tokens"] for s in manifest.shards]
+    assert 8 <= len(counts) <= 12 and counts[0] < sum(counts) / 5  # ~10 shards, validation ~10%
+    assert not (tmp_path / "data" / "local" / prepare.PROGRESS).exists()  # the manifest marks it done
+
+    run = ["trainer.max_steps=3", "trainer.val_check_interval=3", "logger=none", "eval=none", "print_config=false",
+           "callbacks.rich_progress_bar=null", "callbacks.rich_model_summary=null"]
+    cfg = compose_config(["data=local", *TEST_SIZE, *run], tmp_path)
+    assert cfg.data.data_dir == d.out_dir and cfg.data.global_batch_size is None
+    with caplog.at_level(logging.INFO, logger="t6.train"):
+        metrics, objects = train(cfg)
+    assert objects["trainer"].global_step == 3 and objects["trainer"].accumulate_grad_batches == 1
+    assert np.isfinite(metrics["val/loss"]) and "gradient accumulation" not in caplog.text
+
+    with open_dict(cfg):  # accumulation is announced when there is any
+        cfg.data.global_batch_size = 4 * cfg.data.batch_size
+        cfg.trainer.max_steps = 1
+        cfg.paths.output_dir = str(tmp_path / "accumulate")
+    with caplog.at_level(logging.INFO, logger="t6.train"):
+        train(cfg)
+    assert "gradient accumulation: 4 micro-batches per optimizer step" in caplog.text
+
+
+def test_a_rerun_with_another_shard_size_starts_over(corpus, tmp_path, monkeypatch):
+    """An unfinished run's progress.json does not block a re-run of the same data with other settings."""
+    out = tmp_path / "out"
+    real_write = prepare.write_shard
+
+    def crash_on_fifth(p, tokens):
+        if p.name == prepare.shard_name(4):
+            p.with_name(p.name + ".tmp").write_bytes(b"partial")
+            raise KeyboardInterrupt
+        real_write(p, tokens)
+
+    monkeypatch.setattr(prepare, "write_shard", crash_on_fifth)
+    with pytest.raises(KeyboardInterrupt):
+        run(corpus[0], out)  # 1000-token shards, interrupted: progress.json and four shards remain
+    monkeypatch.setattr(prepare, "write_shard", real_write)
+    assert (out / prepare.PROGRESS).is_file()
+    manifest = prepare.prepare_dataset(out, path="json", config=None, data_files=str(corpus[0]), shard_tokens=3000,
+                                       num_proc=2, progress_bar=False)
+    assert [s["tokens"] for s in manifest.shards[:-1]] == [3000] * (len(manifest.shards) - 1)
+    np.testing.assert_array_equal(tokens_of(out), corpus[1])
+    assert sorted(p.name for p in out.glob("*.bin*")) == sorted(s["file"] for s in manifest.shards)  # no stale shards
+    assert not (out / prepare.PROGRESS).exists()
+
+
+def test_a_corpus_smaller_than_one_shard_is_split_into_validation_and_training(corpus, tmp_path):
+    manifest = prepare.prepare_dataset(tmp_path / "one", path="json", config=None, data_files=str(corpus[0]),
+                                       shard_tokens=10**9, num_proc=2, progress_bar=False)
+    counts = [s["tokens"] for s in manifest.shards]
+    assert len(counts) == 2 and counts[0] == sum(counts) // 10
+    np.testing.assert_array_equal(tokens_of(tmp_path / "one"), corpus[1])
+
+
+def test_auto_shard_size_follows_the_files(tmp_path):
+    small, missing = tmp_path / "a.jsonl", tmp_path / "nope.jsonl"
+    small.write_bytes(b"x" * 4_000_000)
+    assert prepare.auto_shard_tokens(str(small)) == 100_000
+    assert prepare.auto_shard_tokens([str(small), str(small)]) == 200_000
+    assert prepare.auto_shard_tokens(str(missing)) == prepare.auto_shard_tokens(None) == 100_000_000

@@ -130,6 +130,10 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     callbacks = instantiate_dict(cfg.get("callbacks")) + ([eval_callback] if eval_callback else [])
     trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
     trainer.accumulate_grad_batches = datamodule.accumulation(trainer.world_size)
+    if trainer.accumulate_grad_batches > 1 and trainer.is_global_zero:
+        log.info("gradient accumulation: %d micro-batches per optimizer step (data.global_batch_size=%d = "
+                 "data.batch_size=%d x %d device(s) x %d)", trainer.accumulate_grad_batches, datamodule.global_batch_size,
+                 datamodule.batch_size, trainer.world_size, trainer.accumulate_grad_batches)
 
     mlflow = next((lg for lg in loggers if isinstance(lg, MLFlowLogger)), None)
     checkpoint_dir = trainer.checkpoint_callback.dirpath if trainer.checkpoint_callback else ""

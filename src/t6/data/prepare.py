@@ -48,6 +48,35 @@ def shard_name(i: int) -> str:
     return f"{'val' if i == 0 else 'train'}_{i:06d}.bin"
 
 
+AUTO_SHARDS = 10  # shard_tokens=auto: about this many shards (the first, validation, ~10% of the data) ...
+MAX_SHARD_TOKENS = 100_000_000  # ... of at most 100M tokens (200 MB)
+BYTES_PER_TOKEN = 4  # GPT-2 BPE on English text, JSON or parquet overhead included: a rough, safe estimate
+
+
+def auto_shard_tokens(data_files: str | list[str] | None) -> int:
+    """Shard size for `shard_tokens=auto`: the local files' size in estimated tokens / AUTO_SHARDS,
+    at most MAX_SHARD_TOKENS; MAX_SHARD_TOKENS for a remote data set (no files to measure)."""
+    files = [data_files] if isinstance(data_files, str) else list(data_files or [])
+    paths = [Path(f) for f in files]
+    if not paths or not all(p.is_file() for p in paths):
+        return MAX_SHARD_TOKENS
+    estimate = sum(p.stat().st_size for p in paths) // BYTES_PER_TOKEN
+    return max(1, min(MAX_SHARD_TOKENS, estimate // AUTO_SHARDS))
+
+
+def _restartable(saved: dict, source: dict) -> bool:
+    """A progress file of the same data and tokenizer whose only difference is the shard size or token limit."""
+    same = ("path", "config", "split", "data_files", "text_field")
+    return saved.get("tokenizer") == tokenizer_id() and all(saved.get("source", {}).get(k) == source[k] for k in same)
+
+
+def _discard(out_dir: Path, progress_file: Path) -> None:
+    """Remove the shards a progress file lists (and any partial shard), then the progress file."""
+    for path in [*out_dir.glob("val_*.bin*"), *out_dir.glob("train_*.bin*")]:
+        path.unlink()
+    progress_file.unlink(missing_ok=True)
+
+
 def prepare_dataset(
     out_dir: str | Path,
     path: str = "HuggingFaceFW/fineweb-edu",
@@ -55,9 +84,9 @@ def prepare_dataset(
     split: str = "train",
     data_files: str | list[str] | None = None,
     text_field: str = "text",
-    shard_tokens: int = 100_000_000,
+    shard_tokens: int | str = 100_000_000,
     max_tokens: int | None = None,
-    num_proc: int = 8,
+    num_proc: int | None = 8,
     docs_per_task: int = 64,
     progress_bar: bool = True,
 ) -> Manifest:
@@ -66,10 +95,14 @@ def prepare_dataset(
     from tqdm import tqdm
 
     out_dir = Path(out_dir)
-    if shard_tokens < 1:
-        raise ValueError(f"dataset.shard_tokens={shard_tokens} must be positive")
     source = {"path": path, "config": config, "split": split, "data_files": data_files, "text_field": text_field,
               "shard_tokens": shard_tokens, "max_tokens": max_tokens}
+    if shard_tokens == "auto":
+        shard_tokens = auto_shard_tokens(data_files)
+        log.info("dataset.shard_tokens=auto: %d tokens per shard", shard_tokens)
+    if not isinstance(shard_tokens, int) or shard_tokens < 1:
+        raise ValueError(f"dataset.shard_tokens={shard_tokens!r} must be a positive number of tokens or `auto`")
+    num_proc = num_proc or min(8, os.cpu_count() or 1)
     try:
         manifest = Manifest.load(out_dir)
     except ShardError:
@@ -85,12 +118,19 @@ def prepare_dataset(
     progress_file = out_dir / PROGRESS
     if progress_file.is_file():
         saved = json.loads(progress_file.read_text())
-        if saved.get("source") != source or saved.get("tokenizer") != tokenizer_id():
-            raise ShardError(f"{progress_file} belongs to another data set or tokenizer; delete {out_dir} or choose another dataset.out_dir")
-        for s in saved["shards"]:
-            read_shard(out_dir / s["file"], s["tokens"])  # a finished shard must still be whole
-        state = saved
-        log.info("resuming: %d shards already finished in %s", len(state["shards"]), out_dir)
+        if saved.get("source") == source and saved.get("tokenizer") == tokenizer_id():
+            for s in saved["shards"]:
+                read_shard(out_dir / s["file"], s["tokens"])  # a finished shard must still be whole
+            state = saved
+            log.info("resuming: %d shards already finished in %s", len(state["shards"]), out_dir)
+        elif _restartable(saved, source):  # the same data, re-run with another shard size or token limit
+            log.warning("%s: an unfinished run with shard_tokens=%s, max_tokens=%s; starting over with shard_tokens=%s, "
+                        "max_tokens=%s", out_dir, saved["source"].get("shard_tokens"), saved["source"].get("max_tokens"),
+                        source["shard_tokens"], max_tokens)
+            _discard(out_dir, progress_file)
+        else:
+            raise ShardError(f"{progress_file} is an unfinished run over another data set or tokenizer "
+                             f"({saved.get('source')}); delete {out_dir} or choose another dataset.out_dir")
 
     ds = datasets.load_dataset(path, name=config, split=split, data_files=data_files, streaming=True)
     if state["next_doc"]:
@@ -142,15 +182,24 @@ def prepare_dataset(
                         break
                 if limit is not None and limit <= 0:
                     break
+    if buffered and not state["shards"]:  # everything fits one shard: a tenth of it (at least a token) validates
+        tokens = np.concatenate(buffer)
+        if tokens.size >= 2:
+            val = max(1, tokens.size // AUTO_SHARDS)
+            write_shard(out_dir / shard_name(0), tokens[:val])
+            state["shards"].append({"file": shard_name(0), "split": "val", "tokens": int(val)})
+            buffer, buffered = [tokens[val:]], tokens.size - val
+            log.info("the data set fits one shard of %d tokens: split into %d validation and %d training tokens",
+                     shard_tokens, val, buffered)
     if buffered:
         flush(np.concatenate(buffer), doc, 0)
     bar.close()
     if len(state["shards"]) < 2:
-        raise ValueError(
-            f"{path} gave {sum(s['tokens'] for s in state['shards'])} tokens: fewer than two shards of "
-            f"dataset.shard_tokens={shard_tokens} (one validation, at least one training); lower shard_tokens"
-        )
+        total = sum(s["tokens"] for s in state["shards"])
+        _discard(out_dir, progress_file)  # nothing a re-run could continue from
+        raise ValueError(f"{path} ({data_files or config}) gave {total} tokens: too few for a validation and a training shard")
     manifest = Manifest(tokenizer=tokenizer_id(), source=source, shards=state["shards"])
     manifest.save(out_dir)
+    progress_file.unlink(missing_ok=True)  # the manifest marks the data set done
     log.info("prepared %s: %d shards, %d tokens", out_dir, len(state["shards"]), sum(s["tokens"] for s in state["shards"]))
     return manifest

@@ -45,6 +45,22 @@ def check_tracking_uri(uri: str, timeout_s: float = 10.0) -> None:
             )
 
 
+LOG_MODEL = ("final", "last", False)
+
+
+def log_model_choice(value: bool | str | None) -> str | None:
+    """`logger.mlflow.log_model`: "final" (true) uploads the weights-only final model, "last" the resumable
+    last.ckpt (optimizer state included, ~3x larger), false nothing; one file per run, at the end."""
+    if value is True:
+        return "final"
+    if value in (False, None, "false", "none"):
+        return None
+    if value not in LOG_MODEL:
+        raise ValueError(f"logger.mlflow.log_model={value!r} must be final (the weights-only final model), "
+                         "last (the resumable last.ckpt) or false")
+    return value
+
+
 def mlflow_logger(
     experiment_name: str,
     run_name: str,
@@ -56,14 +72,41 @@ def mlflow_logger(
 ) -> MLFlowLogger:
     """MLFlowLogger for tracking_uri. A local SQLite store keeps its artifacts in artifact_dir
     (MLflow would otherwise put them under the current directory). `t6.train.train` checks the
-    store with `check_tracking_uri` before anything else is built."""
+    store with `check_tracking_uri` before anything else is built. log_model (see `log_model_choice`)
+    is kept as the logger's `upload` and carried out by `upload_model` after training; Lightning's own
+    upload (every checkpoint the ModelCheckpoint tracks) stays off."""
     local = urlparse(tracking_uri).scheme == "sqlite"
-    return MLFlowLogger(
+    upload = log_model_choice(log_model)
+    logger = MLFlowLogger(
         experiment_name=experiment_name,
         run_name=run_name,
         tracking_uri=tracking_uri,
         tags=dict(tags or {}),
-        log_model=log_model,
+        log_model=False,
         artifact_location=Path(artifact_dir).as_uri() if (local and artifact_dir) else None,
         run_id=run_id,
     )
+    logger.upload = upload
+    return logger
+
+
+FINAL_MODEL = "model.ckpt"
+
+
+def save_and_upload_model(trainer, logger: MLFlowLogger | None, checkpoint_dir: str | Path) -> Path | None:
+    """At the end of a finished run, as `logger.upload` says: "final" writes the weights-only model
+    (`checkpoint_dir/model.ckpt`: weights, model config and run config, no optimizer state; every rank
+    takes part, rank 0 writes) and uploads it; "last" uploads `last.ckpt`. Artifacts go under `model/`."""
+    upload = getattr(logger, "upload", None)
+    if not upload or not checkpoint_dir:
+        return None
+    if upload == "final":
+        path = Path(checkpoint_dir) / FINAL_MODEL
+        trainer.save_checkpoint(path, weights_only=True)
+    else:
+        path = Path(checkpoint_dir) / "last.ckpt"
+    if trainer.is_global_zero:
+        if not path.is_file():
+            raise FileNotFoundError(f"logger.mlflow.log_model={upload}: {path} was not written")
+        logger.experiment.log_artifact(logger.run_id, str(path), artifact_path="model")
+    return path

@@ -27,7 +27,7 @@ from t6.evaluation.callback import build_eval_callback
 from t6.module import T6LitModule
 from t6.summary import summarize
 from t6.sweep import attach_to_sweep, sweep_job_info
-from t6.tracking import check_tracking_uri, mlflow_config
+from t6.tracking import check_tracking_uri, mlflow_config, save_and_upload_model
 from t6.uptrain import WARM_START_FORMAT, adopt_model_config, load_warm_start
 
 log = logging.getLogger(__name__)
@@ -153,6 +153,8 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
         preemption = next((cb for cb in trainer.callbacks if isinstance(cb, PreemptionCheckpoint)), None)
         stop.signum = preemption.signum if preemption is not None else signal.SIGTERM
         raise
+    else:
+        save_and_upload_model(trainer, mlflow, checkpoint_dir)  # logger.mlflow.log_model: final | last | false
     finally:
         destroy_process_group()  # a sweep's next job in this process starts its own group
 

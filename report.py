@@ -13,12 +13,18 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from pathlib import Path
 
 from t6.report import build_report, find_runs, load_decode_records, load_runs, log_report
 from t6.sweep import read_sweep_file
 
 ROOT = Path(__file__).resolve().parent
+
+
+def folder_name(name: str) -> str:
+    """A run or experiment name as one path component without spaces: "sweep 2026-01-02_03-04" -> "sweep-2026-01-02_03-04"."""
+    return re.sub(r"[^\w.+-]+", "-", name).strip("-") or "report"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -59,8 +65,8 @@ def main(argv: list[str] | None = None) -> Path:
     decode = load_decode_records(args.decode_json) if args.decode_json else None  # bad file: fail before reading runs
     runs, experiment_id, parent = find_runs(client, args.experiment, args.parent)
     name = args.experiment or client.get_experiment(experiment_id).name
-    out = Path(args.out or ROOT / "reports" / (parent.info.run_name if parent else name))
-    title = args.title or (f"{name}: sweep {parent.info.run_name} ({parent.info.run_id[:8]})" if parent else name)
+    out = Path(args.out or ROOT / "reports" / folder_name(parent.info.run_name if parent else name))
+    title = args.title or (f"{name}: {parent.info.run_name} ({parent.info.run_id[:8]})" if parent else name)
     report = build_report(load_runs(client, runs), out, title, tuple(args.group_by.split(",")),
                           decode, args.decode_json)
     print(report.markdown)

@@ -20,7 +20,10 @@ from t6.report import (
     aggregate,
     build_report,
     curve,
+    group_runs,
+    last_step,
     model_stats_from_params,
+    plot_curves,
     task_metric,
     tokens_per_step,
 )
@@ -166,6 +169,7 @@ def test_report_from_real_runs(store, tmp_path):
 
     # the failed run is listed and kept out of every number
     assert row("Runs", "tpa-3").endswith("| FAILED | 4 | 99.0000 | no: status FAILED |")
+    assert row("Runs", "mha-1").split(" | ")[5] == "8"  # the last_step tag train() sets
     val = {a: trained[a]["trainer"].callback_metrics["val/loss"].item() for a in trained}
     assert row("Final losses", "mha").split(" | ")[2].strip("*") == (
         f"{statistics.fmean([val['mha'], val['mha'] + 0.5]):.4f} ± {statistics.stdev([val['mha'], val['mha'] + 0.5]):.4f}")
@@ -216,7 +220,7 @@ def test_report_on_a_sweep_parent_logs_to_the_parent_and_bad_input_fails_clearly
     out = cli.main(["--experiment", "cmp", "--parent", "latest", "--tracking-uri", store["uri"],
                            "--out", str(tmp_path / "rep")])
     md = (out / "report.md").read_text()
-    assert md.startswith(f"# cmp: sweep sweep ({parent[:8]})")
+    assert md.startswith(f"# cmp: sweep ({parent[:8]})")  # the parent run's name, once
     assert "| mha-1 |" in md and "| tpa-3 |" in md and "| tpa-1 |" not in md  # only this sweep's children
     assert "report/report.md" in {a.path for a in client.list_artifacts(parent, "report")}
 
@@ -243,3 +247,56 @@ def test_report_on_a_sweep_directory_reads_its_store_and_parent(store, tmp_path)
     out = cli.main(["--sweep", str(sweep), "--out", str(tmp_path / "rep"), "--no-log"])
     md = (out / "report.md").read_text()
     assert "| tpa-3 |" in md and "| mha-1 |" not in md  # only the sweep's child
+
+
+# --------------------------------------------------------------------------- pooling, folders, markers
+
+SETUP = {"attention.name": "tpa", "data.seq_len": "64", "data.batch_size": "4", "trainer.devices": "1",
+         "trainer.max_steps": "30", "data.data_dir": "/d/shakespeare", "paths.output_dir": "/runs/a"}
+
+
+def run_with(run_id: str, seed: int, val: float, **changes: str) -> RunData:
+    params = {**SETUP, "seed": str(seed), "paths.output_dir": f"/runs/{run_id}", **changes}
+    return RunData(run_id * 8, run_id, "FINISHED", params, metrics={"val/loss": val, "train/loss": val, "val/ppl": 2.0})
+
+
+def test_only_runs_that_differ_in_the_seed_alone_are_pooled(tmp_path):
+    same = [run_with("a", 1, 5.0), run_with("b", 2, 6.0)]
+    grouped = group_runs(same)
+    assert list(grouped.groups) == ["tpa"] and len(grouped.groups["tpa"]) == 2 and not grouped.notes
+
+    mixed = same + [run_with("c", 1, 4.0, **{"trainer.max_steps": "35", "data.data_dir": "/d/local"})]
+    grouped = group_runs(mixed)
+    assert list(grouped.groups) == ["tpa (data.data_dir=/d/shakespeare, trainer.max_steps=30)",
+                                    "tpa (data.data_dir=/d/local, trainer.max_steps=35)"]
+    assert grouped.notes == ["tpa: its runs differ in more than the seed (data.data_dir, trainer.max_steps), so they "
+                             "are not averaged together: one row per setting"]
+    md = build_report(mixed, tmp_path, "t").markdown
+    assert "| tpa (data.data_dir=/d/local, trainer.max_steps=35) | **4.0000** |" in md  # alone: no ±, not pooled
+    assert "| tpa (data.data_dir=/d/shakespeare, trainer.max_steps=30) | 5.5000 ± 0.7071 |" in md
+    assert "Not pooled:" in md
+
+
+def test_last_step_prefers_the_runs_own_record():
+    run = RunData("r", "r", "FINISHED", {}, history={"train/loss": [(9, 1.0), (19, 1.0), (29, 1.0)]})
+    assert last_step(run) == 30  # from the curve: logged every 10 steps
+    run.tags["last_step"] = "35"
+    assert last_step(run) == 35
+
+
+def test_a_curve_of_one_point_is_drawn_with_a_marker(tmp_path):
+    import matplotlib.image
+    import numpy as np
+
+    runs = [run_with("a", 1, 5.0)]
+    runs[0].history = {"val/loss": [(29, 5.0)]}
+    assert plot_curves({"tpa": runs}, "val/loss", tmp_path / "one.png") == []
+    image = matplotlib.image.imread(tmp_path / "one.png")[..., :3]
+    blue = np.all(np.abs(image - np.array([0x1F, 0x77, 0xB4]) / 255) < 0.05, axis=-1)  # matplotlib's first colour
+    assert blue.sum() > 110  # the marker in the axes and in the legend (72 pixels without markers: the legend alone)
+
+
+def test_report_folder_has_no_spaces():
+    cli = load_cli()
+    assert cli.folder_name("sweep 2026-01-02_03-04-05") == "sweep-2026-01-02_03-04-05"
+    assert cli.folder_name("my study / v2") == "my-study-v2"

@@ -73,14 +73,52 @@ def group_label(run: RunData, group_by: tuple[str, ...]) -> str | None:
     return "/".join(parts)
 
 
+# Params that do not change what a run measures: where it wrote, what it was called, how it was
+# tracked and checkpointed, and the seed itself. Runs of a row are pooled only when all else matches.
+NOT_POOLED = ("seed", "data.seed", "run_name", "experiment_name", "task_name", "ckpt_path", "auto_resume",
+              "print_config", "trainer.default_root_dir")
+NOT_POOLED_PREFIXES = ("paths.", "logger.", "callbacks.", "model/")
+
+
+def setup_of(run: RunData) -> dict[str, str | None]:
+    """The run's params that decide its result, the seed excluded."""
+    return {k: run.param(k) for k in run.params if k not in NOT_POOLED and not k.startswith(NOT_POOLED_PREFIXES)}
+
+
+def split_by_setup(label: str, runs: list[RunData]) -> tuple[dict[str, list[RunData]], str | None]:
+    """Runs of one row that differ in anything but the seed become rows of their own, labelled with
+    the params that differ ("tpa (trainer.max_steps=35)"); returns the rows and a note saying why."""
+    setups: list[tuple[dict, list[RunData]]] = []
+    for run in runs:
+        setup = setup_of(run)
+        for known, members in setups:
+            if known == setup:
+                members.append(run)
+                break
+        else:
+            setups.append((setup, [run]))
+    if len(setups) == 1:
+        return {label: runs}, None
+    keys = sorted({k for setup, _ in setups for k in setup if len({s.get(k) for s, _ in setups}) > 1})
+    shown = keys[:3]
+    rows = {}
+    for setup, members in setups:
+        text = ", ".join(f"{k}={setup.get(k)}" for k in shown) + (", …" if len(keys) > len(shown) else "")
+        rows[f"{label} ({text})"] = members
+    note = (f"{label}: its runs differ in more than the seed ({', '.join(keys)}), so they are not averaged "
+            f"together: one row per setting")
+    return rows, note
+
+
 @dataclass
 class Grouped:
     groups: dict[str, list[RunData]]  # finished runs per row, rows in first-seen order
     excluded: list[tuple[RunData, str]]  # runs left out and why
+    notes: list[str] = field(default_factory=list)  # rows split because their runs differ in more than the seed
 
 
 def group_runs(runs: Iterable[RunData], group_by: tuple[str, ...] = ("attention.name",)) -> Grouped:
-    groups: dict[str, list[RunData]] = {}
+    by_label: dict[str, list[RunData]] = {}
     excluded = []
     for run in runs:
         label = group_label(run, group_by)
@@ -89,8 +127,22 @@ def group_runs(runs: Iterable[RunData], group_by: tuple[str, ...] = ("attention.
         elif label is None:
             excluded.append((run, "no " + " / ".join(k for k in group_by if run.param(k) is None) + " param"))
         else:
-            groups.setdefault(label, []).append(run)
-    return Grouped(groups, excluded)
+            by_label.setdefault(label, []).append(run)
+    groups, notes = {}, []
+    for label, members in by_label.items():
+        rows, note = split_by_setup(label, members)
+        groups.update(rows)
+        notes += [note] if note else []
+    return Grouped(groups, excluded, notes)
+
+
+def last_step(run: RunData) -> int | None:
+    """The run's last optimizer step: the `last_step` tag train() sets at the end, else the latest
+    logged curve point (a value logged at step s follows s + 1 steps)."""
+    if str(run.tags.get("last_step", "")).isdigit():
+        return int(run.tags["last_step"])
+    steps = [s for hist in run.history.values() for s, _ in hist]
+    return max(steps) + 1 if steps else None
 
 
 # --------------------------------------------------------------------------- numbers
@@ -312,7 +364,9 @@ def plot_curves(groups: dict[str, list[RunData]], key: str, path: Path) -> list[
             problems.append(f"{label}: no {key} history in {', '.join(lacking)}")
             continue
         x, mean, std = data
-        (line,) = ax.plot(x, mean, label=f"{label} (n={len(runs)})", linewidth=1.4)
+        few = len(x) <= 20  # markers where a line has few points (one point draws no line at all)
+        (line,) = ax.plot(x, mean, label=f"{label} (n={len(runs)})", linewidth=1.4, marker="o" if few else None,
+                          markersize=4)
         if len(runs) > 1:
             ax.fill_between(x, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
                             color=line.get_color(), alpha=0.2, linewidth=0)
@@ -453,15 +507,19 @@ def build_report(runs: list[RunData], out_dir: str | Path, title: str,
 
     parts += ["## Runs", "", "| run | id | group | seed | status | last step | val/loss | in tables |", "|---|---|---|---|---|---:|---:|---|"]
     reasons = {run.run_id: why for run, why in grouped.excluded}
+    row_of = {run.run_id: label for label, members in groups.items() for run in members}
     for run in runs:
-        steps = [s for hist in run.history.values() for s, _ in hist]
+        step = last_step(run)
         val = run.metrics.get("val/loss")
         parts.append(
-            f"| {run.name} | {run.run_id[:8]} | {group_label(run, group_by) or '–'} | {run.param('seed') or '–'} | "
-            f"{run.status} | {max(steps) + 1 if steps else '–'} | {f'{val:.4f}' if val is not None else '–'} | "
+            f"| {run.name} | {run.run_id[:8]} | {row_of.get(run.run_id) or group_label(run, group_by) or '–'} | "
+            f"{run.param('seed') or '–'} | {run.status} | {step if step is not None else '–'} | "
+            f"{f'{val:.4f}' if val is not None else '–'} | "
             f"{'no: ' + reasons[run.run_id] if run.run_id in reasons else 'yes'} |"
         )
     parts.append("")
+    if grouped.notes:
+        parts += ["Not pooled:", ""] + [f"- {note}" for note in grouped.notes] + [""]
     if not groups:
         parts += ["No finished run to report on.", ""]
         (out / "report.md").write_text("\n".join(parts))

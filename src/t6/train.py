@@ -149,11 +149,14 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
         trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
     except SIGTERMException as stop:
         if mlflow is not None and trainer.is_global_zero and mlflow.run_id:
+            mlflow.experiment.set_tag(mlflow.run_id, "last_step", str(trainer.global_step))
             mlflow.experiment.set_terminated(mlflow.run_id, "KILLED")
         preemption = next((cb for cb in trainer.callbacks if isinstance(cb, PreemptionCheckpoint)), None)
         stop.signum = preemption.signum if preemption is not None else signal.SIGTERM
         raise
     else:
+        if mlflow is not None and trainer.is_global_zero:
+            mlflow.experiment.set_tag(mlflow.run_id, "last_step", str(trainer.global_step))  # for report.py
         save_and_upload_model(trainer, mlflow, checkpoint_dir)  # logger.mlflow.log_model: final | last | false
     finally:
         destroy_process_group()  # a sweep's next job in this process starts its own group

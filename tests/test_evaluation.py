@@ -190,16 +190,31 @@ def test_eval_py_logs_into_training_run_and_lm_eval_cli_runs(make_cfg, tmp_path)
     hist = client.get_metric_history(run_id, f"eval/0shot/{TASK}/acc_norm")
     assert [m.step for m in hist] == [4] and hist[0].value == metrics[f"eval/0shot/{TASK}/acc_norm"]
 
-    # lm-eval's own command line, with the t6 model registered by `python -m t6.evaluation`
-    include = Path(ecfg.paths.data_dir) / "eval" / TASK
+    # lm-eval's own command line, with the t6 model registered by `python -m t6.evaluation`; the
+    # project's local task found without --include_path, the adapter's batch size by default
     proc = subprocess.run(
         [sys.executable, "-m", "t6.evaluation", "--model", "t6", "--model_args", f"checkpoint={ckpt}",
-         "--tasks", TASK, "--include_path", str(include), "--limit", "4", "--batch_size", "4"],
-        capture_output=True, text=True, cwd=ROOT, env={**__import__("os").environ, "PYTHONPATH": str(ROOT / "src")},
-        timeout=300,
+         "--tasks", TASK, "--limit", "4"],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+        env={**__import__("os").environ, "PYTHONPATH": str(ROOT / "src"), "T6_ROOT": str(tmp_path)},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert TASK in proc.stdout and "acc_norm" in proc.stdout
+    assert TASK in proc.stdout and "acc_norm" in proc.stdout and "batch_size: 16" in proc.stdout
+    assert (tmp_path / "data" / "eval" / TASK / f"{TASK}.yaml").is_file()
+
+
+def test_lm_eval_cli_defaults_and_entry_point(tmp_path):
+    import tomllib
+
+    from t6.evaluation.__main__ import cli_args
+
+    include = str(tmp_path / "data" / "eval" / TASK)
+    assert cli_args(["--model", "t6", "--tasks", TASK], tmp_path) == [
+        "--model", "t6", "--tasks", TASK, "--include_path", include, "--batch_size", "16"]
+    given = ["--tasks=hellaswag", "-b", "8", "--include_path", "/x"]
+    assert cli_args(given, tmp_path) == given  # the user's choices stay; other tasks need no local build
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["entry-points"]["lm_eval.models"] == {"t6": "t6.evaluation.adapter:T6LM"}
 
 
 @pytest.mark.slow  # trains a small model for ~150 steps

@@ -3,11 +3,52 @@
 lm-eval 0.4.13 discovers models only through its built-in table (no entry points), so
 `lm_eval --model t6` works only where t6.evaluation.adapter has been imported; this is that:
 
-    python -m t6.evaluation --model t6 --model_args checkpoint=PATH --tasks hellaswag
+    python -m t6.evaluation --model t6 --model_args checkpoint=PATH --tasks t6_next_line
+
+The project's local task (t6_next_line) is built and added with `--include_path` when the tasks
+name it and no include path is given, and `--batch_size` defaults to the adapter's 16 (lm-eval's
+own default is 1). pyproject.toml also declares `t6` under the `lm_eval.models` entry points, for
+lm-eval versions that read them.
 """
 
-import t6.evaluation.adapter  # noqa: F401  (registers the model "t6")
-from lm_eval.__main__ import cli_evaluate
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+DEFAULT_BATCH_SIZE = "16"
+
+
+def _given(argv: list[str], *flags: str) -> bool:
+    return any(a in flags or a.startswith(tuple(f + "=" for f in flags)) for a in argv)
+
+
+def _value(argv: list[str], flag: str) -> str:
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return ""
+
+
+def cli_args(argv: list[str], root: Path) -> list[str]:
+    """lm-eval's arguments with the project's defaults added: the local task's directory (built under
+    root/data/eval/, as training builds it) when --tasks names it, and --batch_size 16."""
+    from t6.evaluation.next_line import TASK, build_next_line_task
+
+    argv = list(argv)
+    if TASK in _value(argv, "--tasks").split(",") and not _given(argv, "--include_path"):
+        argv += ["--include_path", str(build_next_line_task(root / "data" / "eval" / TASK))]
+    if not _given(argv, "--batch_size", "-b"):
+        argv += ["--batch_size", DEFAULT_BATCH_SIZE]
+    return argv
+
 
 if __name__ == "__main__":
+    import t6.evaluation.adapter  # noqa: F401  (registers the model "t6")
+    from lm_eval.__main__ import cli_evaluate
+
+    sys.argv[1:] = cli_args(sys.argv[1:], Path(os.environ.get("T6_ROOT", ".")).resolve())
     cli_evaluate()

@@ -1,9 +1,12 @@
 """Print what a T6 costs without training: `python summary.py attention=tpa size=medium [output=json]`.
 
-`python summary.py -m attention=mha,mqa,gqa,mla,tpa_kvonly,tpa size=medium` prints the comparison.
+`python summary.py -m attention=mha,mqa,gqa,mla,tpa_kvonly,tpa size=medium` prints the comparison as one table
+(output=json: one JSON line per job).
 """
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 import t6.config  # noqa: F401  (registers the config resolvers)
@@ -12,11 +15,12 @@ from t6.summary import render, summarize
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="summary")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> dict:
     row = summarize(model_config(cfg), cfg.attention.name, cfg.size.name, cfg.cache_dtype, cfg.flops_seq_len)
+    if cfg.output == "table" and HydraConfig.get().mode == RunMode.MULTIRUN:
+        return row  # t6.summary.ComparisonTable prints every job's row as one table at the end
     print(render(row, cfg.output), flush=True)
-    if cfg.output == "table":
-        print()
+    return row
 
 
 if __name__ == "__main__":

@@ -53,3 +53,20 @@ def test_ctrl_c_saves_last_ckpt_and_progress_lines_go_to_a_pipe(tmp_path, shared
     assert step_of(run_dir / "checkpoints" / "last.ckpt") == saved + 2
     (finished,) = all_runs(client(tmp_path))
     assert finished.info.run_id == killed.info.run_id and finished.info.status == "FINISHED"
+
+
+def test_summary_multirun_prints_one_comparison_table(tmp_path):
+    import os
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "TMPDIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, str(ROOT / "summary.py"), "-m", "attention=mha,tpa", "size=tiny,small"],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].startswith("| attention | size | layers x d_model | heads | params |") and len(lines) == 6
+    assert [line.split(" | ")[:2] for line in lines[2:]] == [["| mha", "tiny"], ["| mha", "small"], ["| tpa", "tiny"],
+                                                            ["| tpa", "small"]]
+    single = subprocess.run([sys.executable, str(ROOT / "summary.py")], env=env, cwd=ROOT, capture_output=True,
+                            text=True, timeout=300)
+    assert single.stdout.startswith("attention / size") and "tpa / tiny" in single.stdout  # train.py's default size

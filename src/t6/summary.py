@@ -100,3 +100,48 @@ def render(row: dict[str, Any], output: str) -> str:
     if output == "table":
         return format_table(row)
     raise ValueError(f"output={output!r} must be 'table' or 'json'")
+
+
+COMPARISON = ("attention", "size", "layers x d_model", "heads", "params", "non-embedding", "KV elements / token / layer",
+              "KV bytes / token", "forward GFLOP / token")
+
+
+def comparison_table(rows: list[dict[str, Any]]) -> str:
+    """One Markdown table of several summaries (`summary.py -m attention=... size=...`), a row each."""
+    lines = ["| " + " | ".join(COMPARISON) + " |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        fwd = r.get("flops_per_token_forward")
+        cells = [r["attention"], r["size"], f"{r['n_layer']} x {r['d_model']}", str(r["n_head"]), human(r["params"]),
+                 human(r["params_non_embedding"]), f"{r['kv_cache_elements_per_token_per_layer']:,}",
+                 f"{r['kv_cache_bytes_per_token']:,} ({r['kv_cache_dtype']})",
+                 f"{fwd / 1e9:.3f} (T={r['flops_seq_len']})" if fwd is not None else "–"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+try:
+    from hydra.experimental.callback import Callback as _HydraCallback
+except ImportError:  # pragma: no cover - Hydra is a dependency; the model side never needs it
+    _HydraCallback = object
+
+
+class ComparisonTable(_HydraCallback):
+    """Hydra callback of summary.py: under -m with output=table, each job returns its summary and
+    this prints them as one comparison table when the sweep ends (instead of one block per job)."""
+
+    def __init__(self):
+        self.rows: list[dict[str, Any]] = []
+
+    def on_multirun_start(self, config, **kwargs) -> None:
+        self.rows = []
+
+    def on_job_end(self, config, job_return, **kwargs) -> None:
+        from hydra.core.utils import JobStatus
+
+        value = job_return.return_value if job_return.status == JobStatus.COMPLETED else None
+        if isinstance(value, dict) and "attention" in value:
+            self.rows.append(value)
+
+    def on_multirun_end(self, config, **kwargs) -> None:
+        if self.rows:
+            print(comparison_table(self.rows), flush=True)

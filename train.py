@@ -8,11 +8,12 @@ from pathlib import Path
 os.environ.setdefault("T6_ROOT", str(Path(__file__).resolve().parent))
 
 import hydra  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 import t6.config  # noqa: E402,F401  (registers the config resolvers)
-from t6.distributed import hydra_job_scope  # noqa: E402
-from t6.train import summary, train  # noqa: E402
+from t6.distributed import env_rank, hydra_job_scope  # noqa: E402
+from t6.train import discard_unused_run_dir, summary, train  # noqa: E402
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
@@ -22,6 +23,10 @@ def main(cfg: DictConfig) -> float | None:
     try:
         with hydra_job_scope():  # DDP ranks started by Lightning repeat this job, not the whole sweep
             metrics, objects = train(cfg)
+    except Exception:  # failed on its config before writing anything: no empty run folder left behind
+        if env_rank() == 0:
+            discard_unused_run_dir(HydraConfig.get().runtime.output_dir)
+        raise
     except SIGTERMException as stop:  # SIGTERM or Ctrl-C: last.ckpt saved, the MLflow run marked KILLED
         signum = getattr(stop, "signum", signal.SIGTERM)
         what = "interrupted (Ctrl-C)" if signum == signal.SIGINT else f"terminated ({signal.Signals(signum).name})"

@@ -70,3 +70,20 @@ def test_summary_multirun_prints_one_comparison_table(tmp_path):
     single = subprocess.run([sys.executable, str(ROOT / "summary.py")], env=env, cwd=ROOT, capture_output=True,
                             text=True, timeout=300)
     assert single.stdout.startswith("attention / size") and "tpa / tiny" in single.stdout  # train.py's default size
+
+
+def test_a_bad_override_leaves_no_run_folder_and_a_run_prints_no_library_noise(tmp_path, shared_data_dir):
+    args, env = command(tmp_path, shared_data_dir, "size.head_dim=63", f"hydra.run.dir={tmp_path / 'bad'}")
+    proc = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "head_dim" in proc.stderr
+    assert not (tmp_path / "bad").exists()
+
+    args, env = command(tmp_path, shared_data_dir, "trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'good'}")
+    args.remove("callbacks.rich_model_summary=null")  # the default summary, as users see it
+    good = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = good.stdout + good.stderr
+    assert good.returncode == 0, out[-3000:]
+    assert "Total params" in out and "FLOPs" not in out  # the summary, without its column of zeros
+    for noise in ("litlogger", "already configured with model summary", "limit_val_batches=1.0", "LeafSpec"):
+        assert noise not in out, noise
+    assert (tmp_path / "good" / "checkpoints" / "last.ckpt").is_file()

@@ -1,6 +1,7 @@
-"""Training progress on the console: a rich bar that counts optimizer steps on a terminal, plain
-lines where output goes to a file (nohup, SLURM logs, CI). Both read the loss only at logging
-steps, so neither forces a host-device synchronization on every micro-batch."""
+"""What training shows on the console: a rich bar that counts optimizer steps on a terminal, plain
+lines where output goes to a file (nohup, SLURM logs, CI), and the model summary. The bar and
+the lines read the loss only at logging steps, so neither forces a host-device synchronization
+on every micro-batch."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import sys
 import time
 
 import lightning as L
-from lightning.pytorch.callbacks import RichProgressBar
+from lightning.pytorch.callbacks import RichModelSummary, RichProgressBar
+from lightning.pytorch.utilities.model_summary.model_summary import get_formatted_model_size, get_human_readable_count
 
 
 def _is_terminal() -> bool:
@@ -116,3 +118,32 @@ class ProgressLog(L.Callback):
         if max_steps and max_steps > 0 and step > self._step0:
             parts.append(f"ETA {_duration((max_steps - step) * (now - self._t0) / (step - self._step0))}")
         return " | ".join(parts)
+
+
+class ModelSummary(RichModelSummary):
+    """Lightning's rich model summary without its FLOPs column and total, which read 0 for a module
+    without an example input (FLOPs per token: `python summary.py`, counted by t6.perf)."""
+
+    @staticmethod
+    def summarize(summary_data, total_parameters: int, trainable_parameters: int, model_size: float,
+                  total_training_modes: dict[str, int], total_flops: int = 0, **summarize_kwargs) -> None:
+        from rich import get_console
+        from rich.table import Table
+
+        columns = [(name, values) for name, values in summary_data if name != "FLOPs"]
+        table = Table(header_style=summarize_kwargs.get("header_style", "bold magenta"))
+        for name, _ in columns:
+            table.add_column(name, justify="right" if name in ("Params", "Params per Device") else "left",
+                             style="dim" if name == " " else None, no_wrap=name == "Name")
+        for row in zip(*(values for _, values in columns)):
+            table.add_row(*row)
+        console = get_console()
+        console.print(table)
+        grid = Table.grid(expand=True)
+        grid.add_row(f"[bold]Trainable params[/]: {get_human_readable_count(int(trainable_parameters))}")
+        grid.add_row(f"[bold]Non-trainable params[/]: {get_human_readable_count(int(total_parameters - trainable_parameters))}")
+        grid.add_row(f"[bold]Total params[/]: {get_human_readable_count(int(total_parameters))}")
+        grid.add_row(f"[bold]Total estimated model params size (MB)[/]: {get_formatted_model_size(model_size)}")
+        grid.add_row(f"[bold]Modules in train mode[/]: {total_training_modes['train']}")
+        grid.add_row(f"[bold]Modules in eval mode[/]: {total_training_modes['eval']}")
+        console.print(grid)

@@ -25,6 +25,7 @@ from t6.config import flatten, model_config
 from t6.distributed import destroy_process_group
 from t6.evaluation.callback import build_eval_callback
 from t6.module import T6LitModule
+from t6.quiet import quiet_libraries
 from t6.summary import summarize
 from t6.sweep import attach_to_sweep, sweep_job_info
 from t6.tracking import check_tracking_uri, mlflow_config, save_and_upload_model
@@ -65,6 +66,31 @@ def print_config_tree(cfg: DictConfig) -> None:
     rich.print(tree)
 
 
+def first_job() -> bool:
+    """A single run, or a sweep's first job (the config tree is printed once per sweep; Hydra prints
+    each later job's overrides)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from t6.distributed import in_multirun
+
+    return not in_multirun() or int(HydraConfig.get().job.num) == 0
+
+
+HYDRA_ONLY = {".hydra", "train.log", "eval.log"}  # what Hydra writes into a run directory by itself
+
+
+def discard_unused_run_dir(run_dir: str | Path) -> bool:
+    """Remove a run directory holding nothing but what Hydra wrote at start (its .hydra/ and the log):
+    the trace of a run that failed on its config before doing anything. Returns whether it did."""
+    import shutil
+
+    path = Path(run_dir)
+    if not path.is_dir() or not {p.name for p in path.iterdir()} <= HYDRA_ONLY:
+        return False
+    shutil.rmtree(path)
+    return True
+
+
 MODEL_FACTS = ("params", "params_non_embedding", "kv_cache_elements_per_token_per_layer", "kv_cache_bytes_per_token")
 
 
@@ -82,6 +108,7 @@ def log_run_config(logger: MLFlowLogger, cfg: DictConfig, checkpoint_dir: str, m
 
 def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     """Train a T6 as configured. Returns (final metrics, the objects built: model, datamodule, trainer, ...)."""
+    quiet_libraries()  # drops a few library messages that say nothing about this run (t6.quiet)
     # 1. Validate everything that can be validated without training.
     # A warm start (init_from) takes the model shape and weights from a converted checkpoint,
     # with a fresh optimizer, schedule, step count and MLflow run tagged with its source.
@@ -103,7 +130,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     datamodule.setup("fit")  # opens and checks every shard
     eval_callback = build_eval_callback(cfg.get("eval"))  # unknown tasks / missing datasets fail here
 
-    if cfg.get("print_config", True):
+    if cfg.get("print_config", True) and first_job():
         print_config_tree(cfg)
     L.seed_everything(cfg.seed, workers=True)
 

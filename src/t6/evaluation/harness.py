@@ -129,6 +129,12 @@ def run_harness(model: torch.nn.Module, spec: EvalSpec, tm) -> dict[int, dict]:
 
     from t6.evaluation.adapter import T6LM
 
+    from t6.quiet import quiet_libraries
+
+    quiet_libraries()
+    lm_eval_log = logging.getLogger("lm_eval")
+    if lm_eval_log.level == logging.NOTSET:  # its per-request INFO lines, in our log format, unless asked for
+        lm_eval_log.setLevel(logging.WARNING)
     out = {}
     with eval_mode(model), preserved_rng():
         lm = T6LM(model=model, batch_size=spec.batch_size)
@@ -144,7 +150,6 @@ def run_harness(model: torch.nn.Module, spec: EvalSpec, tm) -> dict[int, dict]:
                 numpy_random_seed=None,
                 torch_random_seed=None,
                 fewshot_random_seed=spec.fewshot_seed,
-                verbosity="WARNING",
             )
     return out
 

@@ -47,3 +47,17 @@ def test_log_model_choices(make_cfg):
     assert [log_model_choice(v) for v in (True, "final", "last", False, None)] == ["final", "final", "last", None, None]
     with pytest.raises(ValueError, match="log_model='all' must be final .* last .* or false"):
         log_model_choice("all")
+
+
+def test_one_source_for_the_learning_rate_and_dataset_points_to_prepare(make_cfg):
+    with pytest.raises(ValueError, match=r"optimizer.lr=0.01 differs from lr_ablation.max_lr=0.003.*lr_ablation.max_lr=0.01"):
+        train(make_cfg("optimizer.lr=0.01"))
+    with pytest.raises(ValueError, match="dataset= chooses what prepare.py tokenizes.*data=local"):
+        train(make_cfg("dataset=local"))
+
+
+def test_eval_py_without_a_checkpoint_says_what_to_give(make_cfg):
+    from t6.evaluation.checkpoint import evaluate_checkpoint
+
+    with pytest.raises(ValueError, match="ckpt_path is required: python eval.py ckpt_path="):
+        evaluate_checkpoint(make_cfg(config_name="evaluate", small=False))

@@ -66,6 +66,24 @@ def print_config_tree(cfg: DictConfig) -> None:
     rich.print(tree)
 
 
+def check_learning_rate(cfg: DictConfig) -> None:
+    """One source for the peak learning rate: lr_ablation.max_lr. The schedule multiplies the optimizer's
+    lr by lr(step) / max_lr, so an optimizer.lr that differs would silently scale the whole schedule."""
+    lr, max_lr = cfg.optimizer.get("lr"), cfg.lr_ablation.get("max_lr")
+    if cfg.lr_ablation.get("scheduler") and lr is not None and max_lr is not None and float(lr) != float(max_lr):
+        raise ValueError(
+            f"optimizer.lr={lr} differs from lr_ablation.max_lr={max_lr}, the schedule's peak; set the peak with "
+            f"lr_ablation.max_lr={lr} (and lr_ablation.min_lr), and leave optimizer.lr to follow it"
+        )
+
+
+def check_no_dataset(cfg: DictConfig) -> None:
+    """`dataset=` is listed by --help (a group of conf/) but belongs to prepare.py."""
+    if cfg.get("dataset") is not None:
+        raise ValueError("dataset= chooses what prepare.py tokenizes; prepare it (python prepare.py dataset=local "
+                         "dataset.data_files=FILE.jsonl), then train on the shards with data=local (or data=fineweb_edu)")
+
+
 def first_job() -> bool:
     """A single run, or a sweep's first job (the config tree is printed once per sweep; Hydra prints
     each later job's overrides)."""
@@ -117,6 +135,8 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
         for change in adopt_model_config(cfg, init["model_config"]):
             log.warning("init_from sets %s", change)
     mcfg = model_config(cfg)  # ValueError naming every bad model field
+    check_learning_rate(cfg)
+    check_no_dataset(cfg)
     ckpt_path = resolve_ckpt_path(cfg)  # ckpt_path=PATH | last, or this run dir's last.ckpt (auto_resume)
     meta = read_checkpoint_meta(ckpt_path) if ckpt_path else {}
     use_mlflow = mlflow_config(cfg) is not None

@@ -17,6 +17,8 @@ from t6.tracking import check_tracking_uri
 def evaluate_checkpoint(cfg: DictConfig) -> tuple[dict[str, float], str]:
     """Evaluate cfg.ckpt_path on cfg.eval; log into cfg.run_id (null: a new run, "train": the
     checkpoint's own training run). Returns (metrics, MLflow run id)."""
+    if OmegaConf.is_missing(cfg, "ckpt_path") or not cfg.ckpt_path:
+        raise ValueError("ckpt_path is required: python eval.py ckpt_path=logs/train/runs/<time>/checkpoints/last.ckpt")
     path = Path(cfg.ckpt_path)
     if not path.is_file():
         raise FileNotFoundError(f"ckpt_path={str(path)!r} does not exist")

@@ -66,8 +66,8 @@ class StepProgressBar(RichProgressBar):
 
 
 class ProgressLog(L.Callback):
-    """One plain line every `every_n_steps` optimizer steps (default trainer.log_every_n_steps), on
-    global rank 0, when stdout is not a terminal (`when: no_tty`; or `always`, `never`):
+    """One plain line every `every_n_steps` optimizer steps (default trainer.log_every_n_steps) and at
+    the last step, on global rank 0, when stdout is not a terminal (`when: no_tty`; or `always`, `never`):
 
         step 20/100 (20%) | loss 6.1234 | lr 3.00e-03 | 1,234 tok/s | elapsed 0:01:02 | ETA 0:04:08
 
@@ -98,7 +98,8 @@ class ProgressLog(L.Callback):
             return
         self._tokens += batch[0].numel() * trainer.world_size  # a shape, no sync
         step = trainer.global_step
-        if step == self._printed or step % (self.every_n_steps or max(trainer.log_every_n_steps, 1)):
+        last = trainer.max_steps is not None and step == trainer.max_steps
+        if step == self._printed or (step % (self.every_n_steps or max(trainer.log_every_n_steps, 1)) and not last):
             return
         self._printed = step
         print(self.line(trainer), flush=True)

@@ -67,7 +67,7 @@ class PreemptionCheckpoint(L.Callback):
         if dirpath is None:
             return
         path = str(Path(dirpath) / self.filename)
-        trainer.save_checkpoint(path)  # every rank calls it (a collective under DDP/FSDP); rank 0 writes
+        trainer.save_checkpoint(path, weights_only=False)  # resumable; every rank calls it (a collective), rank 0 writes
         self.saved_path = path
         if trainer.is_global_zero:
             log.warning("%s: saved %s at step %d; re-run the same command to resume",

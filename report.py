@@ -19,7 +19,7 @@ from pathlib import Path
 from t6.report import build_report, find_runs, load_decode_records, load_runs, log_report
 from t6.sweep import read_sweep_file
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(os.environ.get("T6_ROOT") or Path(__file__).resolve().parent)  # as train.py: the project, or $T6_ROOT
 
 
 def folder_name(name: str) -> str:

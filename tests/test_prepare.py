@@ -122,6 +122,7 @@ def five_mb_jsonl(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow  # tokenizes 5 MB and trains twice (~1 min on 2 cores)
 def test_a_small_local_file_prepares_and_trains_with_the_defaults(five_mb_jsonl, tmp_path, monkeypatch, caplog):
     """prepare.py dataset=local (shard size from the data), then train.py data=local, both with their defaults."""
     import logging

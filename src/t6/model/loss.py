@@ -24,7 +24,7 @@ import torch.nn.functional as F
 IGNORE_INDEX = -100  # as F.cross_entropy
 
 
-def _chunk_terms(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, n_valid: int, need_grad: bool):
+def _chunk_terms(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, n_valid: torch.Tensor, need_grad: bool):
     """One chunk: (sum of its token losses, dloss/dlogits or None). h [n, d], weight [V, d], y [n]."""
     z = (h @ weight.t()).to(_acc_dtype(h))  # [n, V] logits, at least fp32 for the softmax
     valid = y != IGNORE_INDEX  # [n]
@@ -40,6 +40,11 @@ def _chunk_terms(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, n_valid
     return loss_sum, dz
 
 
+def _count(y: torch.Tensor) -> torch.Tensor:
+    """Targets that count, as a tensor (no host sync), at least one."""
+    return (y != IGNORE_INDEX).sum().clamp(min=1)
+
+
 def _acc_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)  # bf16/fp16 -> fp32; fp32 and fp64 stay
 
@@ -48,7 +53,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
         # h [N, d], weight [V, d], y [N] -> mean loss []
-        n_valid = max(int((y != IGNORE_INDEX).sum()), 1)
+        n_valid = _count(y)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_grad = need_h or need_w
         dh = torch.empty_like(h) if need_h else None  # [N, d]
@@ -98,6 +103,6 @@ def linear_cross_entropy(
     with torch.autocast(device_type, enabled=False):
         if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
             return _ChunkedLinearCrossEntropy.apply(h, weight, targets, chunk_tokens)
-        n_valid = max(int((targets != IGNORE_INDEX).sum()), 1)  # evaluation: the loss alone, chunk by chunk
+        n_valid = _count(targets)  # evaluation: the loss alone, chunk by chunk
         chunks = zip(h.split(chunk_tokens), targets.split(chunk_tokens))
         return sum(_chunk_terms(hc, weight, yc, n_valid, need_grad=False)[0] for hc, yc in chunks) / n_valid

@@ -20,7 +20,7 @@ from t6.train import summary, train
 
 from conftest import ROOT
 
-SMALL_TASK = ["eval.local_task.n_test=12", "eval.local_task.n_fewshot=4"]
+SMALL_TASK = [f"eval.local_tasks.{t}.{k}={v}" for t in ("t6_next_line", "t6_cloze") for k, v in (("n_test", 12), ("n_fewshot", 4))]
 
 
 def random_model(block_size: int = 64, seed: int = 0) -> T6:
@@ -138,7 +138,9 @@ def test_callback_logs_to_mlflow_and_leaves_training_unchanged(make_cfg):
             assert [m.step for m in client.get_metric_history(run_id, name)] == [4, 8], name
         avg = client.get_metric_history(run_id, f"eval/{n}shot/avg")
         norm = client.get_metric_history(run_id, f"eval/{n}shot/{TASK}/acc_norm")
-        assert [m.value for m in avg] == [m.value for m in norm]  # one task: the average is its acc_norm
+        cloze = client.get_metric_history(run_id, f"eval/{n}shot/t6_cloze/acc")
+        # the average is over the tasks, each by its metric of conf/eval/local.yaml
+        assert [m.value for m in avg] == pytest.approx([(a.value + b.value) / 2 for a, b in zip(norm, cloze)])
     artifacts = {a.path for a in client.list_artifacts(run_id, "eval/step000008")}
     assert {"eval/step000008/results.json", "eval/step000008/table.md"} <= artifacts
     assert obj["model"].training  # back in train mode

@@ -7,7 +7,6 @@ from typing import Callable
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.loggers import MLFlowLogger
 from torchmetrics import MeanMetric
 
@@ -26,16 +25,19 @@ class T6LitModule(L.LightningModule):
         compile: bool = False,
         run_config: dict | None = None,
         nonfinite_loss: str = "stop",
+        loss_chunk_tokens: int | None = 1024,
     ):
         """model_config: ModelConfig fields as a plain dict (checkpoints stay loadable with
         weights_only=True); optimizer / scheduler: partials from Hydra, bound in configure_optimizers;
         run_config: the resolved experiment config, stored in checkpoints for eval/generate;
         nonfinite_loss: "stop" (raise, keeping the last good checkpoint) or "skip" (drop that batch
-        on every rank: no backward, no optimizer update) when a training loss is NaN or inf."""
+        on every rank: no backward, no optimizer update) when a training loss is NaN or inf;
+        loss_chunk_tokens: tokens per chunk of the LM head + cross-entropy (None: all logits at once)."""
         super().__init__()
         if nonfinite_loss not in ("stop", "skip"):
             raise ValueError(f"nonfinite_loss={nonfinite_loss!r} must be 'stop' or 'skip'")
         self.nonfinite_loss = nonfinite_loss
+        self.loss_chunk_tokens = loss_chunk_tokens
         self.skipped_batches = 0
         self.save_hyperparameters("model_config", "compile", logger=False)
         self.model = T6(ModelConfig(**model_config))
@@ -50,8 +52,7 @@ class T6LitModule(L.LightningModule):
 
     def loss(self, batch) -> torch.Tensor:
         x, y = batch  # [B, T], [B, T]
-        logits = self(x)  # [B, T, vocab]
-        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        return self.model(x, targets=y, loss_chunk_tokens=self.loss_chunk_tokens)  # [] mean over B*T tokens
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor | None:
         loss = self.loss(batch)

@@ -162,6 +162,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
         compile=cfg.get("compile", False),
         run_config=OmegaConf.to_container(cfg, resolve=True),
         nonfinite_loss=cfg.get("nonfinite_loss", "stop"),
+        loss_chunk_tokens=cfg.get("loss_chunk_tokens", 1024),
     )
     if init is not None:
         model.model.load_state_dict(init["state_dict"])  # a resume (ckpt_path) then overrides these weights

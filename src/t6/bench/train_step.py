@@ -19,7 +19,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
@@ -83,8 +82,7 @@ def bench_one(mcfg: ModelConfig, args: argparse.Namespace, device: torch.device)
         sync(device)
         start = time.perf_counter()
         with autocast:
-            logits = step_fn(x)  # [B, T, V]
-            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1))
+            loss = step_fn(x, targets=y, loss_chunk_tokens=args.loss_chunk_tokens)  # [] (t6.model.loss)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -130,6 +128,10 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def chunk_tokens(text: str) -> int | None:
+    return None if text.lower() in ("none", "null") else int(text)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--size", default="small", help="conf/size option")
@@ -141,6 +143,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="autocast dtype (float32: none)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--loss-chunk-tokens", type=chunk_tokens, default=1024,
+                   help="tokens per chunk of the LM head + cross-entropy, as in training; none: all logits at once")
     p.add_argument("--override", action="append", default=[], help="extra Hydra override, e.g. size.n_layer=2")
     p.add_argument("--peak-tflops", type=float, help="the device's peak TFLOP/s at --dtype, for the MFU column "
                    "(e.g. 989 for an H100 SXM in bf16, 312 for an A100)")

@@ -1,6 +1,6 @@
 """Downstream evaluation during training, configured by the `eval` group.
 
-`build_eval_callback(cfg.eval)` runs before the Trainer exists: it builds the embedded task,
+`build_eval_callback(cfg.eval)` runs before the Trainer exists: it builds the embedded tasks,
 checks every task name and loads every dataset, so a typo or a machine without the datasets
 fails in seconds rather than after hours of training. The callback then evaluates every
 `every_n_steps` optimizer steps and/or at the end of training.
@@ -18,10 +18,10 @@ import time
 
 import lightning as L
 from lightning.pytorch.loggers import MLFlowLogger
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from t6.evaluation.harness import EvalSpec, log_results, resolve_tasks, run_harness, spec_from_config
-from t6.evaluation.next_line import build_next_line_task
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +74,9 @@ def build_eval_callback(eval_cfg: DictConfig | dict | None) -> DownstreamEval | 
         return None
     cfg = OmegaConf.to_container(eval_cfg, resolve=True) if isinstance(eval_cfg, DictConfig) else dict(eval_cfg)
     include = []
-    if cfg.get("local_task"):
-        include.append(build_next_line_task(**cfg["local_task"]))
+    for name, builder in (cfg.get("local_tasks") or {}).items():  # each writes its task YAML + JSONL, offline
+        if name in (cfg.get("tasks") or []):
+            include.append(instantiate(builder))
     spec = spec_from_config(cfg, include)
     tm = resolve_tasks(spec)
     return DownstreamEval(spec, tm, every_n_steps=cfg.get("every_n_steps"), at_end=bool(cfg.get("at_end", True)))

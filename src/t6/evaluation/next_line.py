@@ -76,7 +76,7 @@ def build_next_line_task(
     """Write test.jsonl, fewshot.jsonl and t6_next_line.yaml into out_dir; returns out_dir (an include_path)."""
     text_file = Path(text_file) if text_file else TINY_SHAKESPEARE
     if not text_file.is_file():
-        raise FileNotFoundError(f"eval.local_task.text_file={str(text_file)!r} does not exist")
+        raise FileNotFoundError(f"eval.local_tasks.{TASK}.text_file={str(text_file)!r} does not exist")
     lines = held_out_text(text_file, val_fraction).split("\n")
     speech = [i for i, ln in enumerate(lines) if is_speech(ln) and i >= context_lines]
     cut = int(len(lines) * 0.15)  # few-shot examples from the first 15% of the held-out lines, tests from the rest
@@ -84,7 +84,7 @@ def build_next_line_task(
     if len(few_pool) < n_fewshot or len(test_pool) < n_test:
         raise ValueError(
             f"the held-out part of {text_file} ({len(lines)} lines) is too small for "
-            f"eval.local_task.n_test={n_test} and n_fewshot={n_fewshot}"
+            f"eval.local_tasks.{TASK}.n_test={n_test} and n_fewshot={n_fewshot}"
         )
     rng = np.random.default_rng(seed)
     test_targets = sorted(rng.choice(test_pool, size=n_test, replace=False).tolist())
@@ -97,13 +97,15 @@ def build_next_line_task(
     out_dir.mkdir(parents=True, exist_ok=True)
     for name, items in splits.items():
         write_if_changed(out_dir / f"{name}.jsonl", "".join(json.dumps(it) + "\n" for it in items))
-    write_if_changed(out_dir / f"{TASK}.yaml", task_yaml(out_dir))
+    write_if_changed(out_dir / f"{TASK}.yaml", task_yaml(out_dir, TASK, target_delimiter="\n", builder=__name__))
     return out_dir
 
 
-def task_yaml(out_dir: Path) -> str:
-    return f"""# Built by t6.evaluation.next_line; absolute paths, rewritten on every build.
-task: {TASK}
+def task_yaml(out_dir: Path, task: str, target_delimiter: str, builder: str) -> str:
+    """The lm-eval YAML of a local multiple-choice task whose test.jsonl and fewshot.jsonl are in out_dir
+    (items {"passage", "choices", "label"}); each choice follows the passage after target_delimiter."""
+    return f"""# Built by {builder}; absolute paths, rewritten on every build.
+task: {task}
 dataset_path: json
 dataset_kwargs:
   data_files:
@@ -115,7 +117,7 @@ output_type: multiple_choice
 doc_to_text: "{{{{passage}}}}"
 doc_to_choice: choices
 doc_to_target: label
-target_delimiter: "\\n"
+target_delimiter: {json.dumps(target_delimiter)}
 fewshot_delimiter: "\\n\\n"
 metric_list:
   - metric: acc

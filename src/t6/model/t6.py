@@ -13,6 +13,7 @@ from torch import nn
 from t6.model.attention import KVCache, get_attention_class
 from t6.model.config import ModelConfig
 from t6.model.layers import SwiGLU
+from t6.model.loss import linear_cross_entropy
 
 
 class Block(nn.Module):
@@ -60,8 +61,18 @@ class T6(nn.Module):
             elif isinstance(module, nn.RMSNorm):
                 nn.init.ones_(module.weight)
 
-    def forward(self, idx: torch.Tensor, start_pos: int = 0, caches: list[KVCache] | None = None) -> torch.Tensor:
-        """idx [B, T] token ids at positions start_pos..start_pos+T-1 -> logits [B, T, vocab]."""
+    def forward(
+        self,
+        idx: torch.Tensor,
+        start_pos: int = 0,
+        caches: list[KVCache] | None = None,
+        targets: torch.Tensor | None = None,
+        loss_chunk_tokens: int | None = 1024,
+    ) -> torch.Tensor:
+        """idx [B, T] token ids at positions start_pos..start_pos+T-1 -> logits [B, T, vocab];
+        with targets [B, T], the mean next-token cross-entropy [] instead, through the head in
+        chunks of loss_chunk_tokens tokens so the full logits never exist (t6.model.loss; None:
+        all logits at once)."""
         T = idx.shape[1]
         if start_pos + T > self.cfg.block_size:
             raise ValueError(
@@ -72,6 +83,8 @@ class T6(nn.Module):
         x = self.embed(idx)  # [B, T, d]
         for i, block in enumerate(self.blocks):
             x = block(x, pos, None if caches is None else caches[i])  # [B, T, d]
+        if targets is not None:
+            return linear_cross_entropy(self.norm(x), self.lm_head.weight, targets, loss_chunk_tokens)  # []
         return self.lm_head(self.norm(x))  # [B, T, vocab]
 
     def build_kv_caches(self, batch_size: int, max_len: int | None = None, dtype=None, device=None) -> list[KVCache]:

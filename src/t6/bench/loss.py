@@ -1,0 +1,98 @@
+"""Training-step time and peak memory of the plain LM head + cross-entropy against the chunked one.
+
+    python -m t6.bench.loss --size tiny --batch-size 8 --seq-len 256 --chunks none,4096,1024,256
+
+Each setting of `--chunks` (`none`: all [tokens x vocab] logits at once, as F.cross_entropy
+on the head's output; a number: t6.model.loss in chunks of that many tokens) trains the same
+model (forward + backward + AdamW) in its own fresh process, so the peak memory of one does
+not hide another's: the process's peak resident memory on CPU (ru_maxrss, which includes the
+model, optimizer state and the Python runtime), torch.cuda.max_memory_allocated on CUDA.
+The processes run one after another in this one invocation, so their times compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import resource
+import statistics
+from pathlib import Path
+
+import torch
+
+from t6.bench.common import environment, table, write_json
+from t6.bench.train_step import bench_one, chunk_tokens, model_cfg
+
+
+def measure(args: argparse.Namespace, chunk: int | None) -> dict:
+    """One setting, in this process: median step time and peak memory."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    mcfg = model_cfg(args.attention, args.size, args.override)
+    run = argparse.Namespace(**{**vars(args), "loss_chunk_tokens": chunk, "compile": False})
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times, _ = bench_one(mcfg, run, device)
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    step = statistics.median(times)
+    return {"chunk_tokens": "none" if chunk is None else chunk, "step_ms": step * 1e3,
+            "tokens_per_s": args.batch_size * args.seq_len / step, "peak_mib": peak / 2**20}
+
+
+def _child(args: argparse.Namespace, chunk: int | None, queue) -> None:
+    queue.put(measure(args, chunk))
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    ctx = mp.get_context("spawn")  # a fresh interpreter per setting: its peak memory is its own
+    rows = []
+    for chunk in args.chunks:
+        queue = ctx.Queue()
+        proc = ctx.Process(target=_child, args=(args, chunk, queue))
+        proc.start()
+        row = queue.get()
+        proc.join()
+        rows.append(row)
+        print(f"  chunks={row['chunk_tokens']}: {row['step_ms']:.0f} ms/step, peak {row['peak_mib']:.0f} MiB", flush=True)
+    base = rows[0]
+    for r in rows:
+        r["speedup_vs_first"] = base["step_ms"] / r["step_ms"]
+        r["memory_vs_first"] = r["peak_mib"] / base["peak_mib"]
+    return rows
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--attention", default="tpa")
+    p.add_argument("--size", default="tiny", help="conf/size option")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--chunks", type=lambda s: [chunk_tokens(c) for c in s.split(",")], default="none,4096,1024,256",
+                   help="comma-separated settings; the first is the reference of the ratio columns")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per setting")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, ...")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="autocast dtype (float32: none)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
+    p.add_argument("--override", action="append", default=[], help="extra Hydra override, e.g. size.n_layer=2")
+    p.add_argument("--json", type=Path, help="write the rows here as JSON")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    rows = run(args)
+    print(table(rows, [("chunk_tokens", "chunk tokens", ""), ("step_ms", "ms/step", ".0f"),
+                       ("tokens_per_s", "tokens/s", ".0f"), ("speedup_vs_first", "speed vs first", ".2f"),
+                       ("peak_mib", "peak MiB", ".0f"), ("memory_vs_first", "memory vs first", ".2f")]))
+    write_json(args.json, {"environment": environment(str(args.device)), "args": {k: str(v) for k, v in vars(args).items()},
+                           "rows": rows})
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""Next-token cross-entropy of the tied LM head, computed in chunks of tokens.
+
+    loss = mean_i [ logsumexp_v (h_i · W_v) - h_i · W_{y_i} ]      over the N tokens with y_i != ignore
+
+The plain path forms all logits z = h Wᵀ [N, V] (and their gradient, the same size) at once: at
+V = 50,304 that is 200 KB per token in fp32, most of a small model's step memory. Here the
+tokens go through in chunks of `chunk_tokens`: each chunk's logits exist only inside the loop,
+and since dloss/dz = (softmax(z) - onehot(y)) / N is known as soon as z is, the gradients with
+respect to h and W are accumulated in the same pass (no recomputation in backward):
+
+    dh_chunk = dz_chunk W          [n, d]
+    dW      += dz_chunkᵀ h_chunk   [V, d]
+
+Peak extra memory is one chunk's logits [n, V] in fp32 plus dW [V, d] (which the plain path
+also builds), instead of [N, V] twice. The result equals F.cross_entropy(h Wᵀ, y) to float
+rounding (tests/test_loss.py checks loss and both gradients).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100  # as F.cross_entropy
+
+
+def _chunk_terms(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, n_valid: torch.Tensor, need_grad: bool):
+    """One chunk: (sum of its token losses, dloss/dlogits or None). h [n, d], weight [V, d], y [n]."""
+    z = (h @ weight.t()).to(_acc_dtype(h))  # [n, V] logits, at least fp32 for the softmax
+    valid = y != IGNORE_INDEX  # [n]
+    safe_y = torch.where(valid, y, 0)  # [n]
+    lse = torch.logsumexp(z, dim=-1)  # [n]
+    target = z.gather(1, safe_y[:, None]).squeeze(1)  # [n]
+    loss_sum = ((lse - target) * valid).sum()  # []
+    if not need_grad:
+        return loss_sum, None
+    dz = z.sub_(lse[:, None]).exp_()  # [n, V] softmax, in z's own storage
+    dz[torch.arange(len(y), device=y.device), safe_y] -= 1.0  # softmax - onehot(y)
+    dz *= (valid.to(dz.dtype) / n_valid)[:, None]  # [n, V] d(mean loss)/dz; ignored rows are zero
+    return loss_sum, dz
+
+
+def _count(y: torch.Tensor) -> torch.Tensor:
+    """Targets that count, as a tensor (no host sync), at least one."""
+    return (y != IGNORE_INDEX).sum().clamp(min=1)
+
+
+def _acc_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(t.dtype, torch.float32)  # bf16/fp16 -> fp32; fp32 and fp64 stay
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+        # h [N, d], weight [V, d], y [N] -> mean loss []
+        n_valid = _count(y)
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_grad = need_h or need_w
+        dh = torch.empty_like(h) if need_h else None  # [N, d]
+        dw = torch.zeros(weight.shape, dtype=_acc_dtype(weight), device=weight.device) if need_w else None  # [V, d]
+        total = torch.zeros((), dtype=_acc_dtype(h), device=h.device)
+        for start in range(0, h.shape[0], chunk_tokens):
+            hc, yc = h[start : start + chunk_tokens], y[start : start + chunk_tokens]  # [n, d], [n]
+            loss_sum, dz = _chunk_terms(hc, weight, yc, n_valid, need_grad)
+            total += loss_sum
+            if dz is None:
+                continue
+            dz = dz.to(h.dtype)  # [n, V] in the matmul dtype (bf16 under autocast)
+            if need_h:
+                dh[start : start + chunk_tokens] = dz @ weight  # [n, d]
+            if need_w:
+                dw += dz.t() @ hc  # [V, d]
+        ctx.save_for_backward(dh if need_h else None, dw.to(weight.dtype) if need_w else None)
+        return total / n_valid
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        dh, dw = ctx.saved_tensors
+        return (
+            None if dh is None else dh * grad_out.to(dh.dtype),
+            None if dw is None else dw * grad_out.to(dw.dtype),
+            None,
+            None,
+        )
+
+
+def linear_cross_entropy(
+    h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int | None = 1024
+) -> torch.Tensor:
+    """Mean cross-entropy of logits h Wᵀ against targets, never holding more than chunk_tokens rows
+    of logits. h [..., d], weight [V, d], targets [...] (IGNORE_INDEX = -100 skipped).
+    chunk_tokens=None is the plain F.cross_entropy path over all logits at once (the reference)."""
+    h, targets = h.reshape(-1, h.shape[-1]), targets.reshape(-1)  # [N, d], [N]
+    if chunk_tokens is not None and chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens={chunk_tokens} must be a positive number of tokens or None")
+    device_type = h.device.type
+    if torch.is_autocast_enabled(device_type):  # the matmuls in the autocast dtype, as nn.Linear would
+        dtype = torch.get_autocast_dtype(device_type)
+        h, weight = h.to(dtype), weight.to(dtype)
+    if chunk_tokens is None:
+        with torch.autocast(device_type, enabled=False):
+            return F.cross_entropy((h @ weight.t()).to(_acc_dtype(h)), targets, ignore_index=IGNORE_INDEX)
+    with torch.autocast(device_type, enabled=False):
+        if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+            return _ChunkedLinearCrossEntropy.apply(h, weight, targets, chunk_tokens)
+        n_valid = _count(targets)  # evaluation: the loss alone, chunk by chunk
+        chunks = zip(h.split(chunk_tokens), targets.split(chunk_tokens))
+        return sum(_chunk_terms(hc, weight, yc, n_valid, need_grad=False)[0] for hc, yc in chunks) / n_valid

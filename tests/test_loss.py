@@ -1,0 +1,82 @@
+"""The chunked LM head + cross-entropy equals the plain one, in value and in both gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from t6.model.loss import IGNORE_INDEX, linear_cross_entropy
+
+from conftest import random_model
+
+
+def plain(h, w, y):
+    return F.cross_entropy((h @ w.t()).flatten(0, -2), y.flatten(), ignore_index=IGNORE_INDEX)
+
+
+def leaves(*tensors):
+    return [t.detach().clone().requires_grad_(True) for t in tensors]
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 10_000])  # one token, uneven chunks, exact split, one chunk
+def test_loss_and_gradients_equal_the_plain_path(chunk):
+    torch.manual_seed(0)
+    h0, w0 = torch.randn(2, 32, 16, dtype=torch.float64), torch.randn(97, 16, dtype=torch.float64)
+    y = torch.randint(0, 97, (2, 32))
+    y[0, :5] = IGNORE_INDEX  # ignored targets count neither in the sum nor in the mean
+    h, w = leaves(h0, w0)
+    ref = plain(h, w, y)
+    ref.backward()
+    hc, wc = leaves(h0, w0)
+    out = linear_cross_entropy(hc, wc, y, chunk_tokens=chunk)
+    (out * 3.0).backward()  # the incoming gradient scales both results
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(hc.grad, 3.0 * h.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(wc.grad, 3.0 * w.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_without_gradients_it_is_the_same_loss_and_builds_none():
+    torch.manual_seed(1)
+    h, w, y = torch.randn(50, 8), torch.randn(33, 8, requires_grad=True), torch.randint(0, 33, (50,))
+    with torch.no_grad():
+        out = linear_cross_entropy(h, w, y, chunk_tokens=16)
+    assert out.grad_fn is None
+    torch.testing.assert_close(out, plain(h, w.detach(), y), rtol=1e-6, atol=1e-6)
+
+
+def test_bad_chunk_size_is_an_error():
+    with pytest.raises(ValueError, match="chunk_tokens=0"):
+        linear_cross_entropy(torch.zeros(2, 4), torch.zeros(5, 4), torch.zeros(2, dtype=torch.long), chunk_tokens=0)
+
+
+def test_model_loss_equals_cross_entropy_of_its_logits_with_tied_gradients(tmp_path):
+    """Through the whole T6: the embedding is the head (tied), so its gradient gets both uses."""
+    model = random_model(tmp_path).double().train()
+    x, y = torch.randint(0, model.cfg.vocab_size, (2, 2, 16)).unbind(0)
+    ref = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    ref.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    out = model(x, targets=y, loss_chunk_tokens=5)
+    out.backward()
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name], rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_bf16_autocast_matches_the_plain_head_under_autocast():
+    torch.manual_seed(2)
+    h0, w0, y = torch.randn(40, 32), torch.randn(64, 32), torch.randint(0, 64, (40,))
+    h, w = leaves(h0, w0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = F.cross_entropy(F.linear(h, w).float(), y)
+    ref.backward()
+    hc, wc = leaves(h0, w0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = linear_cross_entropy(hc, wc, y, chunk_tokens=16)
+    out.backward()
+    assert hc.grad.dtype == wc.grad.dtype == torch.float32  # fp32 leaves get fp32 gradients
+    torch.testing.assert_close(out, ref, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(hc.grad, h.grad, rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(wc.grad, w.grad, rtol=2e-2, atol=2e-3)

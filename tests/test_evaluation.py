@@ -210,9 +210,10 @@ def test_lm_eval_cli_defaults_and_entry_point(tmp_path):
 
     from t6.evaluation.__main__ import cli_args
 
-    include = str(tmp_path / "data" / "eval" / TASK)
-    assert cli_args(["--model", "t6", "--tasks", TASK], tmp_path) == [
-        "--model", "t6", "--tasks", TASK, "--include_path", include, "--batch_size", "16"]
+    include = str(tmp_path / "data" / "eval")
+    assert cli_args(["--model", "t6", "--tasks", f"{TASK},t6_cloze"], tmp_path) == [
+        "--model", "t6", "--tasks", f"{TASK},t6_cloze", "--include_path", include, "--batch_size", "16"]
+    assert (tmp_path / "data" / "eval" / "t6_cloze" / "t6_cloze.yaml").is_file()  # each named local task is built
     given = ["--tasks=hellaswag", "-b", "8", "--include_path", "/x"]
     assert cli_args(given, tmp_path) == given  # the user's choices stay; other tasks need no local build
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]

@@ -5,8 +5,8 @@ lm-eval 0.4.13 discovers models only through its built-in table (no entry points
 
     python -m t6.evaluation --model t6 --model_args checkpoint=PATH --tasks t6_next_line
 
-The project's local task (t6_next_line) is built and added with `--include_path` when the tasks
-name it and no include path is given, and `--batch_size` defaults to the adapter's 16 (lm-eval's
+The project's local tasks (t6_next_line, t6_cloze) named in --tasks are built under
+data/eval/ and that folder is added with `--include_path` when no include path is given, and `--batch_size` defaults to the adapter's 16 (lm-eval's
 own default is 1). pyproject.toml also declares `t6` under the `lm_eval.models` entry points, for
 lm-eval versions that read them.
 """
@@ -34,13 +34,17 @@ def _value(argv: list[str], flag: str) -> str:
 
 
 def cli_args(argv: list[str], root: Path) -> list[str]:
-    """lm-eval's arguments with the project's defaults added: the local task's directory (built under
-    root/data/eval/, as training builds it) when --tasks names it, and --batch_size 16."""
-    from t6.evaluation.next_line import TASK, build_next_line_task
+    """lm-eval's arguments with the project's defaults added: the local tasks' folder (each named task
+    built under root/data/eval/<task>/, as training builds it) when --tasks names one, and --batch_size 16."""
+    from t6.evaluation import cloze, next_line
 
+    builders = {next_line.TASK: next_line.build_next_line_task, cloze.TASK: cloze.build_cloze_task}
     argv = list(argv)
-    if TASK in _value(argv, "--tasks").split(",") and not _given(argv, "--include_path"):
-        argv += ["--include_path", str(build_next_line_task(root / "data" / "eval" / TASK))]
+    named = [t for t in _value(argv, "--tasks").split(",") if t in builders]
+    if named and not _given(argv, "--include_path"):
+        for task in named:
+            builders[task](root / "data" / "eval" / task)
+        argv += ["--include_path", str(root / "data" / "eval")]  # lm-eval finds each task's YAML below it
     if not _given(argv, "--batch_size", "-b"):
         argv += ["--batch_size", DEFAULT_BATCH_SIZE]
     return argv

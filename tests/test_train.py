@@ -103,3 +103,20 @@ def test_compiled_module_keeps_plain_checkpoint_keys():
     cfg = dict(attention="tpa", n_layer=1, d_model=64, n_head=2, vocab_size=128, block_size=16)
     plain, compiled = T6LitModule(model_config=cfg), T6LitModule(model_config=cfg, compile=True)
     assert list(compiled.state_dict()) == list(plain.state_dict())  # compile is lazy: nothing runs here
+    # One graph per transformer block, each the unit DDP buckets and FSDP shards: not one graph
+    # for the whole model, whose single backward the gradient all-reduce could not overlap.
+    assert compiled.model._compiled_call_impl is None
+    assert all(block._compiled_call_impl is not None for block in compiled.model.blocks)
+    assert all(block._compiled_call_impl is None for block in plain.model.blocks)
+
+
+def test_fsdp_reduces_gradients_in_fp32_under_mixed_precision():
+    from lightning.pytorch.plugins.precision import FSDPPrecision
+
+    from t6.fsdp import fsdp_strategy
+
+    strategy = fsdp_strategy()
+    strategy.precision_plugin = FSDPPrecision("bf16-mixed")
+    mp = strategy.mixed_precision_config
+    assert (mp.param_dtype, mp.reduce_dtype) == (torch.bfloat16, torch.float32)
+    assert strategy.kwargs["use_orig_params"] is True  # parameter names survive wrapping

@@ -1,4 +1,4 @@
-"""Training callbacks for long runs: preemption checkpoints, exact RNG resume, grad norm, throughput.
+"""Training callbacks for long runs: preemption checkpoints, exact RNG resume, throughput.
 
 All of them are listed in conf/callbacks/default.yaml; each does one thing.
 """
@@ -107,21 +107,6 @@ class RNGState(L.Callback):
         if self._pending is not None:
             _set_rng_state(self._pending)
             self._pending = None
-
-
-class GradNormMonitor(L.Callback):
-    """Logs `train/grad_norm`: the global L2 norm of the gradients before clipping."""
-
-    def __init__(self, every_n_steps: int | None = None):
-        self.every_n_steps = every_n_steps
-
-    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
-        every = self.every_n_steps or trainer.log_every_n_steps
-        if trainer.global_step % every:
-            return
-        norms = [p.grad.detach().float().norm() for p in pl_module.parameters() if p.grad is not None]
-        if norms:
-            pl_module.log("train/grad_norm", torch.linalg.vector_norm(torch.stack(norms)), on_step=True, on_epoch=False)
 
 
 class ThroughputLogger(L.Callback):

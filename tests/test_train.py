@@ -120,3 +120,23 @@ def test_fsdp_reduces_gradients_in_fp32_under_mixed_precision():
     mp = strategy.mixed_precision_config
     assert (mp.param_dtype, mp.reduce_dtype) == (torch.bfloat16, torch.float32)
     assert strategy.kwargs["use_orig_params"] is True  # parameter names survive wrapping
+
+
+def test_throughput_monitor_logs_tokens_and_mfu_from_the_measured_flops(make_cfg):
+    from t6.callbacks import ThroughputMonitor
+    from t6.perf import flops_per_token
+
+    metrics, objects = train(make_cfg("callbacks.throughput.peak_tflops=0.5", "trainer.max_steps=6"))
+    monitor = next(cb for cb in objects["trainer"].callbacks if isinstance(cb, ThroughputMonitor))
+    cfg, mcfg = objects["cfg"], objects["model"].model
+    assert monitor.flops_per_batch == flops_per_token(mcfg, cfg.data.seq_len) * cfg.data.seq_len * cfg.data.batch_size
+    c = mlflow.MlflowClient(objects["mlflow"]._tracking_uri)
+    run_id = objects["mlflow"].run_id
+    got = {k: {m.step: m.value for m in c.get_metric_history(run_id, f"train/{k}")}
+           for k in ("device/mfu", "device/flops_per_sec", "device/items_per_sec", "device/samples_per_sec")}
+    assert sorted(got["device/mfu"]) == list(range(1, 6))  # each logging step after the first measurement
+    for step, mfu in got["device/mfu"].items():
+        assert mfu == pytest.approx(got["device/flops_per_sec"][step] / 0.5e12)
+        assert got["device/items_per_sec"][step] == pytest.approx(got["device/samples_per_sec"][step] * cfg.data.seq_len)
+        assert got["device/flops_per_sec"][step] == pytest.approx(got["device/items_per_sec"][step] * monitor.flops_per_batch
+                                                                   / (cfg.data.seq_len * cfg.data.batch_size))

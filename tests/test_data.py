@@ -71,6 +71,22 @@ def test_stream_is_deterministic_disjoint_across_ranks_and_resumable():
     assert torch.equal(y[:-1], x[1:])  # targets are the inputs shifted by one
 
 
+def test_loader_workers_keep_the_streams_order():
+    from torch.utils.data import DataLoader
+
+    windows = Windows([np.arange(10_001, dtype=np.uint16)], seq_len=10)  # 1000 windows
+    single = iter(TrainStream(windows, seed=3, shuffle=True, start=8, rank=1, world_size=2))
+    expected = [next(single)[0][0].item() for _ in range(7 * 4)]
+
+    def batches(workers: int) -> list[int]:
+        stream = TrainStream(windows, seed=3, shuffle=True, start=8, rank=1, world_size=2, batch_size=4)
+        it = iter(DataLoader(stream, batch_size=4, num_workers=workers))
+        return [v for _ in range(7) for v in next(it)[0][:, 0].tolist()]
+
+    assert batches(0) == expected
+    assert batches(3) == expected  # 7 batches over 3 workers: each worker's share interleaved back in order
+
+
 def test_global_batch_must_divide():
     dm = TokenDataModule("unused", seq_len=8, batch_size=6, global_batch_size=480)
     assert dm.accumulation(world_size=8) == 10

@@ -1,9 +1,11 @@
-"""`python train.py` as users run it, in subprocesses: 2-process CPU DDP (gloo) as a single run and
-inside a 2-job multirun, a sweep's MLflow parent and child runs, and a real SIGTERM to a training
-process followed by a resume. Slow: each starts Lightning (and DDP starts it twice)."""
+"""`python train.py` as users run it, in subprocesses: 2-process CPU DDP and FSDP (gloo) as single
+runs, DDP inside a 2-job multirun and under torchrun, a sweep's MLflow parent and child runs, and a
+real SIGTERM to a training process followed by a resume. Slow: each starts Lightning (and DDP / FSDP
+start it twice)."""
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -11,19 +13,42 @@ import sys
 import time
 from pathlib import Path
 
+import lightning as L
 import mlflow
 import pytest
 import torch
 
 from conftest import ROOT, TEST_RUN, TEST_SIZE
+from t6.evaluation.adapter import load_checkpoint_model
+from t6.evaluation.callback import build_eval_callback
+from t6.evaluation.harness import flat_metrics, run_harness
 
 pytestmark = pytest.mark.slow
 DDP = ["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=32-true"]
+FSDP = ["trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=32-true"]
+
+
+class NaNOnRank(L.Callback):
+    """Makes one rank's training loss NaN in the micro-batches of optimizer step `step` (loaded by the
+    training processes through +callbacks.nan._target_=test_distributed.NaNOnRank)."""
+
+    def __init__(self, step: int, rank: int):
+        self.step, self.rank, self.handle = step, rank, None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step and trainer.global_rank == self.rank and self.handle is None:
+            self.handle = pl_module.model.embed.register_forward_hook(lambda m, args, out: out * float("nan"))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.handle is not None and trainer.global_step != self.step:
+            self.handle.remove()
+            self.handle = None
 
 
 def command(tmp_path: Path, data_dir: Path, *overrides: str) -> tuple[list[str], dict]:
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    env.update(T6_ROOT=str(tmp_path), PYTHONPATH=str(ROOT / "src"), MLFLOW_ENABLE_ASYNC_LOGGING="false")
+    env.update(T6_ROOT=str(tmp_path), PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests")]),
+               MLFLOW_ENABLE_ASYNC_LOGGING="false")
     flags = [o for o in overrides if o.startswith("-")]  # -m goes before the overrides
     rest = [o for o in overrides if not o.startswith("-")]
     if not any(o.startswith("eval") for o in rest):
@@ -70,13 +95,89 @@ def test_ddp_two_processes_run_and_resume_exactly(tmp_path, shared_data_dir):
         assert len(history[step]) == 2 and history[step][0] == pytest.approx(history[step][1], abs=1e-6), step
 
 
-def test_ddp_evaluation_runs_on_rank_zero_while_the_other_rank_waits(tmp_path, shared_data_dir):
-    run(tmp_path, shared_data_dir, *DDP, "eval=local", "eval.limit=8", "eval.num_fewshot=[0]", "eval.every_n_steps=4",
+def history(c: mlflow.MlflowClient, run_id: str, key: str) -> dict[int, list[float]]:
+    out: dict[int, list[float]] = {}
+    for m in sorted(c.get_metric_history(run_id, key), key=lambda m: m.timestamp):
+        out.setdefault(m.step, []).append(m.value)
+    return out
+
+
+def test_fsdp_trains_clips_skips_evaluates_and_resumes_like_ddp(tmp_path, shared_data_dir):
+    """The same 6 steps under DDP and FSDP (2 CPU processes each): clipping by the global norm, a
+    NaN loss on rank 1 at step 4 skipped on both ranks, weight decay on the matrices and the
+    embedding only, a downstream evaluation at the end; then FSDP resumed from step 3."""
+    common = ["data.batch_size=2", "data.global_batch_size=8", "trainer.max_steps=6", "trainer.val_check_interval=3",
+              "trainer.gradient_clip_val=0.5", "callbacks.model_checkpoint.every_n_train_steps=3",
+              "callbacks.model_checkpoint.save_top_k=-1", "nonfinite_loss=skip", "+callbacks.nan._target_=test_distributed.NaNOnRank",
+              "+callbacks.nan.step=4", "+callbacks.nan.rank=1", "eval=local", "eval.limit=8", "eval.num_fewshot=[0]"]
+    dirs = {name: tmp_path / name for name in ("ddp", "fsdp", "resumed")}
+    run(tmp_path, shared_data_dir, *DDP, *common, "experiment_name=ddp", f"hydra.run.dir={dirs['ddp']}")
+    run(tmp_path, shared_data_dir, *FSDP, *common, "experiment_name=fsdp", f"hydra.run.dir={dirs['fsdp']}")
+    run(tmp_path, shared_data_dir, *FSDP, *common, "experiment_name=fsdp", f"hydra.run.dir={dirs['resumed']}",
+        f"ckpt_path={dirs['fsdp'] / 'checkpoints' / 'step000003.ckpt'}")
+
+    c = client(tmp_path)
+    (ddp,) = c.search_runs([c.get_experiment_by_name("ddp").experiment_id])
+    (fsdp,) = c.search_runs([c.get_experiment_by_name("fsdp").experiment_id])  # the resumed run logged into it
+    ddp_loss, fsdp_loss = history(c, ddp.info.run_id, "train/loss"), history(c, fsdp.info.run_id, "train/loss")
+    assert sorted(ddp_loss) == sorted(fsdp_loss) == list(range(6))
+    for step in range(6):
+        assert fsdp_loss[step][0] == pytest.approx(ddp_loss[step][0], rel=1e-5), step
+    for step in range(3, 6):  # uninterrupted, then resumed from step 3: the same losses
+        assert len(fsdp_loss[step]) == 2 and fsdp_loss[step][1] == pytest.approx(fsdp_loss[step][0], abs=1e-6), step
+    ddp_norm, fsdp_norm = history(c, ddp.info.run_id, "train/grad_norm"), history(c, fsdp.info.run_id, "train/grad_norm")
+    assert sorted(ddp_norm) == sorted(fsdp_norm) == list(range(6))
+    assert math.isnan(ddp_norm[4][0]) and all(math.isnan(v) for v in fsdp_norm[4])  # step 4: NaN on rank 1 only, skipped
+    assert max(v[0] for v in fsdp_norm.values()) > 0.5  # clipping acted
+    for step in (0, 1, 2, 3, 5):  # the global norm, not one shard's
+        assert fsdp_norm[step][0] == pytest.approx(ddp_norm[step][0], rel=1e-3), step  # a shard's would be ~30% off
+    assert history(c, fsdp.info.run_id, "train/skipped_steps")[4] == [1.0, 1.0]  # uninterrupted and resumed
+    key = "eval/0shot/t6_next_line/acc_norm"
+    assert history(c, fsdp.info.run_id, key)[6] == history(c, ddp.info.run_id, key)[6] * 2  # uninterrupted and resumed
+
+    last = {name: torch.load(d / "checkpoints" / "last.ckpt", weights_only=True) for name, d in dirs.items()}
+    assert all(ck["global_step"] == 6 for ck in last.values())
+    groups = {name: [(g["kind"], g["weight_decay"], len(g["params"])) for g in ck["optimizer_states"][0]["param_groups"]]
+              for name, ck in last.items()}
+    assert groups["fsdp"] == groups["ddp"] == groups["resumed"]
+    assert [(kind, wd) for kind, wd, _ in groups["fsdp"]] == [("matrix", 0.1), ("embedding", 0.1), ("norm", 0.0)]
+    for name in ("fsdp", "resumed"):  # whole tensors, the same values (up to summation order, which Adam's
+        for key, ref in last["ddp"]["state_dict"].items():  # normalized step amplifies where a gradient is ~0)
+            torch.testing.assert_close(last[name]["state_dict"][key], ref, rtol=1e-4, atol=5e-5, msg=f"{name} {key}")
+
+
+def test_ddp_evaluation_splits_the_requests_and_scores_like_one_process(tmp_path, shared_data_dir, make_cfg):
+    run(tmp_path, shared_data_dir, *DDP, "eval=local", "eval.limit=9", "eval.num_fewshot=[0]", "eval.every_n_steps=4",
         f"hydra.run.dir={tmp_path / 'run'}")
     (run_,) = all_runs(client(tmp_path))
-    history = client(tmp_path).get_metric_history(run_.info.run_id, "eval/0shot/t6_next_line/acc_norm")
-    assert sorted(m.step for m in history) == [4, 8]  # once per evaluation (every 4 steps, not again at the end of step 8), not once per rank
-    assert step_of(tmp_path / "run" / "checkpoints" / "last.ckpt") == 8  # training went on after each evaluation
+    key = "eval/0shot/t6_next_line/acc_norm"
+    logged = history(client(tmp_path), run_.info.run_id, key)
+    assert sorted(logged) == [4, 8] and all(len(v) == 1 for v in logged.values())  # logged once (rank 0), not again at the end
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    assert step_of(last) == 8  # training went on after each evaluation
+
+    # The same step-8 weights scored by one process over all 9 documents (the ranks had 5 and 4, padded).
+    callback = build_eval_callback(make_cfg("eval=local", "eval.limit=9", "eval.num_fewshot=[0]").eval)
+    single = flat_metrics(run_harness(load_checkpoint_model(last), callback.spec, callback.task_manager), callback.spec)
+    for name in ("eval/0shot/t6_next_line/acc", key):
+        assert history(client(tmp_path), run_.info.run_id, name)[8] == [pytest.approx(single[name], abs=1e-9)], name
+
+
+def test_torchrun_launched_ddp_trains_and_resumes(tmp_path, shared_data_dir):
+    """torch.distributed.run starts both ranks (as on a cluster); Lightning joins its process group."""
+    def torchrun(*overrides: str) -> None:
+        args, env = command(tmp_path, shared_data_dir, *DDP, *overrides)
+        args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *args[1:]]
+        proc = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+    run_dir = tmp_path / "run"
+    torchrun("trainer.max_steps=4", f"hydra.run.dir={run_dir}")
+    assert step_of(run_dir / "checkpoints" / "last.ckpt") == 4
+    torchrun("trainer.max_steps=6", "auto_resume=true", f"hydra.run.dir={run_dir}")  # the same job, requeued
+    assert step_of(run_dir / "checkpoints" / "last.ckpt") == 6
+    (run_,) = all_runs(client(tmp_path))  # one MLflow run: rank 1 logged nothing, the resume continued it
+    assert sorted(history(client(tmp_path), run_.info.run_id, "train/loss")) == list(range(6))
 
 
 def test_ddp_inside_a_multirun_runs_each_job_once(tmp_path, shared_data_dir):

@@ -63,6 +63,25 @@ def test_paper_recipes_have_the_papers_recipe(name):
     assert cfg.hydra.sweeper.params.attention.split(",") == SIX
 
 
+@pytest.mark.parametrize("name", [n for n in PAPER if n.startswith("paper_")])
+def test_paper_recipes_checkpoint_at_recipe_scale(name):
+    ckpt = compose_recipe(name).callbacks.model_checkpoint
+    assert ckpt.every_n_train_steps >= 1000 and ckpt.save_last == "link"
+
+
+def test_last_link_points_at_the_newest_checkpoint_and_resumes(make_cfg, tmp_path):
+    from t6.train import train
+
+    overrides = ["callbacks.model_checkpoint.save_last=link", "trainer.max_steps=4", "callbacks.model_checkpoint.every_n_train_steps=2"]
+    train(make_cfg(*overrides))
+    ckpts = tmp_path / "run" / "checkpoints"
+    last = ckpts / "last.ckpt"
+    assert last.is_symlink() and last.resolve() == (ckpts / "step000004.ckpt").resolve()
+    assert sorted(p.name for p in ckpts.iterdir()) == ["last.ckpt", "step000004.ckpt"]  # one full copy on disk
+    _, objects = train(make_cfg(*overrides[:1], "trainer.max_steps=6", "auto_resume=true", "callbacks.model_checkpoint.every_n_train_steps=2"))
+    assert objects["trainer"].global_step == 6 and last.resolve() == (ckpts / "step000006.ckpt").resolve()
+
+
 def test_cpu_comparison_sweeps_six_attentions_and_three_seeds_at_one_budget():
     spec = OmegaConf.load(CONF / "experiment" / "cpu_comparison.yaml")
     assert spec.hydra.sweeper.params.attention.split(",") == SIX

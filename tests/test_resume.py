@@ -14,6 +14,7 @@ import torch
 from omegaconf import open_dict
 
 from t6.checkpoint import AtomicCheckpointIO
+from t6.fsdp import fsdp_strategy
 from t6.train import train
 
 
@@ -24,8 +25,7 @@ class Recorder(L.Callback):
         self.loss, self.draw = {}, {}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if outputs:  # empty when the step was skipped
-            self.loss[trainer.global_step] = outputs["loss"].item()
+        self.loss[trainer.global_step] = outputs["loss"].item()
         self.draw[trainer.global_step] = torch.rand(1).item()
 
 
@@ -102,19 +102,35 @@ def test_ckpt_path_last_needs_a_checkpoint(make_cfg):
 
 def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(make_cfg, tmp_path):
     cfg = in_dir(make_cfg("trainer.max_steps=8"), tmp_path / "nan", "nan=test_resume.NaNAt(5)")
-    with pytest.raises(FloatingPointError, match=r"non-finite training loss \(nan.*at step 5.*last good checkpoint is kept: .*last.ckpt"):
+    with pytest.raises(FloatingPointError, match=r"non-finite gradient norm \(nan.*at step 5.*last good checkpoint is kept: .*last.ckpt"):
         train(cfg)
     ckpt = torch.load(tmp_path / "nan" / "checkpoints" / "last.ckpt", weights_only=True)
     assert ckpt["global_step"] == 4
     assert all(torch.isfinite(t).all() for t in ckpt["state_dict"].values())
 
 
-def test_nonfinite_loss_skip_drops_the_batch_and_goes_on(make_cfg, tmp_path):
-    cfg = in_dir(make_cfg("nonfinite_loss=skip"), tmp_path / "skip", "nan=test_resume.NaNAt(5)", "rec=test_resume.Recorder")
+class Weights(L.Callback):
+    """A copy of the model's weights after every optimizer step."""
+
+    def __init__(self):
+        self.after = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.after[trainer.global_step] = [p.detach().clone() for p in pl_module.parameters()]
+
+
+def test_nonfinite_loss_skip_makes_no_update_and_goes_on(make_cfg, tmp_path):
+    cfg = in_dir(make_cfg("nonfinite_loss=skip"), tmp_path / "skip", "nan=test_resume.NaNAt(5)", "rec=test_resume.Recorder",
+                 "w=test_resume.Weights")
     metrics, objects = train(cfg)
-    assert objects["model"].skipped_batches == 1
+    assert objects["model"].skipped_steps == 1
+    losses = recorder(objects).loss
+    assert sorted(losses) == list(range(1, 9)) and torch.isnan(torch.tensor(losses[6]))  # step 5's loss, recorded after it
+    assert all(torch.isfinite(torch.tensor(v)) for s, v in losses.items() if s != 6)
+    weights = next(cb for cb in objects["trainer"].callbacks if isinstance(cb, Weights)).after
+    assert all(torch.equal(a, b) for a, b in zip(weights[5], weights[6]))  # step 5 made no update
+    assert not all(torch.equal(a, b) for a, b in zip(weights[6], weights[7]))  # step 6 did
     assert all(torch.isfinite(p).all() for p in objects["model"].parameters())
-    assert all(torch.isfinite(torch.tensor(v)) for v in recorder(objects).loss.values())
     assert torch.isfinite(torch.tensor(metrics["val/loss"]))
 
 
@@ -138,7 +154,20 @@ def test_checkpoints_never_run_pickled_code(make_cfg, tmp_path, monkeypatch):
         train(in_dir(make_cfg("trainer.max_steps=6", f"ckpt_path={evil}"), tmp_path / "b"))
     with pytest.raises(pickle.UnpicklingError):  # Lightning's own resume path reads through the same plugin
         first["trainer"].strategy.checkpoint_io.load_checkpoint(evil)
+    with pytest.raises(pickle.UnpicklingError):  # FSDP bypasses the plugin; its strategy reads the same way
+        fsdp_strategy().load_checkpoint(evil)
     assert not marker.exists()
+
+
+def test_resume_maps_the_checkpoint_instead_of_copying_it(tmp_path, monkeypatch):
+    path = tmp_path / "last.ckpt"
+    AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.ones(4)}}, path)
+    calls, load = [], torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **kw: calls.append(kw) or load(*a, **kw))
+    AtomicCheckpointIO().load_checkpoint(path)
+    with pytest.raises(AttributeError):  # reads the file, then needs the wrapped model it does not have here
+        fsdp_strategy().load_checkpoint(path)
+    assert [(kw["weights_only"], kw["mmap"]) for kw in calls] == [(True, True), (True, True)]
 
 
 class Unpicklable:

@@ -103,3 +103,40 @@ def test_compiled_module_keeps_plain_checkpoint_keys():
     cfg = dict(attention="tpa", n_layer=1, d_model=64, n_head=2, vocab_size=128, block_size=16)
     plain, compiled = T6LitModule(model_config=cfg), T6LitModule(model_config=cfg, compile=True)
     assert list(compiled.state_dict()) == list(plain.state_dict())  # compile is lazy: nothing runs here
+    # One graph per transformer block, each the unit DDP buckets and FSDP shards: not one graph
+    # for the whole model, whose single backward the gradient all-reduce could not overlap.
+    assert compiled.model._compiled_call_impl is None
+    assert all(block._compiled_call_impl is not None for block in compiled.model.blocks)
+    assert all(block._compiled_call_impl is None for block in plain.model.blocks)
+
+
+def test_fsdp_reduces_gradients_in_fp32_under_mixed_precision():
+    from lightning.pytorch.plugins.precision import FSDPPrecision
+
+    from t6.fsdp import fsdp_strategy
+
+    strategy = fsdp_strategy()
+    strategy.precision_plugin = FSDPPrecision("bf16-mixed")
+    mp = strategy.mixed_precision_config
+    assert (mp.param_dtype, mp.reduce_dtype) == (torch.bfloat16, torch.float32)
+    assert strategy.kwargs["use_orig_params"] is True  # parameter names survive wrapping
+
+
+def test_throughput_monitor_logs_tokens_and_mfu_from_the_measured_flops(make_cfg):
+    from t6.callbacks import ThroughputMonitor
+    from t6.perf import flops_per_token
+
+    metrics, objects = train(make_cfg("callbacks.throughput.peak_tflops=0.5", "trainer.max_steps=6"))
+    monitor = next(cb for cb in objects["trainer"].callbacks if isinstance(cb, ThroughputMonitor))
+    cfg, mcfg = objects["cfg"], objects["model"].model
+    assert monitor.flops_per_batch == flops_per_token(mcfg, cfg.data.seq_len) * cfg.data.seq_len * cfg.data.batch_size
+    c = mlflow.MlflowClient(objects["mlflow"]._tracking_uri)
+    run_id = objects["mlflow"].run_id
+    got = {k: {m.step: m.value for m in c.get_metric_history(run_id, f"train/{k}")}
+           for k in ("device/mfu", "device/flops_per_sec", "device/items_per_sec", "device/samples_per_sec")}
+    assert sorted(got["device/mfu"]) == list(range(1, 6))  # each logging step after the first measurement
+    for step, mfu in got["device/mfu"].items():
+        assert mfu == pytest.approx(got["device/flops_per_sec"][step] / 0.5e12)
+        assert got["device/items_per_sec"][step] == pytest.approx(got["device/samples_per_sec"][step] * cfg.data.seq_len)
+        assert got["device/flops_per_sec"][step] == pytest.approx(got["device/items_per_sec"][step] * monitor.flops_per_batch
+                                                                   / (cfg.data.seq_len * cfg.data.batch_size))

@@ -4,7 +4,9 @@
 checkpoint Lightning writes (periodic, `last.ckpt`, the one saved on SIGTERM) goes to a
 temporary file in the same directory, is fsync'ed and then renamed over the old one, so a
 crash mid-write leaves the previous checkpoint intact. Every checkpoint Lightning reads,
-including its own resume path, goes through `torch.load(weights_only=True)`.
+including its own resume path, goes through `torch.load(weights_only=True, mmap=True)`: the file
+is mapped, not copied into each rank's RAM (ranks on one node share its pages). FSDP bypasses
+the CheckpointIO; `t6.fsdp.T6FSDPStrategy` reads the same way.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"checkpoint {path} does not exist")
-        return torch.load(path, map_location=map_location or "cpu", weights_only=True)  # never weights_only=False
+        return torch.load(path, map_location=map_location or "cpu", weights_only=True, mmap=True)  # never weights_only=False
 
 
 def checkpoint_dir(cfg) -> Path:

@@ -7,7 +7,6 @@
   `train.py <this job's overrides> hydra.run.dir=<this job's dir>`. Afterwards it restores
   the argv and the rendezvous variables Lightning put into the environment, so the next job
   of the sweep launches its own process group.
-- `fsdp_strategy()`: FSDP sharding each transformer block (conf/trainer/fsdp.yaml).
 - `env_rank()`: the global rank a process will have, from the launcher's environment,
   before any process group exists (torchrun, SLURM, Lightning's children).
 """
@@ -72,14 +71,3 @@ def destroy_process_group() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-
-
-def fsdp_strategy(**kwargs):
-    """Lightning's FSDPStrategy wrapping (and optionally activation-checkpointing) each T6 block."""
-    from lightning.pytorch.strategies import FSDPStrategy
-
-    from t6.model.t6 import Block
-
-    if kwargs.pop("activation_checkpointing", False):
-        kwargs["activation_checkpointing_policy"] = {Block}
-    return FSDPStrategy(auto_wrap_policy={Block}, **kwargs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Callable
 
@@ -11,7 +12,8 @@ from lightning.pytorch.loggers import MLFlowLogger
 from torchmetrics import MeanMetric
 
 from t6.model import T6, ModelConfig
-from t6.optim import param_groups
+from t6.fsdp import clip_grad_norm
+from t6.optim import MuonWithAdamW, param_groups, param_kinds
 
 log = logging.getLogger(__name__)
 
@@ -30,22 +32,29 @@ class T6LitModule(L.LightningModule):
         """model_config: ModelConfig fields as a plain dict (checkpoints stay loadable with
         weights_only=True); optimizer / scheduler: partials from Hydra, bound in configure_optimizers;
         run_config: the resolved experiment config, stored in checkpoints for eval/generate;
-        nonfinite_loss: "stop" (raise, keeping the last good checkpoint) or "skip" (drop that batch
-        on every rank: no backward, no optimizer update) when a training loss is NaN or inf;
+        nonfinite_loss: when the gradient norm of an optimizer step is NaN or inf (a non-finite loss
+        in any of its micro-batches, on any rank): "stop" (raise, keeping the last good checkpoint) or
+        "skip" (that step makes no update on any rank; its batches, step count and learning-rate
+        schedule still advance, so the data position stays a function of the step). The norm is
+        global (all-reduced under DDP and FSDP), so every rank decides the same without a collective.
+        compile: each transformer block compiled on its own (one graph per block, so DDP's gradient
+        all-reduce and FSDP's all-gathers overlap the other blocks' backward).
         loss_chunk_tokens: tokens per chunk of the LM head + cross-entropy (None: all logits at once)."""
         super().__init__()
         if nonfinite_loss not in ("stop", "skip"):
             raise ValueError(f"nonfinite_loss={nonfinite_loss!r} must be 'stop' or 'skip'")
         self.nonfinite_loss = nonfinite_loss
         self.loss_chunk_tokens = loss_chunk_tokens
-        self.skipped_batches = 0
+        self.skipped_steps = 0
         self.save_hyperparameters("model_config", "compile", logger=False)
         self.model = T6(ModelConfig(**model_config))
+        self.param_kinds = param_kinds(self.model)  # before any wrapping shards the parameters into 1-D views
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.run_config = run_config
         self.val_loss = MeanMetric()
         if compile:
-            self.model.compile()  # in place: checkpoints keep the plain `model.` parameter names
+            for block in self.model.blocks:
+                block.compile()  # in place: checkpoints keep the plain `model.` parameter names
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)  # [B, T, vocab]
@@ -54,30 +63,44 @@ class T6LitModule(L.LightningModule):
         x, y = batch  # [B, T], [B, T]
         return self.model(x, targets=y, loss_chunk_tokens=self.loss_chunk_tokens)  # [] mean over B*T tokens
 
-    def training_step(self, batch, batch_idx: int) -> torch.Tensor | None:
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)
-        if not self.trainer.strategy.reduce_boolean_decision(bool(torch.isfinite(loss)), all=True):
-            return self.on_nonfinite_loss(loss)  # decided on all ranks together, so DDP never waits on one
-        self.log("train/loss", loss, prog_bar=True, batch_size=batch[0].shape[0])
-        self.log("lr", self.optimizers().param_groups[0]["lr"], batch_size=batch[0].shape[0])
+        self.log("train/loss", loss, prog_bar=True, batch_size=batch[0].shape[0])  # a tensor: read when logged
         return loss
 
-    def on_nonfinite_loss(self, loss: torch.Tensor) -> None:
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        """Once per optimizer step, after the backward of its last micro-batch: the global gradient
+        norm (logged as train/grad_norm, before clipping), clipping by norm under DDP and FSDP alike,
+        and the non-finite check (the one host sync of a step)."""
+        by_norm = gradient_clip_algorithm in (None, "norm")
+        norm = clip_grad_norm(self.trainer.strategy.model, self, gradient_clip_val if by_norm else None)
+        if not by_norm:
+            self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        self.log("train/grad_norm", norm, on_step=True, on_epoch=False)  # NaN on a skipped step
+        if not torch.isfinite(norm):
+            self.on_nonfinite_grad(norm)
+        if self.trainer.global_step % self.trainer.log_every_n_steps == 0 and self.trainer.is_global_zero:
+            lr = float(optimizer.param_groups[0]["lr"])  # straight to the loggers: no device tensor per step
+            for logger in self.loggers:
+                logger.log_metrics({"lr": lr}, step=self.trainer.global_step)
+
+    def on_nonfinite_grad(self, norm: torch.Tensor) -> None:
         ckpt = self.trainer.checkpoint_callback
         last_good = (ckpt.last_model_path or None) if ckpt is not None else None
-        message = f"non-finite training loss ({loss.item()} on rank {self.global_rank}, or another rank) at step {self.global_step}"
+        message = f"non-finite gradient norm ({norm.item()}: a NaN or inf training loss on some rank) at step {self.global_step}"
         if self.nonfinite_loss == "stop":
             raise FloatingPointError(
                 f"{message}; stopping. "
                 + (f"The last good checkpoint is kept: {last_good}. " if last_good else "No checkpoint was saved yet. ")
                 + "Lower the learning rate, "
-                "or set nonfinite_loss=skip to drop such batches"
+                "or set nonfinite_loss=skip to drop such steps"
             )
-        self.skipped_batches += 1
-        self.log("train/skipped_batches", float(self.skipped_batches), on_step=True, on_epoch=False)
+        for p in self.parameters():
+            p.grad = None  # the optimizer skips parameters without a gradient: no update, no moment or decay change
+        self.skipped_steps += 1
+        self.log("train/skipped_steps", float(self.skipped_steps), on_step=True, on_epoch=False)  # a running count
         if self.global_rank == 0:
-            log.warning("%s; skipping the batch (%d so far)", message, self.skipped_batches)
-        return None
+            log.warning("%s; skipping the update (%d steps so far)", message, self.skipped_steps)
 
     def validation_step(self, batch, batch_idx: int) -> None:
         self.val_loss.update(self.loss(batch), weight=batch[0].shape[0])
@@ -90,8 +113,19 @@ class T6LitModule(L.LightningModule):
     def configure_optimizers(self):
         if self.optimizer_factory is None:
             raise ValueError("no optimizer configured: set the `optimizer` config group")
-        decay = getattr(self.optimizer_factory, "keywords", {}).get("weight_decay", 0.0)
-        optimizer = self.optimizer_factory(param_groups(self.model, decay))
+        factory = self.optimizer_factory
+        keywords = getattr(factory, "keywords", {})
+        groups = param_groups(self.model, keywords.get("weight_decay", 0.0), self.param_kinds)
+        target = getattr(factory, "func", factory)
+        if any(g["kind"] == "matrix" and any(p.ndim < 2 for p in g["params"]) for g in groups):
+            if target is MuonWithAdamW or target is torch.optim.Adafactor:
+                raise ValueError(
+                    f"optimizer={target.__name__} needs whole 2-D weight matrices (orthogonalized or factored), "
+                    "but trainer=fsdp shards them; use optimizer=adamw with trainer=fsdp, or trainer=ddp"
+                )
+        if target is torch.optim.AdamW and self.device.type == "cuda" and "fused" not in keywords:
+            factory = functools.partial(factory, fused=True)  # one kernel over all parameters
+        optimizer = factory(groups)
         if self.scheduler_factory is None:
             return optimizer
         return {"optimizer": optimizer, "lr_scheduler": self.scheduler_factory(optimizer)}

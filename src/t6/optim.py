@@ -15,19 +15,42 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    groups = {"matrix": [], "embedding": [], "norm": []}
-    seen = set()
-    for name, p in model.named_parameters():
-        if not p.requires_grad or id(p) in seen:
-            continue  # the tied LM head is the embedding: count it once
-        seen.add(id(p))
+WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def plain_name(name: str) -> str:
+    """A parameter's name without the prefixes FSDP, activation checkpointing and torch.compile insert."""
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def param_kinds(model: nn.Module) -> dict[str, str]:
+    """{parameter name: kind}, decided from the names and shapes of the unwrapped model. Call it
+    before FSDP shards the parameters into 1-D views, which would all look like norm gains."""
+    kinds = {}
+    for name, p in model.named_parameters():  # the tied LM head is the embedding: listed once
         if p.ndim < 2:
-            groups["norm"].append(p)
+            kinds[name] = "norm"
         elif name.startswith("blocks."):
-            groups["matrix"].append(p)
+            kinds[name] = "matrix"
         else:
-            groups["embedding"].append(p)
+            kinds[name] = "embedding"
+    return kinds
+
+
+def param_groups(model: nn.Module, weight_decay: float, kinds: dict[str, str] | None = None) -> list[dict]:
+    """The three groups over `model`'s trainable parameters. `kinds` (from `param_kinds` on the
+    model before wrapping) classifies a wrapped or sharded model by its parameters' plain names."""
+    kinds = param_kinds(model) if kinds is None else kinds
+    groups = {"matrix": [], "embedding": [], "norm": []}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        kind = kinds.get(plain_name(name))
+        if kind is None:
+            raise KeyError(f"parameter {name!r} ({plain_name(name)!r}) was not classified before wrapping; known: {sorted(kinds)[:5]}...")
+        groups[kind].append(p)
     return [
         {"params": params, "kind": kind, "weight_decay": 0.0 if kind == "norm" else weight_decay}
         for kind, params in groups.items()

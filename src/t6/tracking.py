@@ -1,14 +1,24 @@
 """MLflow set-up: the logger factory used by conf/logger/mlflow.yaml, and store checks
-that run before training so an unreachable tracking server fails in seconds, not hours."""
+that run before training so an unreachable tracking server fails in seconds, not hours.
+
+A local SQLite store is created (schema and migrations) by the first process that reaches it,
+under an exclusive lock on `<db>.lock`: training ranks, sweep jobs and array jobs started at the
+same moment on a fresh store would otherwise race on MLflow's schema creation ("duplicate column
+name"). On a cluster use a tracking server rather than SQLite on a shared filesystem (README,
+"Tracking on a cluster")."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
-from lightning.pytorch.loggers import MLFlowLogger
 from omegaconf import DictConfig
+
+if TYPE_CHECKING:
+    from lightning.pytorch.loggers import MLFlowLogger
 
 
 def mlflow_config(cfg: DictConfig) -> DictConfig | None:
@@ -37,6 +47,7 @@ def check_tracking_uri(uri: str, timeout_s: float = 10.0) -> None:
             path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise ConnectionError(f"cannot create the MLflow store directory {path.parent}: {err}") from err
+        init_sqlite_store(uri)
     elif scheme in ("", "file"):
         if os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() != "true":
             raise ValueError(
@@ -61,6 +72,17 @@ def log_model_choice(value: bool | str | None) -> str | None:
     return value
 
 
+def init_sqlite_store(uri: str) -> None:
+    """Create (or migrate) the SQLite store at uri, one process at a time. Every later process
+    finds the schema in place; the lock is held only for that check."""
+    from mlflow import MlflowClient
+
+    path = Path(urlparse(uri).path)
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+
+
 def mlflow_logger(
     experiment_name: str,
     run_name: str,
@@ -69,12 +91,14 @@ def mlflow_logger(
     log_model: bool | str = False,
     tags: dict | None = None,
     run_id: str | None = None,
-) -> MLFlowLogger:
+) -> "MLFlowLogger":
     """MLFlowLogger for tracking_uri. A local SQLite store keeps its artifacts in artifact_dir
     (MLflow would otherwise put them under the current directory). `t6.train.train` checks the
     store with `check_tracking_uri` before anything else is built. log_model (see `log_model_choice`)
     is kept as the logger's `upload` and carried out by `upload_model` after training; Lightning's own
     upload (every checkpoint the ModelCheckpoint tracks) stays off."""
+    from lightning.pytorch.loggers import MLFlowLogger
+
     local = urlparse(tracking_uri).scheme == "sqlite"
     upload = log_model_choice(log_model)
     logger = MLFlowLogger(

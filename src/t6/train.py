@@ -153,6 +153,8 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     if cfg.get("print_config", True) and first_job():
         print_config_tree(cfg)
     L.seed_everything(cfg.seed, workers=True)
+    if torch.cuda.is_available():
+        torch.set_float32_matmul_precision("high")  # TF32 for the fp32 matmuls left outside autocast (A100 and later)
 
     # 2. Build the parts.
     model = T6LitModule(

@@ -4,9 +4,11 @@ Training reads an endless, deterministic stream of windows: sample s of the glob
 stream is window perm_epoch(s) of the training shards, and rank r of W takes samples
 r, r + W, r + 2W, ... The stream position is a function of the optimizer step, saved in
 the checkpoint, so a resumed run continues exactly where the interrupted one stopped.
-Validation reads fixed, non-overlapping windows of the validation split. Loading runs in
-the training process (a memmap slice per sample is far faster than any training step), so
-the stream's order never depends on a worker count.
+Validation reads fixed, non-overlapping windows of the validation split. With
+`num_workers` > 0, worker k of K builds the rank's batches k, k + K, ... and the DataLoader
+hands them out round-robin, so the stream's order is the same for every worker count; batches
+are pinned for the host-to-device copy on CUDA. Shards are prepared under a file lock, so the
+ranks of a torchrun / SLURM job that all start on fresh data make them once.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import lightning as L
+import fcntl
+
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from t6.data.corpus import TINY_SHAKESPEARE, prepare_text_corpus
 from t6.data.shards import Manifest, ShardError
@@ -44,22 +48,28 @@ class Windows:
 
 
 class TrainStream(IterableDataset):
-    """Endless stream of this rank's training windows, starting at global sample `start`."""
+    """Endless stream of this rank's training windows, starting at global sample `start`. Inside a
+    DataLoader worker (k of K), only the samples of the rank's batches k, k + K, ... of
+    `batch_size` samples each, which the DataLoader interleaves back into the stream's order."""
 
-    def __init__(self, windows: Windows, seed: int, shuffle: bool, start: int, rank: int, world_size: int):
+    def __init__(self, windows: Windows, seed: int, shuffle: bool, start: int, rank: int, world_size: int, batch_size: int = 1):
         self.windows, self.seed, self.shuffle = windows, seed, shuffle
-        self.start, self.rank, self.world_size = start, rank, world_size
+        self.start, self.rank, self.world_size, self.batch_size = start, rank, world_size, batch_size
 
     def __iter__(self):
-        s = self.start + self.rank
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        B, W, n = self.batch_size, self.world_size, len(self.windows)
         perm_epoch, perm = None, None
-        n = len(self.windows)
+        batch = worker
         while True:
-            epoch, i = divmod(s, n)
-            if self.shuffle and epoch != perm_epoch:
-                perm_epoch, perm = epoch, np.random.default_rng((self.seed, epoch)).permutation(n)  # same on every rank
-            yield self.windows.get(int(perm[i]) if self.shuffle else i)
-            s += self.world_size
+            for j in range(B):
+                s = self.start + self.rank + (batch * B + j) * W  # the global sample index
+                epoch, i = divmod(s, n)
+                if self.shuffle and epoch != perm_epoch:
+                    perm_epoch, perm = epoch, np.random.default_rng((self.seed, epoch)).permutation(n)  # same on every rank
+                yield self.windows.get(int(perm[i]) if self.shuffle else i)
+            batch += workers
 
 
 class ValWindows(Dataset):
@@ -91,6 +101,7 @@ class TokenDataModule(L.LightningDataModule):
         shuffle: bool = True,
         seed: int = 0,
         prepare_command: str | None = None,
+        num_workers: int = 0,
     ):
         super().__init__()
         self.data_dir = Path(data_dir)
@@ -99,6 +110,9 @@ class TokenDataModule(L.LightningDataModule):
         self.val_fraction, self.val_windows = val_fraction, val_windows
         self.shuffle, self.seed = shuffle, seed
         self.prepare_command = prepare_command  # how to make the shards, named when they are missing
+        if num_workers < 0:
+            raise ValueError(f"data.num_workers={num_workers} must be 0 (load in the training process) or more")
+        self.num_workers = num_workers
         self.train_windows: Windows | None = None
         self.val_set: ValWindows | None = None
         self.resume_samples: int | None = None
@@ -117,7 +131,10 @@ class TokenDataModule(L.LightningDataModule):
 
     def prepare_data(self) -> None:
         if self.text_file is not None:
-            prepare_text_corpus(self.text_file, self.data_dir, self.val_fraction)
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.data_dir / ".prepare.lock", "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # the first process makes the shards; the others find them current
+                prepare_text_corpus(self.text_file, self.data_dir, self.val_fraction)
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_windows is None:
@@ -147,11 +164,20 @@ class TokenDataModule(L.LightningDataModule):
                 f"({start} samples at the current batch settings); resume with the same data.batch_size, "
                 "data.global_batch_size and number of devices"
             )
-        stream = TrainStream(self.train_windows, self.seed, self.shuffle, start, rank, world)
-        return DataLoader(stream, batch_size=self.batch_size, generator=self.loader_generator())
+        stream = TrainStream(self.train_windows, self.seed, self.shuffle, start, rank, world, self.batch_size)
+        return DataLoader(stream, batch_size=self.batch_size, generator=self.loader_generator(), **self.loader_options())
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, generator=self.loader_generator())
+        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, generator=self.loader_generator(),
+                          **self.loader_options())
+
+    def loader_options(self) -> dict:
+        trainer = self.trainer
+        cuda = trainer is not None and trainer.strategy.root_device.type == "cuda"
+        options = {"num_workers": self.num_workers, "pin_memory": cuda}
+        if self.num_workers:
+            options.update(persistent_workers=True, prefetch_factor=4)
+        return options
 
     def loader_generator(self) -> torch.Generator:
         """The loaders' own generator: creating their iterators never draws from the global RNG,

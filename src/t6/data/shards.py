@@ -32,7 +32,7 @@ def write_shard(path: Path, tokens: np.ndarray) -> None:
         raise ValueError(f"token id {int(tokens.max())} does not fit in uint16")
     header = np.zeros(HEADER_INTS, dtype=np.int32)
     header[:3] = (MAGIC, VERSION, tokens.size)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # one per process: concurrent writers never share it
     with open(tmp, "wb") as f:
         f.write(header.tobytes())
         f.write(tokens.astype(np.uint16, copy=False).tobytes())
@@ -69,7 +69,7 @@ class Manifest:
     shards: list[dict]  # {"file": name, "split": "train" | "val", "tokens": n}
 
     def save(self, directory: Path) -> None:
-        tmp = directory / (MANIFEST + ".tmp")
+        tmp = directory / f".{MANIFEST}.{os.getpid()}.tmp"
         tmp.write_text(json.dumps(self.__dict__, indent=2))
         os.replace(tmp, directory / MANIFEST)
 

@@ -5,10 +5,14 @@ checks every task name and loads every dataset, so a typo or a machine without t
 fails in seconds rather than after hours of training. The callback then evaluates every
 `every_n_steps` optimizer steps and/or at the end of training.
 
-Under DDP, rank 0 evaluates the unwrapped T6 while the other ranks wait at a barrier: the
-evaluation touches neither the gradients nor the DDP wrapper, so no collective is left half done.
-The model runs in eval mode under torch.no_grad(); its train/eval flags and the global RNG
-states are restored afterwards, so training continues exactly as it would have without it.
+Under DDP and FSDP every rank evaluates a whole, unwrapped T6 (the DDP replica itself; under FSDP
+a copy gathered from the shards, on every rank, freed afterwards) and scores its share of the
+requests through lm-eval's rank / world-size protocol (t6.evaluation.parallel); rank 0 gathers
+the metrics and logs them. The evaluation touches neither the gradients nor the wrappers, so no
+training collective is left half done, and no rank idles through another's whole evaluation.
+It runs under the training precision's autocast, in eval mode under torch.no_grad(); the train/eval
+flags and the global RNG states are restored afterwards, so training continues exactly as it
+would have without it.
 """
 
 from __future__ import annotations
@@ -20,8 +24,11 @@ import lightning as L
 from lightning.pytorch.loggers import MLFlowLogger
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from t6.evaluation.harness import EvalSpec, log_results, resolve_tasks, run_harness, spec_from_config
+from t6.fsdp import full_model
+from t6.model import T6
 
 log = logging.getLogger(__name__)
 
@@ -46,14 +53,17 @@ class DownstreamEval(L.Callback):
 
     def evaluate(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         step = self.last_step = trainer.global_step
+        start = time.perf_counter()
+        wrapped = trainer.strategy.model
+        model = full_model(wrapped, lambda: T6(pl_module.model.cfg)) if isinstance(wrapped, FSDP) else pl_module.model
+        with trainer.precision_plugin.forward_context():
+            results = run_harness(model, self.spec, self.task_manager, data_parallel=trainer.world_size > 1)
+        del model
         if trainer.is_global_zero:
-            start = time.perf_counter()
-            results = run_harness(pl_module.model, self.spec, self.task_manager)
             metrics = self.log_to_loggers(trainer, results, step)
             self.history.append((step, metrics))
             shown = ", ".join(f"{k}={v:.4f}" for k, v in metrics.items() if k.endswith("/avg"))
             log.info("downstream evaluation at step %d in %.1f s: %s", step, time.perf_counter() - start, shown)
-        trainer.strategy.barrier("t6-downstream-eval")
 
     def log_to_loggers(self, trainer: L.Trainer, results: dict, step: int) -> dict[str, float]:
         from t6.evaluation.harness import flat_metrics

@@ -123,11 +123,14 @@ def eval_mode(model: torch.nn.Module):
             m.training = training
 
 
-def run_harness(model: torch.nn.Module, spec: EvalSpec, tm) -> dict[int, dict]:
-    """{num_fewshot: lm-eval results} for the T6 `model`, evaluated as it is (no copy, no conversion)."""
+def run_harness(model: torch.nn.Module, spec: EvalSpec, tm, data_parallel: bool = False) -> dict[int, dict | None]:
+    """{num_fewshot: lm-eval results} for the T6 `model`, evaluated as it is (no copy, no conversion).
+    data_parallel: every rank of the process group calls this with its own whole model and scores
+    its share of the requests (t6.evaluation.parallel); the results are rank 0's, None elsewhere."""
     from lm_eval import evaluator
 
     from t6.evaluation.adapter import T6LM
+    from t6.evaluation.parallel import DataParallelT6LM
 
     from t6.quiet import quiet_libraries
 
@@ -137,7 +140,7 @@ def run_harness(model: torch.nn.Module, spec: EvalSpec, tm) -> dict[int, dict]:
         lm_eval_log.setLevel(logging.WARNING)
     out = {}
     with eval_mode(model), preserved_rng():
-        lm = T6LM(model=model, batch_size=spec.batch_size)
+        lm = (DataParallelT6LM if data_parallel else T6LM)(model=model, batch_size=spec.batch_size)
         for n in spec.num_fewshot:
             out[int(n)] = evaluator.simple_evaluate(
                 model=lm,

@@ -1,0 +1,137 @@
+"""Fully sharded data parallel (conf/trainer/fsdp.yaml) and the gradient norm of any wrapping.
+
+- `fsdp_strategy()`: `T6FSDPStrategy`, one FSDP unit per transformer block.
+- `clip_grad_norm()`: the global gradient norm (and clipping) of a plain, DDP or FSDP model.
+- `full_model()`: an unwrapped copy of an FSDP-sharded T6 with every parameter whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Callable
+
+import torch
+from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device, _setup_activation_checkpointing
+from lightning.fabric.strategies.model_parallel import _load_raw_module_state
+from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, OptimStateKeyType, StateDictType
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+
+def full_state_dict_context(model: FSDP, rank0_only: bool):
+    """FSDP's full (gathered) state-dict mode. Offloading to CPU only where the parameters are not
+    there already: torch's FSDP offloading CPU tensors to CPU frees storage the copies still use."""
+    offload = model.compute_device.type != "cpu"
+    return FSDP.state_dict_type(
+        model, StateDictType.FULL_STATE_DICT,
+        FullStateDictConfig(offload_to_cpu=offload, rank0_only=rank0_only),
+        FullOptimStateDictConfig(offload_to_cpu=offload, rank0_only=rank0_only),
+    )
+
+
+class T6FSDPStrategy(FSDPStrategy):
+    """Lightning's FSDPStrategy with four changes.
+
+    - Runs on CPU with gloo as well as on CUDA: Lightning refuses `accelerator=cpu` only for the
+      exact FSDPStrategy type, and torch's FSDP needs `device_id=cpu` said explicitly (the tests
+      exercise sharding, clipping, gathering and resume on CPU this way).
+    - Mixed precision reduces gradients in fp32 (Lightning's default reduces them in bf16/fp16,
+      where DDP reduces the fp32 gradients of its fp32 parameters).
+    - Full state dicts are gathered without CPU offload where the parameters live on the CPU
+      (`full_state_dict_context`).
+    - Resuming from a full, single-file checkpoint reads it with `torch.load(weights_only=True,
+      mmap=True)` (Lightning's own loader unpickles it in full): no pickled code runs, and each rank
+      maps the file rather than copying it into RAM. Sharded checkpoint directories
+      (state_dict_type: sharded) go through Lightning's loader.
+    """
+
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        if self.root_device.type != "cpu" or any(isinstance(m, FSDP) for m in model.modules()):
+            return super()._setup_model(model)
+        model = FSDP(module=model, cpu_offload=self.cpu_offload, mixed_precision=self.mixed_precision_config,
+                     sharding_strategy=self.sharding_strategy, device_id=torch.device("cpu"), **self.kwargs)
+        _move_torchmetrics_to_device(model, self.root_device)
+        _setup_activation_checkpointing(model, self._activation_checkpointing_kwargs)
+        return model
+
+    @property
+    def mixed_precision_config(self):
+        config = super().mixed_precision_config
+        if config is not None and config.reduce_dtype not in (None, torch.float32):
+            config = dataclasses.replace(config, reduce_dtype=torch.float32)
+        return config
+
+    def lightning_module_state_dict(self) -> dict:
+        if self._state_dict_type != "full":
+            return super().lightning_module_state_dict()
+        with full_state_dict_context(self.model, rank0_only=True):
+            return self.model.state_dict()
+
+    def optimizer_state(self, optimizer) -> dict:
+        if self._state_dict_type != "full":
+            return super().optimizer_state(optimizer)
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer -> the torch optimizer
+        with full_state_dict_context(self.model, rank0_only=True):
+            state = FSDP.optim_state_dict(self.model, optimizer)
+            if self.global_rank == 0:  # keyed by parameter index, as a plain run saves it
+                state = FSDP.rekey_optim_state_dict(state, OptimStateKeyType.PARAM_ID, self.model)
+            return state
+
+    def load_checkpoint(self, checkpoint_path, weights_only=None):
+        path = Path(self.broadcast(checkpoint_path))
+        if not path.is_file():
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        module = self.lightning_module
+        _load_raw_module_state(checkpoint.pop("state_dict"), module=self.model, world_size=self.world_size,
+                               strict=module.strict_loading)
+        states = checkpoint.get("optimizer_states")
+        if states is None or module.trainer.state.fn != TrainerFn.FITTING:
+            return checkpoint
+        if len(self.optimizers) != len(states):
+            raise RuntimeError(f"{path} holds {len(states)} optimizer states; this run has {len(self.optimizers)} optimizers")
+        with full_state_dict_context(self.model, rank0_only=False):
+            for optimizer, state in zip(self.optimizers, states):
+                if state["state"] and isinstance(next(iter(state["state"])), int):  # saved by a plain (non-FSDP) run
+                    state = FSDP.rekey_optim_state_dict(state, OptimStateKeyType.PARAM_NAME, self.model)
+                optimizer.load_state_dict(FSDP.optim_state_dict_to_load(model=self.model, optim=optimizer, optim_state_dict=state))
+        return checkpoint
+
+
+def fsdp_strategy(**kwargs) -> T6FSDPStrategy:
+    """T6FSDPStrategy wrapping (and optionally activation-checkpointing) each T6 block."""
+    from t6.model.t6 import Block
+
+    if kwargs.pop("activation_checkpointing", False):
+        kwargs["activation_checkpointing_policy"] = {Block}
+    kwargs.setdefault("use_orig_params", True)  # parameter names survive wrapping (per-block compile, logging)
+    return T6FSDPStrategy(auto_wrap_policy={Block}, **kwargs)
+
+
+def clip_grad_norm(wrapped: nn.Module, module: nn.Module, max_norm: float | None) -> torch.Tensor:
+    """The global L2 norm of the gradients before clipping (a 0-dim tensor; no host sync), clipping
+    them in place to max_norm when given. `wrapped` is the strategy's model (an FSDP root, DDP, or
+    `module` itself). Under DDP the gradients are already all-reduced, so the local norm is global;
+    under FSDP each rank holds a shard and FSDP's clip_grad_norm_ all-reduces the squared norms."""
+    if isinstance(wrapped, FSDP):
+        return wrapped.clip_grad_norm_(max_norm if max_norm else float("inf"))
+    params = [p for p in module.parameters() if p.grad is not None]
+    if not params:
+        return torch.zeros(())
+    if max_norm:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return torch.nn.utils.get_total_norm([p.grad for p in params])
+
+
+def full_model(wrapped: FSDP, model_factory: Callable[[], nn.Module]) -> nn.Module:
+    """`model_factory()` (built on CPU) with the FSDP root `wrapped`'s full state dict loaded,
+    on `wrapped`'s device. A collective: every rank calls it and gets its own whole copy. The
+    LightningModule's keys are `model.`-prefixed; the copy gets those under that prefix."""
+    with full_state_dict_context(wrapped, rank0_only=False):
+        state = wrapped.state_dict()
+    model = model_factory()
+    model.load_state_dict({k[len("model."):]: v for k, v in state.items() if k.startswith("model.")})
+    return model.to(wrapped.compute_device)

@@ -11,9 +11,8 @@ the per-layer cost of decoding at long context, the part that grows with the con
 cache is filled with random values (the arithmetic does not depend on them). `--scope block`
 adds the RMSNorms and the SwiGLU feed-forward of the same decoder block (a cost that does not
 grow with the context). The mechanisms are timed interleaved, round by round, at each context,
-and the median round is reported; ratios are to MHA measured in the same run. The row
-`mha_headmajor` is MHA with the same weights and a head-major K/V cache (a reference point
-for the cache layout, see HeadMajorMHA).
+and the median round is reported; ratios are to MHA measured in the same run (MHA's
+K/V cache is head-major, the layout SDPA reads fastest).
 """
 
 from __future__ import annotations
@@ -25,35 +24,7 @@ import torch
 
 from t6.bench.common import (cache_bytes_per_token, common_args, environment, ints, layer_args, median, model_configs,
                              table, time_call, write_json)
-from t6.model.attention.gqa import GroupedQueryAttention
 from t6.model.t6 import Block
-
-REFERENCE = "mha_headmajor"
-
-
-class HeadMajorMHA(torch.nn.Module):
-    """Reference point, not a registered mechanism: the same MHA layer (same weights) with its
-    K and V cached head-major, [B, h, max_len, d_h], so SDPA reads each head's keys as one
-    contiguous block. The project's caches are token-major, [B, max_len, h, d_h], which SDPA
-    on CPU reads through a strided view; this row shows what that layout costs MHA."""
-
-    def __init__(self, mha: GroupedQueryAttention, batch: int, max_len: int, dtype, device):
-        super().__init__()
-        self.mha = mha
-        shape = (batch, mha.n_kv, max_len, mha.cfg.head_dim)
-        self.k_cache = torch.randn(shape, dtype=dtype, device=device)  # [B, h_kv, max_len, d_h]
-        self.v_cache = torch.randn(shape, dtype=dtype, device=device)  # [B, h_kv, max_len, d_h]
-
-    def forward(self, x: torch.Tensor, pos: torch.Tensor, cache=None) -> torch.Tensor:
-        m, (B, T, _) = self.mha, x.shape
-        h, d, end = m.cfg.n_head, m.cfg.head_dim, int(pos[-1]) + 1
-        q = m.rope(m.q(x).view(B, T, h, d), pos).transpose(1, 2)  # [B, h, T, d]
-        self.k_cache[:, :, pos] = m.rope(m.k(x).view(B, T, m.n_kv, d), pos).transpose(1, 2)  # in place
-        self.v_cache[:, :, pos] = m.v(x).view(B, T, m.n_kv, d).transpose(1, 2)  # in place
-        y = torch.nn.functional.scaled_dot_product_attention(
-            q, self.k_cache[:, :, :end], self.v_cache[:, :, :end], enable_gqa=m.n_kv != h)  # [B, h, T, d]
-        return m.out(y.transpose(1, 2).reshape(B, T, h * d))  # [B, T, d_model]
-
 
 def build_layer(cfg, scope: str, device: str, dtype: torch.dtype) -> torch.nn.Module:
     torch.manual_seed(0)
@@ -70,7 +41,7 @@ def attention_of(layer):
 
 def measure(configs: dict, contexts: list[int], *, batch: int = 1, scope: str = "attention", device: str = "cpu",
             dtype: torch.dtype = torch.float32, steps: int = 10, rounds: int = 5, warmup: int = 3,
-            reference: bool = False, verbose: bool = True) -> list[dict]:
+            verbose: bool = True) -> list[dict]:
     """Decode records (one per name and context) for the given name -> ModelConfig, timed
     interleaved round by round; `speed_vs_mha` is filled where a config is named "mha"."""
     max_len = max(contexts) + 1
@@ -89,10 +60,6 @@ def measure(configs: dict, contexts: list[int], *, batch: int = 1, scope: str = 
             "layer_params": sum(p.numel() for p in attn.parameters()),
             "kv_cache_bytes_per_token": cache_bytes_per_token(attn, dtype),
         }
-    if reference and "mha" in layers and scope == "attention":
-        layers[REFERENCE] = HeadMajorMHA(layers["mha"], batch, max_len, dtype, device)
-        caches[REFERENCE] = None
-        info[REFERENCE] = {**info["mha"]}
     records = []
     for context in contexts:
         pos = torch.tensor([context], device=device)  # the new token sees context + 1 tokens
@@ -122,8 +89,7 @@ def run(args) -> dict:
     contexts = ints(args.contexts)
     configs = model_configs(args.attentions.split(","), args.size, block_size=max(contexts) + 1)
     records = measure(configs, contexts, batch=args.batch, scope=args.scope, device=args.device,
-                      dtype=getattr(torch, args.dtype), steps=args.steps, rounds=args.rounds, warmup=args.warmup,
-                      reference=args.reference)
+                      dtype=getattr(torch, args.dtype), steps=args.steps, rounds=args.rounds, warmup=args.warmup)
     return {"benchmark": "decode", "scope": args.scope, "size": args.size, "dtype": args.dtype,
             "environment": environment(args.device), "records": records}
 
@@ -154,8 +120,6 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=10, help="decode calls per timed round")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the median is reported")
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True,
-                        help=f"also time {REFERENCE}: MHA with a head-major K/V cache (see HeadMajorMHA)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -135,3 +135,23 @@ def test_bf16_cached_decoding_of_a_padded_batch_follows_recomputation(name):
         seq = torch.cat([torch.tensor(p), out[i, T0:]])[None]  # the row's own tokens, no padding
         full = model(seq)[0, len(p) - 1 : len(p) + 4]  # [5, V]: recomputed logits at each step
         torch.testing.assert_close(torch.stack([l[i] for l in logits]).float(), full.float(), rtol=0.05, atol=0.05)
+
+
+def test_mla_training_attention_with_padded_values_is_unchanged():
+    """MLA pads V (d_v) to the query/key width for flash SDPA kernels; the output equals
+    attention computed without padding."""
+    model = tiny("mla")
+    attn = model.blocks[0].attn
+    assert attn.d_v < attn.d_nope + attn.d_rope  # the padded case
+    B, T, h = 2, 9, model.cfg.n_head
+    q_nope, q_rope = torch.randn(B, T, h, attn.d_nope), torch.randn(B, T, h, attn.d_rope)
+    c_kv, k_rope = torch.randn(B, T, attn.d_c), torch.randn(B, T, attn.d_rope)
+    y = attn._explicit(q_nope, q_rope, c_kv, k_rope)  # [B, T, h, d_v]
+    kv = attn.kv_up(c_kv).view(B, T, h, -1)
+    k_nope, v = kv.split([attn.d_nope, attn.d_v], dim=-1)
+    q = torch.cat([q_nope, q_rope], -1).transpose(1, 2)  # [B, h, T, nope+rope]
+    k = torch.cat([k_nope, k_rope[:, :, None].expand(B, T, h, -1)], -1).transpose(1, 2)
+    scores = (q @ k.transpose(-1, -2) * attn.scale).masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    ref = (scores.softmax(-1) @ v.transpose(1, 2)).transpose(1, 2)  # [B, T, h, d_v]
+    assert y.shape == (B, T, h, attn.d_v)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)

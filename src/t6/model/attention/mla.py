@@ -95,10 +95,13 @@ class MultiHeadLatentAttention(Attention):
         k_nope, v = kv.split([self.d_nope, self.d_v], dim=-1)  # [B, S, h, nope], [B, S, h, d_v]
         q = torch.cat([q_nope, q_rope], dim=-1)  # [B, T, h, nope+rope]
         k = torch.cat([k_nope, k_rope[:, :, None].expand(B, S, h, self.d_rope)], dim=-1)  # [B, S, h, nope+rope]
+        d_qk = self.d_nope + self.d_rope
+        if self.d_v < d_qk:  # flash kernels need one head width: pad V with zeros, slice the output
+            v = F.pad(v, (0, d_qk - self.d_v))  # [B, S, h, nope+rope]
         y = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=q.shape[1] > 1, scale=self.scale
-        )  # [B, h, T, d_v]
-        return y.transpose(1, 2)  # [B, T, h, d_v]
+        )  # [B, h, T, max(d_v, nope+rope)]
+        return y[..., : self.d_v].transpose(1, 2)  # [B, T, h, d_v]
 
     def _absorbed(self, q_nope, q_rope, c_kv, k_rope, mask: torch.Tensor | None) -> torch.Tensor:
         """Decoding path: attend over the cached latents with W_UK and W_UV absorbed (one shared KV 'head').

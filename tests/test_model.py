@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -55,8 +57,9 @@ def test_causal(attention, tmp_path):
 def test_cache_holds_what_the_mechanism_declares(attention, tmp_path):
     model = tiny_model(attention, tmp_path)
     cache = model.build_kv_caches(3, 16)[0]
-    per_token = sum(t[0, 0].numel() for t in cache.tensors.values())
-    assert all(t.shape[:2] == (3, 16) for t in cache.tensors.values())
+    per_token = sum(t.numel() for t in cache.tensors.values()) // (3 * 16)
+    for name, t in cache.tensors.items():  # [B, max_len, *shape] or head-major [B, n, max_len, *rest]
+        assert t.shape[0] == 3 and t.shape[cache.seq_dims[name]] == 16 and t[0].numel() == 16 * math.prod(cache.spec[name])
     assert cache.elements_per_token() == per_token > 0
 
 

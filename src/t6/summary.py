@@ -57,7 +57,7 @@ def summarize(
         "params_ffn_per_block": count(block.ffn),
         "params_norms_per_block": count(block.attn_norm) + count(block.ffn_norm),
         "params_attention_parts": {name: count(child) for name, child in block.attn.named_children() if count(child)},
-        "kv_cache": {name: list(t.shape[2:]) for name, t in cache.tensors.items()},
+        "kv_cache": {name: list(shape) for name, shape in cache.spec.items()},
         "kv_cache_elements_per_token_per_layer": elements,
         "kv_cache_dtype": cache_dtype,
         "kv_cache_bytes_per_token": elements * dtype.itemsize * mcfg.n_layer,

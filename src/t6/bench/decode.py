@@ -11,9 +11,8 @@ the per-layer cost of decoding at long context, the part that grows with the con
 cache is filled with random values (the arithmetic does not depend on them). `--scope block`
 adds the RMSNorms and the SwiGLU feed-forward of the same decoder block (a cost that does not
 grow with the context). The mechanisms are timed interleaved, round by round, at each context,
-and the median round is reported; ratios are to MHA measured in the same run. The row
-`mha_headmajor` is MHA with the same weights and a head-major K/V cache (a reference point
-for the cache layout, see HeadMajorMHA).
+and the median round is reported; ratios are to MHA measured in the same run (MHA's
+K/V cache is head-major, the layout SDPA reads fastest).
 """
 
 from __future__ import annotations
@@ -25,34 +24,53 @@ import torch
 
 from t6.bench.common import (cache_bytes_per_token, common_args, environment, ints, layer_args, median, model_configs,
                              table, time_call, write_json)
-from t6.model.attention.gqa import GroupedQueryAttention
 from t6.model.t6 import Block
 
-REFERENCE = "mha_headmajor"
+def flops_per_cached_token(cfg) -> int:
+    """FLOPs (2 per multiply-add) one new token spends per cached token in one layer, batch row
+    and decode step: the part of decoding that grows with the context.
+
+    MHA/GQA/MQA  4 h d_h                               (q . k and p v for every query head)
+    MLA          2 h (d_c + d_rope) + 2 h d_c          (absorbed: scores on the latent, latent averaged)
+    TPA          2 (R_Q R_K d_h + R_Q R_K h + R_K h + R_V h + h R_V d_h)   (scores from the query's factors)
+    TPA-KVonly   2 (h R_K d_h + R_K h + R_V h + h R_V d_h)                 (full query against B_K)
+    """
+    h, d, o = cfg.n_head, cfg.head_dim, cfg.attention_options or {}
+    if cfg.attention in ("mha", "gqa", "mqa"):
+        return 4 * h * d
+    if cfg.attention == "mla":
+        d_c, d_r = o.get("kv_lora_rank", 256), o.get("rope_dim", 32)
+        return 2 * h * (d_c + d_r) + 2 * h * d_c
+    r_q, r_k, r_v = o.get("q_rank", 6), o.get("k_rank", 2), o.get("v_rank", 2)
+    if cfg.attention == "tpa_kvonly":
+        return 2 * (h * r_k * d + r_k * h + r_v * h + h * r_v * d)
+    if cfg.attention in ("tpa", "tpa_sigmoid", "tpa_softmax"):
+        return 2 * (r_q * r_k * d + r_q * r_k * h + r_k * h + r_v * h + h * r_v * d)
+    return None
 
 
-class HeadMajorMHA(torch.nn.Module):
-    """Reference point, not a registered mechanism: the same MHA layer (same weights) with its
-    K and V cached head-major, [B, h, max_len, d_h], so SDPA reads each head's keys as one
-    contiguous block. The project's caches are token-major, [B, max_len, h, d_h], which SDPA
-    on CPU reads through a strided view; this row shows what that layout costs MHA."""
+def machine_limits(seconds: float = 0.5) -> tuple[float, float]:
+    """(copy bandwidth GB/s, fp32 matmul GFLOP/s) of this CPU with the current thread count,
+    the best of a few repetitions (a 256 MiB copy counts its read and its write)."""
+    src = torch.randn(64 * 1024 * 1024)
+    dst = torch.empty_like(src)
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    bw = max(2 * src.numel() * 4 / time_call(lambda: dst.copy_(src), 3, "cpu") for _ in range(3)) / 1e9
+    flops = max(2 * 1024 ** 3 / time_call(lambda: a @ b, 5, "cpu") for _ in range(3)) / 1e9
+    return bw, flops
 
-    def __init__(self, mha: GroupedQueryAttention, batch: int, max_len: int, dtype, device):
-        super().__init__()
-        self.mha = mha
-        shape = (batch, mha.n_kv, max_len, mha.cfg.head_dim)
-        self.k_cache = torch.randn(shape, dtype=dtype, device=device)  # [B, h_kv, max_len, d_h]
-        self.v_cache = torch.randn(shape, dtype=dtype, device=device)  # [B, h_kv, max_len, d_h]
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor, cache=None) -> torch.Tensor:
-        m, (B, T, _) = self.mha, x.shape
-        h, d, end = m.cfg.n_head, m.cfg.head_dim, int(pos[-1]) + 1
-        q = m.rope(m.q(x).view(B, T, h, d), pos).transpose(1, 2)  # [B, h, T, d]
-        self.k_cache[:, :, pos] = m.rope(m.k(x).view(B, T, m.n_kv, d), pos).transpose(1, 2)  # in place
-        self.v_cache[:, :, pos] = m.v(x).view(B, T, m.n_kv, d).transpose(1, 2)  # in place
-        y = torch.nn.functional.scaled_dot_product_attention(
-            q, self.k_cache[:, :, :end], self.v_cache[:, :, :end], enable_gqa=m.n_kv != h)  # [B, h, T, d]
-        return m.out(y.transpose(1, 2).reshape(B, T, h * d))  # [B, T, d_model]
+def add_roofline(records: list[dict], bandwidth_gbs: float, peak_gflops: float) -> None:
+    """Per record: the time the bytes and FLOPs per cached token allow at this machine's limits
+    (max of the two), and the fraction of it reached."""
+    for r in records:
+        if r.get("flops_per_cached_token") is None:
+            continue
+        tokens = r["context"] * r["batch"]
+        bound = max(tokens * r["kv_cache_bytes_per_token"] / (bandwidth_gbs * 1e9),
+                    tokens * r["flops_per_cached_token"] / (peak_gflops * 1e9))
+        r["roofline_ms"] = 1e3 * bound
+        r["fraction_of_roofline"] = r["roofline_ms"] / r["ms_per_token"]
 
 
 def build_layer(cfg, scope: str, device: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -70,7 +88,7 @@ def attention_of(layer):
 
 def measure(configs: dict, contexts: list[int], *, batch: int = 1, scope: str = "attention", device: str = "cpu",
             dtype: torch.dtype = torch.float32, steps: int = 10, rounds: int = 5, warmup: int = 3,
-            reference: bool = False, verbose: bool = True) -> list[dict]:
+            verbose: bool = True) -> list[dict]:
     """Decode records (one per name and context) for the given name -> ModelConfig, timed
     interleaved round by round; `speed_vs_mha` is filled where a config is named "mha"."""
     max_len = max(contexts) + 1
@@ -88,11 +106,8 @@ def measure(configs: dict, contexts: list[int], *, batch: int = 1, scope: str = 
             "options": cfg.attention_options,
             "layer_params": sum(p.numel() for p in attn.parameters()),
             "kv_cache_bytes_per_token": cache_bytes_per_token(attn, dtype),
+            "flops_per_cached_token": flops_per_cached_token(cfg),
         }
-    if reference and "mha" in layers and scope == "attention":
-        layers[REFERENCE] = HeadMajorMHA(layers["mha"], batch, max_len, dtype, device)
-        caches[REFERENCE] = None
-        info[REFERENCE] = {**info["mha"]}
     records = []
     for context in contexts:
         pos = torch.tensor([context], device=device)  # the new token sees context + 1 tokens
@@ -121,16 +136,26 @@ def measure(configs: dict, contexts: list[int], *, batch: int = 1, scope: str = 
 def run(args) -> dict:
     contexts = ints(args.contexts)
     configs = model_configs(args.attentions.split(","), args.size, block_size=max(contexts) + 1)
+    if args.bandwidth_gbs and args.peak_tflops:
+        bw, peak = args.bandwidth_gbs, 1e3 * args.peak_tflops
+    elif args.device == "cpu":
+        bw, peak = machine_limits()
+    else:
+        raise ValueError("--bandwidth-gbs and --peak-tflops are required off the CPU (the device's memory bandwidth and peak)")
+    print(f"limits: {bw:.1f} GB/s copy bandwidth, {peak:.1f} GFLOP/s fp32 matmul")
     records = measure(configs, contexts, batch=args.batch, scope=args.scope, device=args.device,
-                      dtype=getattr(torch, args.dtype), steps=args.steps, rounds=args.rounds, warmup=args.warmup,
-                      reference=args.reference)
-    return {"benchmark": "decode", "scope": args.scope, "size": args.size, "dtype": args.dtype,
+                      dtype=getattr(torch, args.dtype), steps=args.steps, rounds=args.rounds, warmup=args.warmup)
+    add_roofline(records, bw, peak)
+    print(table(records, COLUMNS + ROOFLINE))
+    return {"benchmark": "decode", "bandwidth_gbs": bw, "peak_gflops": peak, "scope": args.scope, "size": args.size, "dtype": args.dtype,
             "environment": environment(args.device), "records": records}
 
 
 COLUMNS = [("attention", "attention", ""), ("context", "context", "d"), ("n_head", "heads", "d"),
            ("layer_params", "layer params", ","), ("kv_cache_bytes_per_token", "cache B/token", "d"),
            ("ms_per_token", "ms/token", ".3f"), ("tokens_per_s", "tokens/s", ".1f"), ("speed_vs_mha", "vs MHA", ".2f")]
+ROOFLINE = [("flops_per_cached_token", "FLOP/cached token", "d"), ("roofline_ms", "roofline ms", ".3f"),
+            ("fraction_of_roofline", "of roofline", ".2f")]
 
 
 def summary(records: list[dict]) -> str:
@@ -154,8 +179,8 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=10, help="decode calls per timed round")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the median is reported")
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True,
-                        help=f"also time {REFERENCE}: MHA with a head-major K/V cache (see HeadMajorMHA)")
+    parser.add_argument("--bandwidth-gbs", type=float, default=None, help="memory bandwidth (default: measured, CPU)")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="peak FLOP/s in TFLOP/s (default: measured fp32, CPU)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

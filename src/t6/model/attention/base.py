@@ -32,32 +32,56 @@ def register(*names: str):
 
 
 class KVCache:
-    """Per-layer cache: one preallocated tensor [B, max_len, *shape] per cached quantity.
+    """Per-layer cache: one preallocated tensor per cached quantity, the sequence along dim 1
+    ([B, max_len, *shape], token-major) or, for names in `head_major`, along dim 2
+    ([B, n, max_len, *rest] for a per-token shape (n, *rest): each head's keys contiguous,
+    the layout SDPA and the decode kernels read fastest).
 
     The shapes come from the attention's `cache_spec`, so the per-token element count of
     the cache is whatever the mechanism really stores (K/V heads, latents or factors).
     """
 
-    def __init__(self, spec: dict[str, tuple[int, ...]], batch_size: int, max_len: int, dtype=None, device=None):
+    def __init__(self, spec: dict[str, tuple[int, ...]], batch_size: int, max_len: int, dtype=None, device=None,
+                 head_major: tuple[str, ...] = ()):
         self.max_len = max_len
+        self.spec = dict(spec)
+        self.seq_dims = {name: 2 if name in head_major else 1 for name in spec}
         # Optional bool [B, max_len]: False marks padding (left-padded prompts of different
         # lengths); attentions with `supports_key_mask` never attend to those positions.
         self.key_mask: torch.Tensor | None = None
-        self.tensors = {
-            name: torch.zeros(batch_size, max_len, *shape, dtype=dtype, device=device) for name, shape in spec.items()
-        }
+        self.tensors = {}
+        for name, shape in spec.items():
+            if name in head_major:
+                full = (batch_size, shape[0], max_len, *shape[1:])  # [B, n, max_len, *rest]
+            else:
+                full = (batch_size, max_len, *shape)  # [B, max_len, *shape]
+            self.tensors[name] = torch.zeros(full, dtype=dtype, device=device)
 
     def update(self, pos: torch.Tensor, **new: torch.Tensor) -> list[torch.Tensor]:
-        """Write new[name] [B, T, ...] at positions pos [T]; return each cache up to pos[-1], [B, end, ...]."""
+        """Write new[name] [B, T, *shape] at positions pos [T]; return each cache up to pos[-1]
+        in its own layout: [B, end, *shape] (token-major) or [B, n, end, *rest] (head-major)."""
         end = int(pos[-1]) + 1
         if end > self.max_len:
             raise ValueError(f"position {end - 1} is past the KV cache length {self.max_len}")
         views = []
         for name, value in new.items():
             cache = self.tensors[name]
-            cache[:, pos] = value.to(cache.dtype)  # in place: [B, T, ...] into [B, max_len, ...]
-            views.append(cache[:, :end])  # [B, end, ...]
+            if self.seq_dims[name] == 2:
+                cache[:, :, pos] = value.transpose(1, 2).to(cache.dtype)  # in place: [B, n, T, *rest]
+                views.append(cache[:, :, :end])  # [B, n, end, *rest]
+            else:
+                cache[:, pos] = value.to(cache.dtype)  # in place: [B, T, ...] into [B, max_len, ...]
+                views.append(cache[:, :end])  # [B, end, ...]
         return views
+
+    def select(self, index: torch.Tensor) -> KVCache:
+        """A new cache holding rows `index` [B'] of this one (e.g. one prefilled context
+        repeated for each of its continuations); the padding mask follows."""
+        out = object.__new__(KVCache)
+        out.max_len, out.spec, out.seq_dims = self.max_len, dict(self.spec), dict(self.seq_dims)
+        out.tensors = {name: t.index_select(0, index) for name, t in self.tensors.items()}  # [B', ...]
+        out.key_mask = None if self.key_mask is None else self.key_mask.index_select(0, index)  # [B', max_len]
+        return out
 
     def attn_mask(self, pos: torch.Tensor) -> torch.Tensor | None:
         """Bool [B or 1, T, end] for new queries at positions pos [T] against the cache up to
@@ -72,7 +96,7 @@ class KVCache:
         return mask
 
     def elements_per_token(self) -> int:
-        return sum(math.prod(t.shape[2:]) for t in self.tensors.values())
+        return sum(math.prod(shape) for shape in self.spec.values())
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
@@ -101,6 +125,8 @@ class Attention(nn.Module):
     names: ClassVar[tuple[str, ...]] = ()
     # True when the mechanism honours KVCache.key_mask (needed for batched prompts of different lengths).
     supports_key_mask: ClassVar[bool] = False
+    # Cached quantities stored head-major ([B, n, max_len, ...], see KVCache).
+    head_major_cache: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -116,7 +142,7 @@ class Attention(nn.Module):
         raise NotImplementedError
 
     def build_kv_cache(self, batch_size: int, max_len: int, dtype=None, device=None) -> KVCache:
-        return KVCache(self.cache_spec(), batch_size, max_len, dtype=dtype, device=device)
+        return KVCache(self.cache_spec(), batch_size, max_len, dtype=dtype, device=device, head_major=self.head_major_cache)
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         raise NotImplementedError

@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from t6.model.attention.base import Attention, KVCache, causal_mask, positive_int_options, register
+from t6.model.attention.base import Attention, KVCache, positive_int_options, register
+from t6.model.attention.fused_decode import latent_decode
 from t6.model.config import ModelConfig
 from t6.model.layers import Rotary
 
@@ -36,6 +37,11 @@ DEFAULTS = {"q_lora_rank": 512, "kv_lora_rank": 256, "rope_dim": 32, "nope_dim":
 
 @register("mla")
 class MultiHeadLatentAttention(Attention):
+    supports_key_mask = True
+    # Single-token cached steps run the fused operator t6::latent_decode (one pass over the
+    # latents, online softmax); False keeps them on the eager absorbed form.
+    fused_decode: bool = True
+
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         o = {k: cfg.option(k, v) for k, v in DEFAULTS.items()}
@@ -78,7 +84,7 @@ class MultiHeadLatentAttention(Attention):
             y = self._explicit(q_nope, q_rope, c_kv, k_rope)  # [B, T, h, d_v]
         else:
             c_kv, k_rope = cache.update(pos, c_kv=c_kv, k_rope=k_rope)  # [B, S, d_c], [B, S, rope]
-            y = self._absorbed(q_nope, q_rope, c_kv, k_rope, pos)  # [B, T, h, d_v]
+            y = self._absorbed(q_nope, q_rope, c_kv, k_rope, cache.attn_mask(pos))  # [B, T, h, d_v]
         return self.out(y.reshape(B, T, h * self.d_v))  # [B, T, d_model]
 
     def _explicit(self, q_nope, q_rope, c_kv, k_rope) -> torch.Tensor:
@@ -89,25 +95,34 @@ class MultiHeadLatentAttention(Attention):
         k_nope, v = kv.split([self.d_nope, self.d_v], dim=-1)  # [B, S, h, nope], [B, S, h, d_v]
         q = torch.cat([q_nope, q_rope], dim=-1)  # [B, T, h, nope+rope]
         k = torch.cat([k_nope, k_rope[:, :, None].expand(B, S, h, self.d_rope)], dim=-1)  # [B, S, h, nope+rope]
+        d_qk = self.d_nope + self.d_rope
+        if self.d_v < d_qk:  # flash kernels need one head width: pad V with zeros, slice the output
+            v = F.pad(v, (0, d_qk - self.d_v))  # [B, S, h, nope+rope]
         y = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=q.shape[1] > 1, scale=self.scale
-        )  # [B, h, T, d_v]
-        return y.transpose(1, 2)  # [B, T, h, d_v]
+        )  # [B, h, T, max(d_v, nope+rope)]
+        return y[..., : self.d_v].transpose(1, 2)  # [B, T, h, d_v]
 
-    def _absorbed(self, q_nope, q_rope, c_kv, k_rope, pos) -> torch.Tensor:
-        """Decoding path: attend over the cached latents with W_UK and W_UV absorbed (one shared KV 'head')."""
+    def _absorbed(self, q_nope, q_rope, c_kv, k_rope, mask: torch.Tensor | None) -> torch.Tensor:
+        """Decoding path: attend over the cached latents with W_UK and W_UV absorbed (one shared KV 'head').
+        mask: None (every query sees every cached token) or bool [B or 1, T, S] (causal, padding)."""
         h, T, S = self.cfg.n_head, q_nope.shape[1], c_kv.shape[1]
         w = self.kv_up.weight.view(h, self.d_nope + self.d_v, self.d_c)  # [h, nope+d_v, d_c]
         w_uk, w_uv = w.split([self.d_nope, self.d_v], dim=1)  # [h, nope, d_c], [h, d_v, d_c]
         B = q_nope.shape[0]
         q_lat = torch.einsum("bthn,hnc->bhtc", q_nope, w_uk)  # [B, h, T, d_c]: q_nope^T W_UK
+        if T == 1 and self.fused_decode and S > 1:
+            key_mask = None if mask is None else mask[:, 0].expand(B, -1)  # [B, S]
+            o = latent_decode((q_lat * self.scale).reshape(B, h, self.d_c),
+                              (q_rope * self.scale).reshape(B, h, self.d_rope), c_kv, k_rope, key_mask)  # [B, h, d_c]
+            return torch.einsum("bhc,hvc->bhv", o, w_uv)[:, None]  # [B, 1, h, d_v]: W_UV applied after attention
         # All heads share one key/value (the latent), so the heads become extra query rows of one
         # batched matmul: the cache is read once, never copied per head or concatenated.
         scores = q_lat.reshape(B, h * T, self.d_c) @ c_kv.transpose(1, 2)  # [B, h*T, S]: latent part
         scores = scores + q_rope.transpose(1, 2).reshape(B, h * T, self.d_rope) @ k_rope.transpose(1, 2)  # [B, h*T, S]: + RoPE part
         scores = scores.view(B, h, T, S) * self.scale  # [B, h, T, S]
-        if T > 1:  # a single new token sees the whole cache
-            scores = scores.masked_fill(~causal_mask(pos, S), float("-inf"))  # [B, h, T, S]
+        if mask is not None:  # causal among the new tokens, blind to padding
+            scores = scores.masked_fill(~mask[:, None], float("-inf"))  # [B, h, T, S]
         probs = scores.float().softmax(dim=-1).to(c_kv.dtype)  # [B, h, T, S]
         o = (probs.view(B, h * T, S) @ c_kv).view(B, h, T, self.d_c)  # [B, h, T, d_c]: attention-weighted latents
         return torch.einsum("bhtc,hvc->bthv", o, w_uv)  # [B, T, h, d_v]: W_UV applied after attention

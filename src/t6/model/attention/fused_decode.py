@@ -1,0 +1,145 @@
+"""Fused single-token decoding from the cache: the PyTorch custom operators `t6::tpa_decode`
+(TPA and TPA-KVonly, from the cached factors) and `t6::latent_decode` (MLA's absorbed form),
+registered with torch.library: schema, CPU implementation, fake (meta) implementation.
+
+One pass over the cache in blocks of tokens with an online (streaming) softmax, the cached
+sequence split across threads and the partial softmaxes combined (split-K), so nothing
+proportional to the context is written. Per cached token s and head i (TPA):
+
+    scores[s, i] = sum_r A_K[s, r, i] qb[s, r, i],  qb[s, r, i] = sum_r' (B_K[s, r] . B_Q[r']) A_Q[r', i]
+                                                 (or B_K[s, r] . q_i for a full query, TPA-KVonly)
+    m, l, acc    <- running max, denominator and [h, d_h] numerator, rescaled by exp(m_old - m_new)
+    acc[i, :]   += sum_r P[s, i] A_V[s, r, i] B_V[s, r, :]          (register tiles of 4 heads x 64 columns)
+
+and the result is acc / (l R_V). MLA: scores[s, i] = q_lat[i] . c_kv[s] + q_rope[i] . k_rope[s],
+acc[i, :] += P[s, i] c_kv[s, :]. The query scales are folded into the query by the caller.
+
+The CPU implementation is C++ (csrc/fused_decode.cpp, vectorized by the compiler, threads
+from ATen's OpenMP pool), compiled on first use by torch.utils.cpp_extension into the user's
+torch extensions cache (`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions; needs g++,
+the Python headers and ninja, pinned in pyproject). Where it cannot be built, the operators run
+`reference_tpa_decode` / `reference_latent_decode`, the eager form, with one warning. On CUDA
+the Triton kernels of `t6.model.attention.triton_decode` implement the same operators.
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+import warnings
+from pathlib import Path
+
+import torch
+
+CSRC = Path(__file__).parent / "csrc" / "fused_decode.cpp"
+# Built on the machine that runs it, for its own vector units (on x86, 512-bit vectors where
+# AVX-512 exists: the value tiles are sized for them).
+CFLAGS = ["-O3", "-march=native", "-fopenmp"] + (["-mprefer-vector-width=512"] if platform.machine() in ("x86_64", "AMD64") else [])
+
+
+@functools.cache
+def cpu_extension():
+    """The compiled CPU kernels (built once per machine and cached), or None where they cannot be built."""
+    from torch.utils import cpp_extension
+
+    try:
+        return cpp_extension.load(name="t6_fused_decode", sources=[str(CSRC)], extra_cflags=CFLAGS,
+                                  extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as err:  # no compiler, headers or ninja: the eager reference still decodes
+        warnings.warn(f"t6: the fused CPU decode kernels could not be built ({type(err).__name__}: {err}); "
+                      "decoding uses the eager reference path", RuntimeWarning, stacklevel=2)
+        return None
+
+
+@torch.library.custom_op("t6::tpa_decode", mutates_args=())
+def tpa_decode(
+    q_a: torch.Tensor | None,
+    q_b: torch.Tensor,
+    a_k: torch.Tensor,
+    b_k: torch.Tensor,
+    a_v: torch.Tensor,
+    b_v: torch.Tensor,
+    key_mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """One new query per row against S cached tokens -> [B, h, d_h] (normalized by 1/R_V).
+
+    q_a: A_Q [B, R_Q, h] (scaled) with q_b = rotated B_Q [B, R_Q, d_h]; or q_a None and
+    q_b a full query [B, h, d_h] (scaled). a_k [B, S, R_K, h], b_k [B, S, R_K, d_h],
+    a_v [B, S, R_V, h], b_v [B, S, R_V, d_h]: the cache (views up to the new token included).
+    key_mask: None or bool [B, S], False where the query must not look (padding).
+    """
+    ext = cpu_extension() if q_b.device.type == "cpu" else None
+    if ext is None:
+        return reference_tpa_decode(q_a, q_b, a_k, b_k, a_v, b_v, key_mask)
+    return ext.tpa_decode(q_a, q_b, a_k, b_k, a_v, b_v, key_mask)
+
+
+@tpa_decode.register_fake
+def _(q_a, q_b, a_k, b_k, a_v, b_v, key_mask):
+    B, h, d = a_k.shape[0], a_k.shape[-1], b_k.shape[-1]
+    return q_b.new_empty(B, h, d)
+
+
+def reference_tpa_decode(q_a, q_b, a_k, b_k, a_v, b_v, key_mask) -> torch.Tensor:
+    """The eager form of `tpa_decode` (same arguments and result): whole-context intermediates."""
+    B, S, R_K, h = a_k.shape
+    d, R_V = b_k.shape[-1], a_v.shape[2]
+    b_k_flat = b_k.reshape(B, S * R_K, d)  # [B, S R_K, d_h]
+    qb = torch.bmm(b_k_flat, q_b.transpose(1, 2))  # [B, S R_K, R_Q] (factorized) or [B, S R_K, h] (full query)
+    if q_a is not None:
+        qb = torch.bmm(qb, q_a)  # fold in the query's head factor: [B, S R_K, h]
+    scores = (qb.view(B, S, R_K, h).float() * a_k.float()).sum(dim=2)  # [B, S, h]
+    if key_mask is not None:
+        scores = scores.masked_fill(~key_mask[..., None], float("-inf"))  # [B, S, h]
+    probs = scores.softmax(dim=1)  # over the cached tokens: [B, S, h]
+    w = (probs[:, :, None] * a_v.float()).reshape(B, S * R_V, h)  # P[s, i] A_V[s, r, i]: [B, S R_V, h]
+    y = torch.bmm(w.transpose(1, 2), b_v.float().reshape(B, S * R_V, d))  # [B, h, d_h]
+    return (y / R_V).to(q_b.dtype)
+
+
+@torch.library.custom_op("t6::latent_decode", mutates_args=())
+def latent_decode(
+    q_lat: torch.Tensor,
+    q_rope: torch.Tensor,
+    c_kv: torch.Tensor,
+    k_rope: torch.Tensor,
+    key_mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """MLA's absorbed decoding: one new query per row, every head against the one shared latent.
+
+    q_lat [B, h, d_c] (q_nope W_UK, scaled), q_rope [B, h, d_rope] (rotated, scaled),
+    c_kv [B, S, d_c], k_rope [B, S, d_rope], key_mask None or bool [B, S].
+    Returns the attention-weighted latents [B, h, d_c] (W_UV is applied by the caller).
+    """
+    ext = cpu_extension() if q_lat.device.type == "cpu" else None
+    if ext is None:
+        return reference_latent_decode(q_lat, q_rope, c_kv, k_rope, key_mask)
+    return ext.latent_decode(q_lat, q_rope, c_kv, k_rope, key_mask)
+
+
+@latent_decode.register_fake
+def _(q_lat, q_rope, c_kv, k_rope, key_mask):
+    return q_lat.new_empty(q_lat.shape)
+
+
+def reference_latent_decode(q_lat, q_rope, c_kv, k_rope, key_mask) -> torch.Tensor:
+    """The eager form of `latent_decode` (same arguments and result)."""
+    scores = torch.bmm(q_lat, c_kv.transpose(1, 2)) + torch.bmm(q_rope, k_rope.transpose(1, 2))  # [B, h, S]
+    if key_mask is not None:
+        scores = scores.masked_fill(~key_mask[:, None], float("-inf"))  # [B, h, S]
+    probs = scores.float().softmax(dim=-1).to(c_kv.dtype)  # [B, h, S]
+    return torch.bmm(probs, c_kv).to(q_lat.dtype)  # [B, h, d_c]
+
+
+@tpa_decode.register_kernel("cuda")
+def _(q_a, q_b, a_k, b_k, a_v, b_v, key_mask):
+    from t6.model.attention import triton_decode
+
+    return triton_decode.tpa_decode(q_a, q_b, a_k, b_k, a_v, b_v, key_mask)
+
+
+@latent_decode.register_kernel("cuda")
+def _(q_lat, q_rope, c_kv, k_rope, key_mask):
+    from t6.model.attention import triton_decode
+
+    return triton_decode.latent_decode(q_lat, q_rope, c_kv, k_rope, key_mask)

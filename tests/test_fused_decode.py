@@ -1,0 +1,157 @@
+"""The fused decode operators (t6::tpa_decode, t6::latent_decode) against their eager references:
+fp32 and bf16, batch > 1, padding masks, context lengths around the kernel's block size, and the
+model's cached decoding through them against recomputation for every mechanism."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from t6.model.attention import fused_decode
+from t6.model.attention.fused_decode import (latent_decode, reference_latent_decode, reference_tpa_decode,
+                                             tpa_decode)
+from t6.model.t6 import left_pad
+
+from test_inference import NAMES, recompute_greedy, tiny
+
+LENGTHS = [2, 31, 32, 33, 100, 257]  # around the C++ kernel's 32-token blocks and its thread split
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def padding_mask(B: int, S: int, gen: torch.Generator) -> torch.Tensor:
+    """Left padding of a different length per row (row 0 none); the last position is always visible."""
+    starts = torch.randint(0, S, (B,), generator=gen)
+    starts[0] = 0
+    return torch.arange(S)[None, :] >= starts[:, None]  # [B, S]
+
+
+def tpa_inputs(B, S, factored, dtype, gen, h=7, d=16, R_Q=3, R_K=2, R_V=3, max_len=None):
+    """A factor cache [B, max_len, R, n] viewed up to S (as KVCache.update returns it) and a query."""
+    max_len = max_len or S + 5
+    def cache(R, n):
+        return torch.randn(B, max_len, R, n, generator=gen).to(dtype)[:, :S]  # [B, S, R, n] (a view)
+    q_a = (torch.randn(B, R_Q, h, generator=gen) * 0.3).to(dtype) if factored else None
+    q_b = torch.randn(B, R_Q if factored else h, d, generator=gen).to(dtype) * 0.3
+    return q_a, q_b, cache(R_K, h), cache(R_K, d), cache(R_V, h), cache(R_V, d)
+
+
+def requires_extension():
+    if fused_decode.cpu_extension() is None:
+        pytest.fail("the fused CPU decode kernels did not build (g++, Python headers and ninja are required)")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("factored", [True, False], ids=["tpa", "full_query"])
+def test_tpa_decode_equals_the_eager_reference(dtype, factored):
+    requires_extension()
+    gen = torch.Generator().manual_seed(0)
+    for B in (1, 3):
+        for S in LENGTHS:
+            args = tpa_inputs(B, S, factored, dtype, gen)
+            for mask in (None, padding_mask(B, S, gen)):
+                fast = tpa_decode(*args, mask)  # [B, h, d_h]
+                ref = reference_tpa_decode(*(a if a is None else a.float() for a in args), mask)
+                assert fast.shape == (B, 7, 16) and fast.dtype == dtype
+                torch.testing.assert_close(fast.float(), ref, **TOL[dtype], msg=f"B={B} S={S} mask={mask is not None}")
+
+
+def test_tpa_decode_masks_padding_exactly():
+    """A padded row gives what the same row gives with its padding removed from the cache."""
+    requires_extension()
+    gen = torch.Generator().manual_seed(1)
+    q_a, q_b, a_k, b_k, a_v, b_v = tpa_inputs(1, 90, True, torch.float32, gen)
+    mask = torch.arange(90)[None] >= 37  # [1, S]: 37 padding tokens on the left
+    padded = tpa_decode(q_a, q_b, a_k, b_k, a_v, b_v, mask)
+    alone = tpa_decode(q_a, q_b, *(t[:, 37:].contiguous() for t in (a_k, b_k, a_v, b_v)), None)
+    torch.testing.assert_close(padded, alone, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_latent_decode_equals_the_eager_reference(dtype):
+    requires_extension()
+    gen = torch.Generator().manual_seed(2)
+    h, d_c, d_r = 5, 48, 8
+    for B in (1, 3):
+        for S in LENGTHS:
+            q_lat = (torch.randn(B, h, d_c, generator=gen) * 0.2).to(dtype)
+            q_rope = (torch.randn(B, h, d_r, generator=gen) * 0.2).to(dtype)
+            c_kv = torch.randn(B, S + 3, d_c, generator=gen).to(dtype)[:, :S]  # [B, S, d_c] (a cache view)
+            k_rope = torch.randn(B, S + 3, d_r, generator=gen).to(dtype)[:, :S]  # [B, S, d_rope]
+            for mask in (None, padding_mask(B, S, gen)):
+                fast = latent_decode(q_lat, q_rope, c_kv, k_rope, mask)  # [B, h, d_c]
+                ref = reference_latent_decode(q_lat.float(), q_rope.float(), c_kv.float(), k_rope.float(), mask)
+                torch.testing.assert_close(fast.float(), ref, **TOL[dtype], msg=f"B={B} S={S}")
+
+
+def test_operators_are_registered_with_schema_and_fake_implementations():
+    gen = torch.Generator().manual_seed(3)
+    args = tpa_inputs(2, 40, True, torch.float32, gen)
+    mask = padding_mask(2, 40, gen)
+    torch.library.opcheck(torch.ops.t6.tpa_decode.default, (*args, mask), test_utils=("test_schema", "test_faketensor"))
+    latent = (torch.randn(2, 3, 16), torch.randn(2, 3, 4), torch.randn(2, 40, 16), torch.randn(2, 40, 4), mask)
+    torch.library.opcheck(torch.ops.t6.latent_decode.default, latent, test_utils=("test_schema", "test_faketensor"))
+    with torch.device("meta"):  # the fake implementation gives the output's shape without computing
+        meta = tpa_decode(*(None if a is None else a.to("meta") for a in args), None)
+    assert meta.shape == (2, 7, 16)
+
+
+FUSED = [n for n in NAMES if n in ("tpa", "tpa_kvonly", "tpa_sigmoid", "tpa_softmax", "mla")]
+
+
+@pytest.mark.parametrize("name", FUSED)
+def test_fused_layer_decoding_equals_the_eager_path(name):
+    """The attention layer's single-token cached step, fused and eager, on a padded batch."""
+    model = tiny(name)
+    attn = model.blocks[0].attn
+    x = torch.randn(3, 40, model.cfg.d_model)
+    cache = attn.build_kv_cache(3, 48)
+    cache.key_mask = torch.cat([padding_mask(3, 39, torch.Generator().manual_seed(4)), torch.ones(3, 9, dtype=torch.bool)], 1)
+    attn(x[:, :39], torch.arange(39), cache)
+    pos = torch.tensor([39])
+    fused = attn(x[:, 39:], pos, cache)
+    attn.fused_decode = False
+    eager = attn(x[:, 39:], pos, cache)
+    torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_bf16_cached_decoding_of_a_padded_batch_follows_recomputation(name):
+    """bf16 weights and caches, prompts of different lengths: every cached step's logits are
+    those of recomputing the row alone without a cache (within bf16 rounding)."""
+    model = tiny(name).to(torch.bfloat16)
+    if not model.blocks[0].attn.supports_key_mask:
+        pytest.skip(f"{name} does not honour padding masks")
+    prompts = [[5, 9, 2], [7, 1, 4, 4, 8, 3, 2], [11]]
+    idx, mask = left_pad(prompts)
+    out = model.generate(idx, 5, temperature=0, prompt_mask=mask)
+    T0 = idx.shape[1]
+    caches = model.build_kv_caches(3, T0 + 5)
+    for cache in caches:
+        cache.key_mask = torch.cat([mask, torch.ones(3, 5, dtype=torch.bool)], dim=1)
+    logits = [model(idx, 0, caches)[:, -1]]  # [3, V]
+    for t in range(4):
+        logits.append(model(out[:, T0 + t : T0 + t + 1], T0 + t, caches)[:, -1])
+    for i, p in enumerate(prompts):
+        seq = torch.cat([torch.tensor(p), out[i, T0:]])[None]  # the row's own tokens, no padding
+        full = model(seq)[0, len(p) - 1 : len(p) + 4]  # [5, V]: recomputed logits at each step
+        torch.testing.assert_close(torch.stack([l[i] for l in logits]).float(), full.float(), rtol=0.05, atol=0.05)
+
+
+def test_mla_training_attention_with_padded_values_is_unchanged():
+    """MLA pads V (d_v) to the query/key width for flash SDPA kernels; the output equals
+    attention computed without padding."""
+    model = tiny("mla")
+    attn = model.blocks[0].attn
+    assert attn.d_v < attn.d_nope + attn.d_rope  # the padded case
+    B, T, h = 2, 9, model.cfg.n_head
+    q_nope, q_rope = torch.randn(B, T, h, attn.d_nope), torch.randn(B, T, h, attn.d_rope)
+    c_kv, k_rope = torch.randn(B, T, attn.d_c), torch.randn(B, T, attn.d_rope)
+    y = attn._explicit(q_nope, q_rope, c_kv, k_rope)  # [B, T, h, d_v]
+    kv = attn.kv_up(c_kv).view(B, T, h, -1)
+    k_nope, v = kv.split([attn.d_nope, attn.d_v], dim=-1)
+    q = torch.cat([q_nope, q_rope], -1).transpose(1, 2)  # [B, h, T, nope+rope]
+    k = torch.cat([k_nope, k_rope[:, :, None].expand(B, T, h, -1)], -1).transpose(1, 2)
+    scores = (q @ k.transpose(-1, -2) * attn.scale).masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    ref = (scores.softmax(-1) @ v.transpose(1, 2)).transpose(1, 2)  # [B, T, h, d_v]
+    assert y.shape == (B, T, h, attn.d_v)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,88 @@
+"""The Triton decode kernels (the CUDA implementation of t6::tpa_decode / t6::latent_decode)
+run on the CPU through Triton's interpreter (TRITON_INTERPRET=1) against the eager reference,
+for every shape class they accept: factorized and full queries, fp32/fp16/bf16 caches, batch
+1 and > 1, with and without padding masks, lengths that are not multiples of the block or the
+split. This checks the kernels' semantics, not the compiled GPU code."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+# triton.jit reads TRITON_INTERPRET when a function is defined (triton's own library included),
+# so the interpreter is switched on for the first import of triton, here at collection; the
+# variable is restored afterwards. If triton was imported earlier in this process, the tests
+# re-run this file in a fresh interpreter instead.
+_fresh = "triton" not in sys.modules
+_before = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"
+try:
+    triton = pytest.importorskip("triton")
+    from t6.model.attention import triton_decode as kernels_module
+finally:
+    if _before is None:
+        os.environ.pop("TRITON_INTERPRET")
+    else:
+        os.environ["TRITON_INTERPRET"] = _before
+INTERPRETED = _fresh or _before == "1"
+
+from t6.model.attention.fused_decode import reference_latent_decode, reference_tpa_decode  # noqa: E402
+
+from test_fused_decode import TOL, padding_mask, tpa_inputs  # noqa: E402
+
+TOL = {**TOL, torch.float16: dict(rtol=1e-2, atol=1e-2)}
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """The kernels, with TRITON_INTERPRET=1 while they run (triton also reads it at launch)."""
+    if not INTERPRETED:
+        pytest.skip("triton was imported before the interpreter could be switched on; covered by the subprocess test")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TRITON_INTERPRET", "1")
+    yield kernels_module
+    mp.undo()
+
+
+def test_interpreter_run_in_a_fresh_process_when_triton_was_already_imported():
+    if INTERPRETED:
+        return  # the tests below run in this process
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__))],
+                          env=env, capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+CASES = [(1, 1), (1, 45), (3, 70)]  # (batch, cached tokens): one token, part of a block, several splits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("factored", [True, False], ids=["tpa", "full_query"])
+def test_triton_tpa_decode_equals_the_eager_reference(kernels, dtype, factored):
+    gen = torch.Generator().manual_seed(0)
+    for B, S in CASES:
+        args = tpa_inputs(B, S, factored, dtype, gen, h=5, d=16, R_Q=2, R_K=2, R_V=1)
+        for mask in (None, padding_mask(B, S, gen)):
+            fast = kernels.tpa_decode(*args, mask, block_s=16)
+            ref = reference_tpa_decode(*(a if a is None else a.float() for a in args), mask)
+            assert fast.shape == ref.shape and fast.dtype == dtype
+            torch.testing.assert_close(fast.float(), ref, **TOL[dtype], msg=f"B={B} S={S} mask={mask is not None}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_latent_decode_equals_the_eager_reference(kernels, dtype):
+    gen = torch.Generator().manual_seed(1)
+    for B, S in CASES:
+        q_lat = (torch.randn(B, 3, 24, generator=gen) * 0.2).to(dtype)
+        q_rope = (torch.randn(B, 3, 8, generator=gen) * 0.2).to(dtype)
+        c_kv = torch.randn(B, S + 2, 24, generator=gen).to(dtype)[:, :S]
+        k_rope = torch.randn(B, S + 2, 8, generator=gen).to(dtype)[:, :S]
+        for mask in (None, padding_mask(B, S, gen)):
+            fast = kernels.latent_decode(q_lat, q_rope, c_kv, k_rope, mask, block_s=16)
+            ref = reference_latent_decode(q_lat.float(), q_rope.float(), c_kv.float(), k_rope.float(), mask)
+            torch.testing.assert_close(fast.float(), ref, **TOL[dtype], msg=f"B={B} S={S}")

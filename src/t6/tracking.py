@@ -1,5 +1,7 @@
-"""MLflow set-up: the logger factory used by conf/logger/mlflow.yaml, and store checks
-that run before training so an unreachable tracking server fails in seconds, not hours."""
+"""MLflow set-up: the logger factory used by conf/logger/mlflow.yaml, store checks that run
+before training so an unreachable tracking server fails in seconds, not hours, the tag that
+makes MLflow's UI open an experiment in its model-training view, and the run's system metrics
+(CPU, memory, disk, network, GPU when present) through MLflow's own monitor."""
 
 from __future__ import annotations
 
@@ -45,12 +47,15 @@ def mlflow_logger(
     log_model: bool | str = False,
     tags: dict | None = None,
     run_id: str | None = None,
+    system_metrics: bool = True,
+    system_metrics_interval_s: float = 10.0,
 ) -> MLFlowLogger:
     """MLFlowLogger for tracking_uri. A local SQLite store keeps its artifacts in artifact_dir
     (MLflow would otherwise put them under the current directory). `t6.train.train` checks the
-    store with `check_tracking_uri` before anything else is built."""
+    store with `check_tracking_uri` before anything else is built; `system_metrics` (sampled every
+    `system_metrics_interval_s` seconds) is read by `t6.train`, which runs the monitor."""
     local = urlparse(tracking_uri).scheme == "sqlite"
-    return MLFlowLogger(
+    logger = MLFlowLogger(
         experiment_name=experiment_name,
         run_name=run_name,
         tracking_uri=tracking_uri,
@@ -59,3 +64,38 @@ def mlflow_logger(
         artifact_location=Path(artifact_dir).as_uri() if (local and artifact_dir) else None,
         run_id=run_id,
     )
+    logger.t6_system_metrics = system_metrics_interval_s if system_metrics else None
+    return logger
+
+
+# MLflow's UI picks the view an experiment opens in from this tag: model training ("custom model
+# development": runs, charts, system metrics) rather than GenAI (traces, evaluation runs).
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+TRAINING_KIND = "custom_model_development"
+
+
+def tag_training_experiment(client, experiment_id: str) -> None:
+    """Mark an experiment as model training for MLflow's UI (idempotent)."""
+    experiment = client.get_experiment(experiment_id)
+    if experiment.tags.get(EXPERIMENT_KIND_TAG) != TRAINING_KIND:
+        client.set_experiment_tag(experiment_id, EXPERIMENT_KIND_TAG, TRAINING_KIND)
+
+
+class SystemMetrics:
+    """MLflow's SystemMetricsMonitor on a run: `system/cpu_utilization_percentage`,
+    `system/system_memory_usage_megabytes`, disk and network, and `system/gpu_*` where
+    nvidia-ml-py finds a GPU, sampled every `interval_s` seconds while the run is RUNNING."""
+
+    def __init__(self, run_id: str, tracking_uri: str, interval_s: float = 10.0, resume: bool = False, node_id: str | None = None):
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        self.monitor = SystemMetricsMonitor(
+            run_id, sampling_interval=interval_s, resume_logging=resume, node_id=node_id, tracking_uri=tracking_uri,
+        )
+
+    def __enter__(self) -> "SystemMetrics":
+        self.monitor.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.monitor.finish()

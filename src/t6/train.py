@@ -56,7 +56,11 @@ def choose_hardware(cfg: DictConfig) -> dict[str, str]:
     return {"device": device, "device_why": device_why, "precision": precision, "precision_why": precision_why}
 
 
-def check_sequence(cfg: DictConfig) -> None:
+def check_data_shape(cfg: DictConfig) -> None:
+    """Batch settings and sequence length, named by their fields, before any data is read."""
+    from t6.data.datamodule import check_batch_settings
+
+    check_batch_settings(cfg.data.get("batch_size"), cfg.data.get("global_batch_size"), cfg.data.get("seq_len"))
     seq_len, block = cfg.data.get("seq_len"), cfg.size.block_size
     if isinstance(seq_len, int) and seq_len > block:
         raise ValueError(
@@ -178,7 +182,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
         for change in adopt_model_config(cfg, init["model_config"]):
             log.warning("init_from sets %s", change)
     mcfg = model_config(cfg)  # ValueError naming every bad model field
-    check_sequence(cfg)
+    check_data_shape(cfg)
     hardware = choose_hardware(cfg)  # trainer.precision=auto -> what the device supports
     schedule = schedule_facts(cfg)
     check_schedule(schedule)

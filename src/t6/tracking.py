@@ -74,6 +74,14 @@ EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 TRAINING_KIND = "custom_model_development"
 
 
+def ui_path(experiment_id: str, run_id: str | None = None) -> str:
+    """The MLflow UI route of an experiment (or run) in the model-training view. MLflow 3.17's UI
+    takes its view from the `workflowType` URL parameter, falling back to the browser's last
+    choice (GenAI on a first visit), so the links t6 prints carry it."""
+    route = f"#/experiments/{experiment_id}" + (f"/runs/{run_id}" if run_id else "")
+    return f"{route}?workflowType=machine_learning"
+
+
 def tag_training_experiment(client, experiment_id: str) -> None:
     """Mark an experiment as model training for MLflow's UI (idempotent)."""
     experiment = client.get_experiment(experiment_id)

@@ -26,7 +26,7 @@ from t6.evaluation.callback import build_eval_callback
 from t6.module import T6LitModule
 from t6.summary import summarize
 from t6.sweep import attach_to_sweep, sweep_job_info
-from t6.tracking import SystemMetrics, check_tracking_uri, tag_training_experiment
+from t6.tracking import SystemMetrics, check_tracking_uri, tag_training_experiment, ui_path
 from t6.uptrain import WARM_START_FORMAT, adopt_model_config, load_warm_start
 
 log = logging.getLogger(__name__)
@@ -100,7 +100,9 @@ def check_schedule(facts: dict[str, Any] | None) -> None:
         )
 
 
-def plan_micro_batch(cfg: DictConfig, mcfg, trainer: L.Trainer, datamodule, hardware: dict[str, str]) -> memory.MicroBatch | None:
+def plan_micro_batch(
+    cfg: DictConfig, mcfg, trainer: L.Trainer, datamodule, hardware: dict[str, str], model: torch.nn.Module
+) -> memory.MicroBatch | None:
     """The memory preflight: the micro-batch (auto or checked) and its accumulation, before fit."""
     world = trainer.world_size
     per_device = datamodule.per_device_batch(world)
@@ -129,7 +131,9 @@ def plan_micro_batch(cfg: DictConfig, mcfg, trainer: L.Trainer, datamodule, hard
         local = max(1, trainer.num_devices)
         if local > 1:
             available, source = available // local, f"{source} shared by {local} processes"
-        runtime = memory.process_rss()
+        # the process as it stands, less the model already built here (the estimate counts its parameters)
+        built = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cpu")
+        runtime = max(0, memory.process_rss() - built)
     ways_out = ("a smaller data.batch_size (or data.batch_size=auto with data.global_batch_size), "
                 "trainer=fsdp with trainer.strategy.activation_checkpointing=true, trainer=fsdp over more devices "
                 "(trainer.devices), or a smaller size")
@@ -228,7 +232,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
 
     # The memory preflight decides the micro-batch (data.batch_size=auto) or checks the given one;
     # the global batch, hence the optimization, stays data.global_batch_size through accumulation.
-    plan = plan_micro_batch(cfg, mcfg, trainer, datamodule, hardware)
+    plan = plan_micro_batch(cfg, mcfg, trainer, datamodule, hardware, model)
     if plan is not None:
         datamodule.batch_size = plan.batch
     with open_dict(cfg):
@@ -310,6 +314,6 @@ def summary(metrics: dict[str, float], objects: dict[str, Any]) -> str:
         lines.append(f"MLflow run      {mlflow.run_id} (experiment {mlflow.experiment_id})")
         lines.append(
             f"open it with    mlflow ui --backend-store-uri {mlflow._tracking_uri} --port 5000   "
-            f"then http://127.0.0.1:5000/#/experiments/{mlflow.experiment_id}/runs/{mlflow.run_id}"
+            f"then http://127.0.0.1:5000/{ui_path(mlflow.experiment_id, mlflow.run_id)}"
         )
     return "\n".join(lines)

@@ -307,7 +307,8 @@ def summary(metrics: dict[str, float], objects: dict[str, Any]) -> str:
     for key in sorted(k for k in metrics if k.startswith("eval/") and k.endswith("/avg")):
         lines.append(f"{key:<15} {metrics[key]:.4f}   (per task: eval/{key.split('/')[1]}/<task>/<metric> in MLflow)")
     lines.append(f"schedule        {describe_schedule(objects.get('schedule'))}; {trainer.global_step} steps run")
-    final = getattr(trainer.checkpoint_callback, "final_path", None) if trainer.checkpoint_callback else None
+    ckpt = trainer.checkpoint_callback
+    final = (getattr(ckpt, "final_path", None) or ckpt.last_model_path or None) if ckpt else None
     if final:
         lines.append(f"checkpoint      {final}   (ckpt_path=last in this run dir resumes from it)")
     if mlflow is not None:

@@ -1,6 +1,7 @@
 # Two commands set everything up on a fresh Linux machine (Python >= 3.10):
 #   make run    install into .venv, then train the default T6 on the embedded corpus
-#   make test   install with test dependencies into .venv, then run the test suite
+#   make test   install with test dependencies into .venv (and, as root, Debian's chromium and
+#               chromium-driver for the MLflow UI browser test), then run the test suite
 # torch is installed first and pinned (a CPU build where the machine provides one); every
 # other package is pinned in constraints.txt so a fresh machine resolves the same stack.
 
@@ -10,7 +11,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 ARGS ?=
 
-.PHONY: run test install install-test clean
+.PHONY: run test install install-test browser clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,7 +31,18 @@ install-test: $(VENV)/.installed-test
 run: install
 	$(PY) train.py $(ARGS)
 
-test: install-test
+# The MLflow UI test drives headless Chromium: installed from Debian's packages when missing and we
+# are root; otherwise this says what to install (under CI=true the test then fails instead of skipping).
+browser:
+	@if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -o DPkg::Lock::Timeout=300 chromium chromium-driver; \
+	else \
+		echo "MLflow UI test: install Chromium and its driver, e.g. sudo apt-get install chromium chromium-driver"; \
+	fi
+
+test: install-test browser
 	$(PY) -m pytest $(ARGS)
 
 clean:

@@ -20,6 +20,7 @@ CONF = ROOT / "conf"
 TEST_SIZE = ["size=tiny", "size.n_layer=2", "size.d_model=64", "size.block_size=64"]
 TEST_RUN = [
     "data.batch_size=4",
+    "data.global_batch_size=null",  # no accumulation unless a test asks for it
     "trainer.max_steps=8",
     "trainer.val_check_interval=4",
     "trainer.log_every_n_steps=1",

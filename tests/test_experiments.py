@@ -57,7 +57,7 @@ def test_paper_recipes_have_the_papers_recipe(name):
     assert cfg.optimizer._target_ == "torch.optim.AdamW" and list(cfg.optimizer.betas) == [0.9, 0.95]
     assert cfg.optimizer.weight_decay == 0.1 and cfg.trainer.gradient_clip_val == 1.0
     assert (cfg.lr_ablation.max_lr, cfg.lr_ablation.min_lr, cfg.lr_ablation.warmup_steps) == (max_lr, min_lr, 2000)
-    assert cfg.data.global_batch_size == 480 and 480 % (cfg.data.batch_size * cfg.trainer.devices) == 0
+    assert cfg.data.global_batch_size == 480 and 480 % cfg.trainer.devices == 0 and cfg.data.batch_size == "auto"
     tokens = cfg.data.global_batch_size * cfg.data.seq_len * cfg.trainer.max_steps
     assert cfg.trainer.max_steps == 100_000 and 49e9 < tokens < 51e9
     assert cfg.hydra.sweeper.params.attention.split(",") == SIX

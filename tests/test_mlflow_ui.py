@@ -6,6 +6,7 @@ The screenshots are kept in tests/artifacts/ (git-ignored); their paths are prin
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -19,7 +20,8 @@ from pathlib import Path
 import mlflow
 import pytest
 
-from t6.train import train
+from t6.tracking import ui_path
+from t6.train import summary, train
 
 from conftest import ROOT
 
@@ -33,10 +35,15 @@ EVAL_METRICS = ["eval/0shot/t6_next_line/acc_norm", "eval/2shot/t6_next_line/acc
 
 @pytest.fixture(scope="session")
 def chromium() -> Path:
-    """Headless Chromium and its driver from Debian's packages, installed when missing and we are root."""
+    """Headless Chromium and its driver from Debian's packages (`make test` installs them as root),
+    installed here too when missing and we are root. Without them the test skips, except under
+    CI=true, where it fails: CI must open the browser, not pass without it."""
     if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
         if os.geteuid() != 0 or not shutil.which("apt-get"):
-            pytest.skip("needs /usr/bin/chromium and /usr/bin/chromedriver: apt-get install chromium chromium-driver (as root)")
+            message = "needs /usr/bin/chromium and /usr/bin/chromedriver: apt-get install chromium chromium-driver (as root)"
+            if os.environ.get("CI", "").lower() == "true":
+                pytest.fail(f"CI=true: {message}")
+            pytest.skip(message)
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
         subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
         subprocess.run(["apt-get", "install", "-y", "-qq", "-o", "DPkg::Lock::Timeout=300", "chromium", "chromium-driver"],
@@ -134,13 +141,28 @@ def screenshot(driver, name: str) -> Path:
 
 
 def test_mlflow_ui_shows_the_run_its_losses_and_eval_metrics(make_cfg, mlflow_server, browser):
-    cfg = make_cfg("run_name=ui-check", "callbacks.model_checkpoint=null", "eval=local", "eval.limit=8")
-    _, objects = train(cfg)
+    cfg = make_cfg("run_name=ui-check", "callbacks.model_checkpoint=null", "eval=local", "eval.limit=8",
+                   "logger.mlflow.system_metrics_interval_s=0.5")
+    metrics, objects = train(cfg)
     run_id, experiment_id = objects["mlflow"].run_id, objects["mlflow"].experiment_id
     client = mlflow.MlflowClient(tracking_uri=cfg.logger.mlflow.tracking_uri)
     assert set(EVAL_METRICS) <= set(client.get_run(run_id).data.metrics)
 
+    system = sorted(k for k in client.get_run(run_id).data.metrics if k.startswith("system/"))
+    assert "system/cpu_utilization_percentage" in system and "system/system_memory_usage_megabytes" in system
+
     url = mlflow_server(cfg.logger.mlflow.tracking_uri)
+    # The link the closing summary prints opens the run in MLflow's model-training view (runs,
+    # models, registry), not its GenAI view (traces, sessions, judges, "Evaluation runs").
+    link = re.search(r"then http://127.0.0.1:5000/(\S+)", summary(metrics, objects)).group(1)
+    assert link == ui_path(experiment_id, run_id)
+    for path in (ui_path(experiment_id), link):
+        browser.get(f"{url}/{path}")
+        body = wait_for_text(browser, ["ui-check", "Model registry"])
+        for genai in ("Evaluation runs", "Judges", "Sessions"):
+            assert genai not in body, f"{path} opened in MLflow's GenAI view:\n{body[:2000]}"
+    assert "workflowType=machine_learning" in browser.current_url
+    assert screenshot(browser, "mlflow_training_view.png").stat().st_size > 10_000
     browser.get(f"{url}/#/experiments/{experiment_id}/runs")
     wait_for_text(browser, ["ui-check"])
     assert screenshot(browser, "mlflow_runs.png").stat().st_size > 10_000
@@ -150,3 +172,7 @@ def test_mlflow_ui_shows_the_run_its_losses_and_eval_metrics(make_cfg, mlflow_se
     val_loss = client.get_run(run_id).data.metrics["val/loss"]
     assert f"{val_loss:.3f}"[:4] in body  # the value, not just the name
     assert screenshot(browser, "mlflow_run.png").stat().st_size > 10_000
+
+    browser.get(f"{url}/#/experiments/{experiment_id}/runs/{run_id}/system-metrics?workflowType=machine_learning")
+    wait_for_text(browser, ["cpu_utilization_percentage"])  # the run's system-metrics tab has charts
+    assert screenshot(browser, "mlflow_system_metrics.png").stat().st_size > 10_000

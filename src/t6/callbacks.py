@@ -1,4 +1,5 @@
-"""Training callbacks for long runs: preemption checkpoints, exact RNG resume, throughput and MFU.
+"""Training callbacks for long runs: the final validation and checkpoint, preemption checkpoints,
+exact RNG resume, throughput and MFU.
 
 All of them are listed in conf/callbacks/default.yaml; each does one thing.
 """
@@ -20,6 +21,7 @@ from lightning.fabric.utilities.throughput import get_available_flops
 from lightning.pytorch.callbacks import ThroughputMonitor as LightningThroughputMonitor
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 log = logging.getLogger(__name__)
@@ -29,8 +31,8 @@ class PreemptionCheckpoint(L.Callback):
     """On SIGTERM (SLURM preemption, `scancel`, `docker stop`, a cluster's eviction), Lightning stops
     at the next batch boundary on every rank with SIGTERMException; this saves `last.ckpt` in the
     ModelCheckpoint directory before the process exits, so a re-run with the same run directory
-    (auto_resume) or `ckpt_path=last` continues from that exact step. It also writes `last.ckpt` after
-    the final step when the periodic checkpoint interval does not fall on it.
+    (auto_resume) or `ckpt_path=last` continues from that exact step. (The final step of a run that ends
+    normally is saved by `RunCheckpoint`.)
 
     Ctrl-C (SIGINT) takes the same path: the first one asks Lightning to stop at the next batch
     boundary (its SIGTERM flag), so the interrupted run is saved and resumable; a second Ctrl-C
@@ -53,17 +55,6 @@ class PreemptionCheckpoint(L.Callback):
         if trainer.is_global_zero:
             sys.stderr.write("\nCtrl-C: stopping after this step to save last.ckpt (press Ctrl-C again to quit without saving)\n")
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
-        # The final optimizer step, saved in the same hook (hence the same loop state) as ModelCheckpoint's
-        # periodic saves, unless that one saves this step anyway.
-        ckpt = trainer.checkpoint_callback
-        if ckpt is None or ckpt.dirpath is None or trainer.global_step != trainer.max_steps:
-            return
-        every = getattr(ckpt, "_every_n_train_steps", 0)
-        if not (every and trainer.global_step % every == 0) and self.saved_path is None:
-            self.saved_path = str(Path(ckpt.dirpath) / self.filename)
-            trainer.save_checkpoint(self.saved_path)
-
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         if not isinstance(exception, SIGTERMException) or trainer.checkpoint_callback is None:
             return
@@ -76,6 +67,37 @@ class PreemptionCheckpoint(L.Callback):
         if trainer.is_global_zero:
             log.warning("%s: saved %s at step %d; re-run the same command to resume",
                         signal.Signals(self.signum).name, path, trainer.global_step)
+
+
+class RunCheckpoint(ModelCheckpoint):
+    """Lightning's ModelCheckpoint (periodic `step*.ckpt` plus `last.ckpt`) that also saves the
+    final step when the periodic interval does not fall on it, once, as `last.ckpt` (the file
+    `ckpt_path=last` reads). Use it with `enable_version_counter: false` so an existing
+    `last.ckpt` (a resumed run's directory) is replaced, never joined by `last-v1.ckpt`."""
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.save_last and self._last_global_step_saved != trainer.global_step and not trainer.sanity_checking:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        super().on_train_end(trainer, pl_module)
+
+    @property
+    def final_path(self) -> str | None:
+        """The last.ckpt of this directory, when it exists."""
+        if self.dirpath is None:
+            return None
+        path = Path(self.dirpath) / f"{self.CHECKPOINT_NAME_LAST}{self.FILE_EXTENSION}"
+        return str(path) if path.is_file() else None
+
+
+class FinalValidation(L.Callback):
+    """Every run ends with a validation: when the last optimizer step is not one that
+    `trainer.val_check_interval` validates, asking the Trainer to stop after it makes Lightning
+    run the validation loop there (as it does for early stopping), so `val/loss` of the final
+    weights reaches the loggers and the closing summary."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
+        if trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps:
+            trainer.should_stop = True
 
 
 def _rng_state() -> dict:

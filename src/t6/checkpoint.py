@@ -19,6 +19,27 @@ import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 
 
+def load_checkpoint_file(path, what: str = "ckpt_path", map_location: Any = "cpu", mmap: bool = False) -> dict:
+    """torch.load(weights_only=True) of a checkpoint named by the config field `what`; a missing,
+    truncated or corrupted file is an error naming the field, the file and the fix."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"{what}={str(path)!r} does not exist")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except Exception as err:  # torch/zipfile/unpickler errors of a damaged file have no common type
+        if "weights_only" in str(err) and "Unsupported global" in str(err):
+            raise ValueError(f"{what}={str(path)!r} holds pickled code, which T6 Lab never loads: {err}") from None
+        raise ValueError(
+            f"{what}={str(path)!r} is not a readable checkpoint (truncated or corrupted? {type(err).__name__}: "
+            f"{str(err).splitlines()[0][:200]}); point {what} at an intact file, e.g. an earlier step*.ckpt "
+            "of the same run"
+        ) from None
+    if not isinstance(ckpt, dict):
+        raise ValueError(f"{what}={str(path)!r} is not a T6 Lab checkpoint (it holds a {type(ckpt).__name__}, not a dict)")
+    return ckpt
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         if storage_options is not None:
@@ -36,10 +57,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             tmp.unlink(missing_ok=True)
 
     def load_checkpoint(self, path, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"checkpoint {path} does not exist")
-        return torch.load(path, map_location=map_location or "cpu", weights_only=True, mmap=True)  # never weights_only=False
+        return load_checkpoint_file(path, "ckpt_path", map_location or "cpu", mmap=True)  # weights_only=True, never False
 
 
 def checkpoint_dir(cfg) -> Path:

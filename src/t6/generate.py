@@ -15,10 +15,12 @@ from t6.model.t6 import left_pad
 
 def load_model(ckpt_path: str | Path, device: str = "cpu") -> T6:
     """The T6 of a Lightning checkpoint (`hyper_parameters.model_config`, `state_dict` keys `model.*`)."""
+    from t6.checkpoint import load_checkpoint_file
+
     path = Path(ckpt_path).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"ckpt_path={str(ckpt_path)!r}: no such checkpoint file (e.g. logs/train/runs/<time>/checkpoints/last.ckpt)")
-    ckpt = torch.load(path, map_location=device, weights_only=True)
+    ckpt = load_checkpoint_file(path, "ckpt_path", map_location=device)
     try:
         fields, state = ckpt["hyper_parameters"]["model_config"], ckpt["state_dict"]
     except (KeyError, TypeError) as err:

@@ -45,7 +45,7 @@ class MLflowSweepCallback(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from t6.distributed import env_rank
-        from t6.tracking import check_tracking_uri, mlflow_config
+        from t6.tracking import EXPERIMENT_KIND_TAG, TRAINING_KIND, check_tracking_uri, mlflow_config, tag_training_experiment
 
         mlflow_cfg = mlflow_config(config)
         if mlflow_cfg is None or env_rank() != 0:
@@ -65,9 +65,10 @@ class MLflowSweepCallback(Callback):
         if experiment is None:
             local = uri.startswith("sqlite:")
             artifacts = Path(mlflow_cfg.artifact_dir).as_uri() if local and mlflow_cfg.get("artifact_dir") else None
-            experiment_id = client.create_experiment(name, artifact_location=artifacts)
+            experiment_id = client.create_experiment(name, artifact_location=artifacts, tags={EXPERIMENT_KIND_TAG: TRAINING_KIND})
         else:
             experiment_id = experiment.experiment_id
+            tag_training_experiment(client, experiment_id)
         overrides = " ".join(config.hydra.overrides.task)
         parent = client.create_run(
             experiment_id, run_name=f"sweep {sweep_dir.name}", tags={"sweep.dir": str(sweep_dir), "sweep.overrides": overrides}

@@ -1,5 +1,7 @@
-"""MLflow set-up: the logger factory used by conf/logger/mlflow.yaml, and store checks
-that run before training so an unreachable tracking server fails in seconds, not hours.
+"""MLflow set-up: the logger factory used by conf/logger/mlflow.yaml, store checks that run
+before training so an unreachable tracking server fails in seconds, not hours, the tag that
+makes MLflow's UI open an experiment in its model-training view, and the run's system metrics
+(CPU, memory, disk, network, GPU when present) through MLflow's own monitor.
 
 A local SQLite store is created (schema and migrations) by the first process that reaches it,
 under an exclusive lock on `<db>.lock`: training ranks, sweep jobs and array jobs started at the
@@ -91,12 +93,16 @@ def mlflow_logger(
     log_model: bool | str = False,
     tags: dict | None = None,
     run_id: str | None = None,
+    system_metrics: bool = True,
+    system_metrics_interval_s: float = 10.0,
 ) -> "MLFlowLogger":
     """MLFlowLogger for tracking_uri. A local SQLite store keeps its artifacts in artifact_dir
     (MLflow would otherwise put them under the current directory). `t6.train.train` checks the
-    store with `check_tracking_uri` before anything else is built. log_model (see `log_model_choice`)
-    is kept as the logger's `upload` and carried out by `upload_model` after training; Lightning's own
-    upload (every checkpoint the ModelCheckpoint tracks) stays off."""
+    store with `check_tracking_uri` before anything else is built; `system_metrics` (sampled every
+    `system_metrics_interval_s` seconds) is read by `t6.train`, which runs the monitor. log_model
+    (see `log_model_choice`) is kept as the logger's `upload` and carried out by
+    `save_and_upload_model` after training; Lightning's own upload (every checkpoint the
+    ModelCheckpoint tracks) stays off."""
     from lightning.pytorch.loggers import MLFlowLogger
 
     local = urlparse(tracking_uri).scheme == "sqlite"
@@ -111,6 +117,7 @@ def mlflow_logger(
         run_id=run_id,
     )
     logger.upload = upload
+    logger.t6_system_metrics = system_metrics_interval_s if system_metrics else None
     return logger
 
 
@@ -134,3 +141,44 @@ def save_and_upload_model(trainer, logger: MLFlowLogger | None, checkpoint_dir: 
             raise FileNotFoundError(f"logger.mlflow.log_model={upload}: {path} was not written")
         logger.experiment.log_artifact(logger.run_id, str(path), artifact_path="model")
     return path
+
+
+# MLflow's UI picks the view an experiment opens in from this tag: model training ("custom model
+# development": runs, charts, system metrics) rather than GenAI (traces, evaluation runs).
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+TRAINING_KIND = "custom_model_development"
+
+
+def ui_path(experiment_id: str, run_id: str | None = None) -> str:
+    """The MLflow UI route of an experiment (or run) in the model-training view. MLflow 3.17's UI
+    takes its view from the `workflowType` URL parameter, falling back to the browser's last
+    choice (GenAI on a first visit), so the links t6 prints carry it."""
+    route = f"#/experiments/{experiment_id}" + (f"/runs/{run_id}" if run_id else "")
+    return f"{route}?workflowType=machine_learning"
+
+
+def tag_training_experiment(client, experiment_id: str) -> None:
+    """Mark an experiment as model training for MLflow's UI (idempotent)."""
+    experiment = client.get_experiment(experiment_id)
+    if experiment.tags.get(EXPERIMENT_KIND_TAG) != TRAINING_KIND:
+        client.set_experiment_tag(experiment_id, EXPERIMENT_KIND_TAG, TRAINING_KIND)
+
+
+class SystemMetrics:
+    """MLflow's SystemMetricsMonitor on a run: `system/cpu_utilization_percentage`,
+    `system/system_memory_usage_megabytes`, disk and network, and `system/gpu_*` where
+    nvidia-ml-py finds a GPU, sampled every `interval_s` seconds while the run is RUNNING."""
+
+    def __init__(self, run_id: str, tracking_uri: str, interval_s: float = 10.0, resume: bool = False, node_id: str | None = None):
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        self.monitor = SystemMetricsMonitor(
+            run_id, sampling_interval=interval_s, resume_logging=resume, node_id=node_id, tracking_uri=tracking_uri,
+        )
+
+    def __enter__(self) -> "SystemMetrics":
+        self.monitor.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.monitor.finish()

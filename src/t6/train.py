@@ -19,8 +19,9 @@ from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from t6 import memory
 from t6.callbacks import PreemptionCheckpoint
-from t6.checkpoint import resolve_ckpt_path
+from t6.checkpoint import load_checkpoint_file, resolve_ckpt_path
 from t6.config import flatten, model_config
 from t6.distributed import destroy_process_group
 from t6.evaluation.callback import build_eval_callback
@@ -28,7 +29,7 @@ from t6.module import T6LitModule
 from t6.quiet import quiet_libraries
 from t6.summary import summarize
 from t6.sweep import attach_to_sweep, sweep_job_info
-from t6.tracking import check_tracking_uri, mlflow_config, save_and_upload_model
+from t6.tracking import SystemMetrics, check_tracking_uri, mlflow_config, save_and_upload_model, tag_training_experiment, ui_path
 from t6.uptrain import WARM_START_FORMAT, adopt_model_config, load_warm_start
 
 log = logging.getLogger(__name__)
@@ -43,13 +44,110 @@ def instantiate_dict(group: DictConfig | None) -> list[Any]:
 
 def read_checkpoint_meta(ckpt_path: str) -> dict:
     """The plain-data entries of a checkpoint (no tensors loaded into memory, no pickled code run)."""
-    path = Path(ckpt_path)
-    if not path.is_file():
-        raise FileNotFoundError(f"ckpt_path={ckpt_path!r} does not exist")
-    ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    ckpt = load_checkpoint_file(ckpt_path, "ckpt_path", mmap=True)  # a corrupted file fails here, naming it
     if ckpt.get("format") == WARM_START_FORMAT:
         raise ValueError(f"ckpt_path={ckpt_path!r} is a converted (warm-start) checkpoint: start from it with init_from=")
     return {k: ckpt[k] for k in ("mlflow_run_id", "run_config", "global_step") if k in ckpt}
+
+
+def choose_hardware(cfg: DictConfig) -> dict[str, str]:
+    """Resolve trainer.precision=auto for the device trainer.accelerator will use (in cfg), and say why."""
+    device, device_why = memory.choose_device(cfg.trainer.get("accelerator", "auto"))
+    precision, precision_why = memory.choose_precision(cfg.trainer.get("precision", "auto"), device)
+    with open_dict(cfg):
+        cfg.trainer.precision = precision
+    return {"device": device, "device_why": device_why, "precision": precision, "precision_why": precision_why}
+
+
+def check_data_shape(cfg: DictConfig) -> None:
+    """Batch settings and sequence length, named by their fields, before any data is read."""
+    from t6.data.datamodule import check_batch_settings
+
+    check_batch_settings(cfg.data.get("batch_size"), cfg.data.get("global_batch_size"), cfg.data.get("seq_len"))
+    seq_len, block = cfg.data.get("seq_len"), cfg.size.block_size
+    if isinstance(seq_len, int) and seq_len > block:
+        raise ValueError(
+            f"data.seq_len={seq_len} is longer than size.block_size={block}, the longest context the model is built "
+            f"for (its positions and caches); set data.seq_len<={block} or size.block_size={seq_len}"
+        )
+
+
+def schedule_facts(cfg: DictConfig) -> dict[str, Any] | None:
+    """Warmup, total steps and max/min learning rate of the configured schedule (None without one)."""
+    sched = cfg.lr_ablation.get("scheduler")
+    if not sched:
+        return None
+    return {"warmup": int(sched.warmup_steps), "total": int(sched.total_steps), "max_lr": float(sched.max_lr),
+            "min_lr": float(sched.min_lr), "max_steps": int(cfg.trainer.max_steps)}
+
+
+def describe_schedule(facts: dict[str, Any] | None) -> str:
+    if facts is None:
+        return "constant learning rate (no lr_ablation.scheduler)"
+    peak = facts["max_lr"] * min(1.0, facts["max_steps"] / max(1, facts["warmup"]))
+    text = (f"warmup {facts['warmup']} of {facts['total']} steps, learning rate 0 -> {facts['max_lr']:g} -> "
+            f"{facts['min_lr']:g} (cosine)")
+    if facts["warmup"] >= facts["max_steps"]:
+        text += f"; this run stops in warmup at {peak:g}"
+    return text
+
+
+def check_schedule(facts: dict[str, Any] | None) -> None:
+    """Warn, before training, when the run never leaves warmup (it still runs: smoke tests do this)."""
+    if facts and facts["warmup"] >= facts["max_steps"]:
+        log.warning(
+            "lr_ablation.warmup_steps=%d >= trainer.max_steps=%d: the run ends in warmup and never reaches "
+            "lr_ablation.max_lr=%g (nor decays to min_lr); raise trainer.max_steps above the warmup or lower "
+            "lr_ablation.warmup_steps (e.g. lr_ablation.warmup_steps=%d)",
+            facts["warmup"], facts["max_steps"], facts["max_lr"], max(1, facts["max_steps"] // 10),
+        )
+
+
+def plan_micro_batch(
+    cfg: DictConfig, mcfg, trainer: L.Trainer, datamodule, hardware: dict[str, str], model: torch.nn.Module
+) -> memory.MicroBatch | None:
+    """The memory preflight: the micro-batch (auto or checked) and its accumulation, before fit."""
+    world = trainer.world_size
+    per_device = datamodule.per_device_batch(world)
+    requested = datamodule.batch_size
+    if requested != "auto" and per_device % requested:
+        raise ValueError(
+            f"data.global_batch_size={datamodule.global_batch_size} is not divisible by data.batch_size={requested} "
+            f"x world size {world}; change one of them"
+        )
+    device = hardware["device"]
+    if not cfg.get("preflight", True) or device not in ("cpu", "cuda"):
+        if requested == "auto":
+            raise ValueError(f"data.batch_size=auto needs the memory preflight (preflight=true, a cpu or cuda device; "
+                             f"here preflight={cfg.get('preflight', True)}, device {device}); give data.batch_size a number")
+        return None
+    strategy = cfg.trainer.get("strategy")
+    fsdp = isinstance(strategy, DictConfig) and "fsdp" in str(strategy.get("_target_", "")).lower() or strategy == "fsdp"
+    checkpointing = bool(isinstance(strategy, DictConfig) and strategy.get("activation_checkpointing"))
+    shards = world if fsdp else 1
+    if device == "cuda":
+        index = trainer.strategy.root_device.index or 0
+        available, source = memory.available_memory("cuda", index)
+        runtime = 0
+    else:
+        available, source = memory.available_memory("cpu")
+        local = max(1, trainer.num_devices)
+        if local > 1:
+            available, source = available // local, f"{source} shared by {local} processes"
+        # the process as it stands, less the model already built here (the estimate counts its parameters)
+        built = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cpu")
+        runtime = max(0, memory.process_rss() - built)
+    ways_out = ("a smaller data.batch_size (or data.batch_size=auto with data.global_batch_size), "
+                "trainer=fsdp with trainer.strategy.activation_checkpointing=true, trainer=fsdp over more devices "
+                "(trainer.devices), or a smaller size")
+
+    def estimate(batch: int) -> memory.StepMemory:
+        return memory.estimate_step_memory(
+            mcfg, batch, int(cfg.data.seq_len), precision=hardware["precision"], optimizer_target=cfg.optimizer._target_,
+            shards=shards, activation_checkpointing=checkpointing, device=device, runtime=runtime,
+        )
+
+    return memory.fit_micro_batch(estimate, requested, per_device, available, source, ways_out)
 
 
 @rank_zero_only
@@ -137,6 +235,10 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     mcfg = model_config(cfg)  # ValueError naming every bad model field
     check_learning_rate(cfg)
     check_no_dataset(cfg)
+    check_data_shape(cfg)
+    hardware = choose_hardware(cfg)  # trainer.precision=auto -> what the device supports
+    schedule = schedule_facts(cfg)
+    check_schedule(schedule)
     ckpt_path = resolve_ckpt_path(cfg)  # ckpt_path=PATH | last, or this run dir's last.ckpt (auto_resume)
     meta = read_checkpoint_meta(ckpt_path) if ckpt_path else {}
     use_mlflow = mlflow_config(cfg) is not None
@@ -176,26 +278,48 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
                 cfg.logger.mlflow.tags.conversion = f"{conv['target']} kv_heads={conv['kv_heads']} {conv['method']}"
     if meta.get("mlflow_run_id") and use_mlflow and cfg.logger.mlflow.run_id is None:
         cfg.logger.mlflow.run_id = meta["mlflow_run_id"]  # a resumed run logs into the same MLflow run
-    loggers = instantiate_dict(cfg.get("logger"))
+    loggers = instantiate_dict(cfg.get("logger"))  # an MLflow run is created on first use, after the preflight
     callbacks = instantiate_dict(cfg.get("callbacks")) + ([eval_callback] if eval_callback else [])
     trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
-    trainer.accumulate_grad_batches = datamodule.accumulation(trainer.world_size)
-    if trainer.accumulate_grad_batches > 1 and trainer.is_global_zero:
-        log.info("gradient accumulation: %d micro-batches per optimizer step (data.global_batch_size=%d = "
-                 "data.batch_size=%d x %d device(s) x %d)", trainer.accumulate_grad_batches, datamodule.global_batch_size,
-                 datamodule.batch_size, trainer.world_size, trainer.accumulate_grad_batches)
 
+    # The memory preflight decides the micro-batch (data.batch_size=auto) or checks the given one;
+    # the global batch, hence the optimization, stays data.global_batch_size through accumulation.
+    plan = plan_micro_batch(cfg, mcfg, trainer, datamodule, hardware, model)
+    if plan is not None:
+        datamodule.batch_size = plan.batch
+    with open_dict(cfg):
+        cfg.data.batch_size = datamodule.batch_size  # logged, and stored in checkpoints, as the number used
+    accumulate = datamodule.accumulation(trainer.world_size)
+    trainer.accumulate_grad_batches = accumulate
+    if accumulate > 1 and trainer.is_global_zero:
+        log.info("gradient accumulation: %d micro-batches per optimizer step (data.global_batch_size=%d = "
+                 "data.batch_size=%d x %d device(s) x %d)", accumulate, datamodule.global_batch_size,
+                 datamodule.batch_size, trainer.world_size, accumulate)
+    if isinstance(trainer.val_check_interval, int):
+        trainer.val_check_interval *= accumulate  # Lightning counts micro-batches; the config counts optimizer steps
+    announce(cfg, hardware, plan, datamodule, trainer, schedule)
+
+    model.run_config = OmegaConf.to_container(cfg, resolve=True)
     mlflow = next((lg for lg in loggers if isinstance(lg, MLFlowLogger)), None)
     checkpoint_dir = trainer.checkpoint_callback.dirpath if trainer.checkpoint_callback else ""
+    if mlflow is not None and trainer.is_global_zero:
+        tag_training_experiment(mlflow.experiment, mlflow.experiment_id)  # MLflow's UI: the model-training view
     if mlflow is not None and not meta.get("mlflow_run_id"):
         log_run_config(mlflow, cfg, str(checkpoint_dir), mcfg)
     elif mlflow is not None and trainer.is_global_zero:
         mlflow.experiment.update_run(mlflow.run_id, status="RUNNING")  # it was KILLED or FAILED when interrupted
+    system = None
+    interval = getattr(mlflow, "t6_system_metrics", None) if mlflow is not None else None
+    if interval and trainer.local_rank == 0:  # one monitor per node
+        node = f"node{trainer.node_rank}" if trainer.num_nodes > 1 else None
+        system = SystemMetrics(mlflow.run_id, mlflow._tracking_uri, interval, resume=bool(meta.get("mlflow_run_id")), node_id=node)
 
     # 3. Train. SIGTERM (preemption) and Ctrl-C save last.ckpt (callbacks.PreemptionCheckpoint) and end
     # the MLflow run as KILLED before the SIGTERMException leaves, carrying the signal as `signum`;
     # the resumed run sets it running again.
     try:
+        if system is not None:
+            system.__enter__()
         trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
     except SIGTERMException as stop:
         if mlflow is not None and trainer.is_global_zero and mlflow.run_id:
@@ -209,13 +333,33 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
             mlflow.experiment.set_tag(mlflow.run_id, "last_step", str(trainer.global_step))  # for report.py
         save_and_upload_model(trainer, mlflow, checkpoint_dir)  # logger.mlflow.log_model: final | last | false
     finally:
+        if system is not None:
+            system.__exit__()
         destroy_process_group()  # a sweep's next job in this process starts its own group
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     if eval_callback is not None and eval_callback.history:
         metrics.update(eval_callback.history[-1][1])  # the last downstream evaluation (rank 0)
-    objects = {"cfg": cfg, "model": model, "datamodule": datamodule, "trainer": trainer, "mlflow": mlflow}
+    objects = {"cfg": cfg, "model": model, "datamodule": datamodule, "trainer": trainer, "mlflow": mlflow,
+               "hardware": hardware, "plan": plan, "schedule": schedule}
     return metrics, objects
+
+
+@rank_zero_only
+def announce(cfg: DictConfig, hardware: dict, plan, datamodule, trainer: L.Trainer, schedule: dict | None) -> None:
+    """The opening lines: device and precision and why, the batch and the memory it needs, the schedule."""
+    world = trainer.world_size
+    accumulate = trainer.accumulate_grad_batches
+    lines = [
+        f"device          {hardware['device']} ({hardware['device_why']}), precision {hardware['precision']} "
+        f"({hardware['precision_why']})",
+        f"batch           {datamodule.batch_size * accumulate * world} sequences x {datamodule.seq_len} tokens per step = "
+        f"micro-batch {datamodule.batch_size} x {accumulate} accumulation step(s) x {world} device(s)",
+    ]
+    if plan is not None:
+        lines.append(f"memory          {plan.describe()}")
+    lines.append(f"schedule        {describe_schedule(schedule)}")
+    log.info("run plan\n%s", "\n".join(lines))
 
 
 def summary(metrics: dict[str, float], objects: dict[str, Any]) -> str:
@@ -226,12 +370,15 @@ def summary(metrics: dict[str, float], objects: dict[str, Any]) -> str:
         lines.append(f"final val/loss {metrics['val/loss']:.4f}   val/ppl {metrics['val/ppl']:.2f}")
     for key in sorted(k for k in metrics if k.startswith("eval/") and k.endswith("/avg")):
         lines.append(f"{key:<15} {metrics[key]:.4f}   (per task: eval/{key.split('/')[1]}/<task>/<metric> in MLflow)")
-    if trainer.checkpoint_callback and trainer.checkpoint_callback.last_model_path:
-        lines.append(f"checkpoint      {trainer.checkpoint_callback.last_model_path}")
+    lines.append(f"schedule        {describe_schedule(objects.get('schedule'))}; {trainer.global_step} steps run")
+    ckpt = trainer.checkpoint_callback
+    final = (getattr(ckpt, "final_path", None) or ckpt.last_model_path or None) if ckpt else None
+    if final:
+        lines.append(f"checkpoint      {final}   (ckpt_path=last in this run dir resumes from it)")
     if mlflow is not None:
         lines.append(f"MLflow run      {mlflow.run_id} (experiment {mlflow.experiment_id})")
         lines.append(
             f"open it with    mlflow ui --backend-store-uri {mlflow._tracking_uri} --port 5000   "
-            f"then http://127.0.0.1:5000/#/experiments/{mlflow.experiment_id}/runs/{mlflow.run_id}"
+            f"then http://127.0.0.1:5000/{ui_path(mlflow.experiment_id, mlflow.run_id)}"
         )
     return "\n".join(lines)

@@ -109,10 +109,10 @@ def check_weights(state: dict[str, torch.Tensor], cfg: ModelConfig, what: str) -
 
 def load_training_checkpoint(path: str | Path) -> dict:
     """A Lightning checkpoint written by train.py, read with weights_only=True."""
+    from t6.checkpoint import load_checkpoint_file
+
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"ckpt_path={str(path)!r} does not exist")
-    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    ckpt = load_checkpoint_file(path, "ckpt_path")  # missing or corrupted: an error naming the file
     if ckpt.get("format") == WARM_START_FORMAT:
         raise ValueError(f"{path} is already a converted (warm-start) checkpoint; convert the MHA training checkpoint")
     if "model_config" not in ckpt.get("hyper_parameters", {}) or "state_dict" not in ckpt:
@@ -168,10 +168,10 @@ def convert_checkpoint(
 
 def load_warm_start(path: str | Path) -> dict:
     """A converted checkpoint for `init_from`, checked: the format, and weights that fit its model config."""
+    from t6.checkpoint import load_checkpoint_file
+
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"init_from={str(path)!r} does not exist")
-    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    ckpt = load_checkpoint_file(path, "init_from")
     if ckpt.get("format") != WARM_START_FORMAT:
         raise ValueError(
             f"init_from={str(path)!r} is not a warm-start checkpoint (write one with `python convert.py`); "
@@ -217,7 +217,9 @@ def adopt_model_config(cfg, model_cfg: dict) -> list[str]:
 def _warm_start_meta(path: str, mtime: float) -> dict:
     """A converted checkpoint's `source` and `source_run_config`, loaded once per file version
     (the uptrain recipe's resolvers read both while the config is composed)."""
-    ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    from t6.checkpoint import load_checkpoint_file
+
+    ckpt = load_checkpoint_file(path, "init_from", mmap=True)
     return {"source": ckpt["source"], "run_config": ckpt.get("source_run_config") or {}}
 
 
@@ -242,6 +244,8 @@ def uptrain_steps(init_from: str, fraction: float, batch_size: int, global_batch
             "set trainer.max_steps instead of uptrain_fraction"
         )
     world = devices if isinstance(devices, int) else 1
+    if not global_batch_size and batch_size == "auto":
+        raise ValueError("uptrain_fraction with data.batch_size=auto needs data.global_batch_size (the tokens per step)")
     tokens_per_step = int(global_batch_size or batch_size * world) * int(seq_len)
     return max(1, math.ceil(float(fraction) * source["tokens"] / tokens_per_step))
 

@@ -75,6 +75,10 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(0)
     cfg = _config(args.overrides)
     datamodule = instantiate(cfg.data)
+    if datamodule.batch_size == "auto":  # the whole global batch in one step (a benchmark, not a memory plan)
+        datamodule.batch_size = datamodule.per_device_batch(1)
+        with open_dict(cfg):
+            cfg.data.batch_size = datamodule.batch_size
     datamodule.prepare_data()
     datamodule.setup("fit")
     loader = loader_tokens_per_s(datamodule, args.batches)

@@ -30,7 +30,9 @@ def load_checkpoint_model(path: str | Path, device: str | torch.device = "cpu") 
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint={str(path)!r} does not exist")
-    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    from t6.checkpoint import load_checkpoint_file
+
+    ckpt = load_checkpoint_file(path, "checkpoint")
     try:
         model_config = ckpt["hyper_parameters"]["model_config"]
     except KeyError as err:

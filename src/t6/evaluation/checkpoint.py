@@ -8,6 +8,7 @@ import mlflow
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from t6.checkpoint import load_checkpoint_file
 from t6.evaluation.adapter import load_checkpoint_model
 from t6.evaluation.callback import build_eval_callback
 from t6.evaluation.harness import log_results, run_harness
@@ -26,7 +27,7 @@ def evaluate_checkpoint(cfg: DictConfig) -> tuple[dict[str, float], str]:
     callback = build_eval_callback(cfg.eval)  # tasks and datasets checked before the model is loaded
     if callback is None:
         raise ValueError("eval=none: choose an eval group to run (eval=local, eval=paper)")
-    ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    ckpt = load_checkpoint_file(path, "ckpt_path", mmap=True)  # a corrupted file fails here, naming it
     run_config, step = ckpt.get("run_config") or {}, int(ckpt.get("global_step", 0))
     run_id = ckpt.get("mlflow_run_id") if cfg.run_id == "train" else cfg.run_id
     if cfg.run_id == "train" and not run_id:

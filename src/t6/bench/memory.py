@@ -1,0 +1,99 @@
+"""The memory preflight's estimate beside the measured peak of real training steps.
+
+Each case runs `t6.train.train` in a fresh subprocess (the real Trainer, model, optimizer and
+data; no logger, checkpoints or downstream evaluation) for a few optimizer steps at a fixed
+micro-batch without accumulation, then reports the preflight's estimate and the measured peak:
+CPU peak RSS (`ru_maxrss`, the process's high-water mark), or `torch.cuda.max_memory_allocated`
+on a GPU (plus the CUDA context, which `mem_get_info` counts).
+
+    python -m t6.bench.memory --case tiny:8 --case small:1 --case medium:1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+GIB = 2**30
+
+
+def measure(size: str, batch: int, attention: str = "tpa", steps: int = 2, extra: tuple[str, ...] = ()) -> dict:
+    """In this process: train `steps` steps and return the estimate and the measured peak (bytes)."""
+    import torch
+
+    import t6.config  # noqa: F401  (registers the resolvers)
+    from t6.train import train
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    root = Path(os.environ.get("T6_ROOT", Path(__file__).resolve().parents[3]))
+    out = Path(tempfile.mkdtemp(prefix="t6-bench-memory-"))
+    overrides = [
+        f"size={size}", f"attention={attention}", f"data.batch_size={batch}", f"data.global_batch_size={batch}",
+        f"trainer.max_steps={steps}", "trainer.limit_val_batches=1", "eval=none", "logger=none",
+        "callbacks.model_checkpoint=null", "callbacks.rich_progress_bar=null", "callbacks.rich_model_summary=null",
+        "print_config=false", "auto_resume=false", *extra,
+    ]
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(root / "conf"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]
+        cfg.paths.output_dir = str(out)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    _, objects = train(cfg)
+    plan = objects["plan"]
+    result = {"size": size, "batch": batch, "attention": attention, "precision": objects["hardware"]["precision"],
+              "device": objects["hardware"]["device"], "estimate": plan.estimate.total,
+              "components": {k: getattr(plan.estimate, k) for k in ("runtime", "params", "grads", "optimizer", "activations", "loss_transient")}}
+    if objects["hardware"]["device"] == "cuda":
+        result["measured"] = torch.cuda.max_memory_allocated()
+        result["measure"] = "torch.cuda.max_memory_allocated"
+    else:
+        result["measured"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        result["measure"] = "peak RSS (ru_maxrss)"
+    result["ratio"] = result["estimate"] / result["measured"]
+    return result
+
+
+def run_case(size: str, batch: int, attention: str = "tpa", extra: tuple[str, ...] = ()) -> dict:
+    """measure() in a fresh Python process, so each peak is that case's alone."""
+    cmd = [sys.executable, "-m", "t6.bench.memory", "--child", f"{size}:{batch}", "--attention", attention,
+           *[f"--extra={e}" for e in extra]]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--case", action="append", default=[], help="SIZE:MICRO_BATCH, repeatable (default tiny:8)")
+    parser.add_argument("--attention", default="tpa")
+    parser.add_argument("--extra", action="append", default=[], help="more config overrides")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        size, batch = args.child.split(":")
+        print(json.dumps(measure(size, int(batch), args.attention, extra=tuple(args.extra))))
+        return
+    print(f"{'size':<8}{'micro-batch':>12}{'precision':>11}{'estimate':>11}{'measured':>11}{'est/meas':>10}  measured as")
+    for case in args.case or ["tiny:8"]:
+        size, batch = case.split(":")
+        r = run_case(size, int(batch), args.attention, tuple(args.extra))
+        print(f"{r['size']:<8}{r['batch']:>12}{r['precision']:>11}{r['estimate'] / GIB:>10.2f}G{r['measured'] / GIB:>10.2f}G"
+              f"{r['ratio']:>10.2f}  {r['measure']}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

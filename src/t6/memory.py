@@ -1,0 +1,377 @@
+"""What a training run needs from the machine, decided before the Trainer starts.
+
+- `choose_precision`: `trainer.precision: auto` -> `bf16-mixed` on a CUDA device with bf16
+  support, `32-true` otherwise (an explicit precision is kept), with the reason.
+- `estimate_step_memory`: the peak memory of one training step on one device, from the model
+  traced on fake (meta) tensors: parameters, gradients, optimizer state, the tensors autograd
+  saves for backward (measured per block by a trace, not guessed), the [tokens x vocab]
+  logits and their gradients in the loss, and the optimizer step's temporaries; FSDP shards
+  parameters, gradients and optimizer state; activation checkpointing keeps only each
+  block's input plus one block being recomputed.
+- `available_memory`: what the device can give: CPU MemAvailable (capped by the cgroup's
+  limit), CUDA `torch.cuda.mem_get_info`.
+- `fit_micro_batch`: the largest micro-batch that fits and divides the per-device share of the
+  global batch (the global batch, hence the optimization, is unchanged: the rest is gradient
+  accumulation), or a `MemoryError` naming the field, the estimate, the memory and the ways out.
+
+On CPU an out-of-memory is a SIGKILL with no message, so the estimate has to decide; on GPU
+it decides too (and Lightning's BatchSizeFinder could confirm it).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+GIB = 2**30
+MARGIN = 0.20  # keep this share of the available memory free: the estimate ran up to 17% under the measured peak (README)
+
+
+# ----------------------------------------------------------------------------------- precision
+
+
+def cuda_bf16_supported() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
+def choose_device(accelerator: str, cuda_available: Callable[[], bool] = torch.cuda.is_available) -> tuple[str, str]:
+    """(device type, reason) for trainer.accelerator: `cuda` or `cpu` (other accelerators are named as given)."""
+    accelerator = str(accelerator)
+    if accelerator == "auto":
+        if cuda_available():
+            return "cuda", "accelerator=auto found a CUDA GPU"
+        return "cpu", "accelerator=auto found no GPU"
+    if accelerator in ("gpu", "cuda"):
+        return "cuda", f"accelerator={accelerator}"
+    return accelerator, f"accelerator={accelerator}"
+
+
+def choose_precision(precision, device: str, bf16_supported: Callable[[], bool] = cuda_bf16_supported) -> tuple[str, str]:
+    """(precision, reason): `auto` becomes bf16-mixed on a CUDA device with bf16, else 32-true."""
+    if precision is not None and str(precision) != "auto":
+        return str(precision), "set explicitly (trainer.precision)"
+    if device == "cuda":
+        if bf16_supported():
+            return "bf16-mixed", "precision=auto: the GPU supports bf16"
+        return "32-true", "precision=auto: the GPU has no bf16 support"
+    return "32-true", f"precision=auto on {device}"
+
+
+# ------------------------------------------------------------------------------ the estimate
+
+
+@dataclass
+class StepMemory:
+    """Bytes per device of one training step at micro-batch `batch` (`total` is the estimated peak)."""
+
+    batch: int
+    params: int
+    grads: int
+    optimizer: int
+    activations: int  # saved for backward, the whole forward
+    loss_transient: int  # logits-sized gradients at the start of backward
+    step_transient: int  # the optimizer step's temporaries
+    head_grad: int  # the tied embedding/head gradient, the first one backward writes
+    accumulate: int = 1  # with accumulation every gradient is alive during backward
+    runtime: int = 0  # the process itself (CPU: its resident size before training)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def first_grads(self) -> int:
+        return self.grads if self.accumulate > 1 else self.head_grad
+
+    @property
+    def backward_peak(self) -> int:
+        return self.activations + self.loss_transient + self.first_grads
+
+    @property
+    def step_peak(self) -> int:
+        return self.grads + self.step_transient
+
+    @property
+    def total(self) -> int:
+        return self.runtime + self.params + self.optimizer + max(self.backward_peak, self.step_peak)
+
+    def describe(self) -> str:
+        parts = [
+            ("params", self.params), ("grads", self.grads), ("optimizer", self.optimizer),
+            ("activations", self.activations), ("loss", self.loss_transient),
+        ]
+        if self.runtime:
+            parts.append(("process", self.runtime))
+        inner = ", ".join(f"{name} {gib(value)}" for name, value in parts)
+        return f"{gib(self.total)} at micro-batch {self.batch} ({inner})"
+
+
+def gib(n: int | float) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    p = str(precision)
+    if p.startswith("bf16"):
+        return torch.bfloat16
+    if p.startswith("16"):
+        return torch.float16
+    if p.startswith("64"):
+        return torch.float64
+    return torch.float32
+
+
+def param_dtype(precision: str) -> torch.dtype:
+    """Mixed precision keeps fp32 parameters; `-true` precisions store them in that dtype."""
+    return compute_dtype(precision) if str(precision).endswith("-true") else torch.float32
+
+
+def optimizer_state_bytes(model: torch.nn.Module, optimizer_target: str, dtype_bytes: int) -> tuple[int, int]:
+    """(state bytes, largest per-tensor temporary) for the optimizer class named by its `_target_`."""
+    from t6.optim import param_groups
+
+    name = optimizer_target.rsplit(".", 1)[-1].lower()
+    total, largest = 0, 0
+    for group in param_groups(model, 0.0):
+        for p in group["params"]:
+            n = p.numel() * dtype_bytes
+            largest = max(largest, n)
+            if name in ("adamw", "adam"):
+                total += 2 * n  # exp_avg, exp_avg_sq
+            elif name == "muonwithadamw":
+                total += n if group["kind"] == "matrix" else 2 * n  # momentum | AdamW's two moments
+            elif name == "adafactor":
+                total += (sum(p.shape[-2:]) * dtype_bytes) if p.ndim >= 2 else n  # factored rows + cols
+            elif name == "sgd":
+                total += n  # momentum buffer
+            else:
+                total += 2 * n  # unknown: assume two moments
+    return total, largest
+
+
+def trace_saved_tensors(model: torch.nn.Module, batch: int, seq_len: int, dtype: torch.dtype, mixed: bool, vocab: int):
+    """Run one forward + loss on fake tensors; returns (bytes saved for backward outside the
+    blocks, per-block saved bytes, bytes of one block's input). Parameters are not counted
+    (they are `params`); casts of them under autocast are (they are new tensors)."""
+    import torch.nn.functional as F
+
+    from t6.model.t6 import Block
+
+    param_storages = {p.untyped_storage()._cdata for p in model.parameters()}
+    seen: set[int] = set()
+    current: list[int | None] = [None]
+    per_block: dict[int, int] = {}
+    outside = [0]
+    block_input = [0]
+
+    def pack(t: torch.Tensor):
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key not in seen and key not in param_storages:
+            seen.add(key)
+            n = storage.nbytes()
+            if current[0] is None:
+                outside[0] += n
+            else:
+                per_block[current[0]] = per_block.get(current[0], 0) + n
+        return t
+
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    handles = []
+    for i, block in enumerate(blocks):
+        def pre(module, args, i=i):
+            current[0] = i
+            block_input[0] = args[0].numel() * args[0].element_size()
+
+        def post(module, args, out):
+            current[0] = None
+
+        handles += [block.register_forward_pre_hook(pre), block.register_forward_hook(post)]
+    try:
+        idx = torch.zeros(batch, seq_len, dtype=torch.long)
+        target = torch.zeros(batch, seq_len, dtype=torch.long)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autocast("cpu", dtype=dtype, enabled=mixed):
+                logits = model(idx)  # [B, T, vocab]
+            F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+    finally:
+        for h in handles:
+            h.remove()
+    return outside[0], [per_block.get(i, 0) for i in range(len(blocks))], block_input[0]
+
+
+def estimate_step_memory(
+    model_cfg,
+    batch: int,
+    seq_len: int,
+    precision: str = "32-true",
+    optimizer_target: str = "torch.optim.AdamW",
+    shards: int = 1,
+    activation_checkpointing: bool = False,
+    accumulate: int = 1,
+    device: str = "cpu",
+    runtime: int = 0,
+) -> StepMemory:
+    """Peak bytes of one training step per device (see the module docstring)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from t6.model import T6
+
+    pdtype, cdtype = param_dtype(precision), compute_dtype(precision)
+    mixed = str(precision).endswith("-mixed")
+    pbytes = torch.tensor([], dtype=pdtype).element_size()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(pdtype)  # parameters created in their storage dtype
+        try:
+            with torch.device("cpu"):
+                model = T6(model_cfg)
+        finally:
+            torch.set_default_dtype(default)
+        n_params = sum(p.numel() for p in model.parameters())
+        opt_state, largest = optimizer_state_bytes(model, optimizer_target, pbytes)
+        outside, blocks, block_in = trace_saved_tensors(model, batch, seq_len, cdtype, mixed, model_cfg.vocab_size)
+    params = n_params * pbytes
+    if activation_checkpointing and blocks:
+        activations = outside + len(blocks) * block_in + max(blocks)  # inputs kept, one block recomputed
+    else:
+        activations = outside + sum(blocks)
+    tokens = batch * seq_len
+    cbytes = torch.tensor([], dtype=cdtype).element_size()
+    # nll_loss's and log_softmax's gradients ([tokens, vocab] fp32), plus the cast back when the logits are not fp32
+    loss_transient = tokens * model_cfg.vocab_size * (4 + 4 + (cbytes if cbytes != 4 else 0))
+    embedding = model_cfg.vocab_size * model_cfg.d_model * pbytes  # the tied head's gradient comes first
+    grads = params // shards
+    if device == "cuda":
+        step_transient = params // shards  # foreach updates: one parameter-sized list of temporaries
+    else:
+        step_transient = 2 * largest // shards  # per-tensor updates: temporaries of the largest tensor
+    notes = []
+    if shards > 1:
+        notes.append(f"FSDP: parameters, gradients and optimizer state sharded {shards} ways")
+    if activation_checkpointing:
+        notes.append("activation checkpointing: block inputs kept, one block recomputed")
+    return StepMemory(
+        batch=batch, params=params // shards, grads=grads, optimizer=opt_state // shards, activations=activations,
+        loss_transient=loss_transient, step_transient=step_transient, head_grad=embedding // shards, accumulate=accumulate, runtime=runtime,
+        notes=notes,
+    )
+
+
+# ------------------------------------------------------------------------- available memory
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return None if text in ("", "max") else int(text)
+
+
+def cgroup_free() -> int | None:
+    """Bytes left under this process's cgroup memory limit (v2, then v1), None without a limit."""
+    v2 = Path("/sys/fs/cgroup")
+    limit, used = _read_int(v2 / "memory.max"), _read_int(v2 / "memory.current")
+    if limit is None:
+        v1 = v2 / "memory"
+        limit, used = _read_int(v1 / "memory.limit_in_bytes"), _read_int(v1 / "memory.usage_in_bytes")
+        if limit is not None and limit >= 2**60:  # v1's "no limit"
+            limit = None
+    if limit is None or used is None:
+        return None
+    return max(0, limit - used)
+
+
+def meminfo_available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/meminfo has no MemAvailable")
+
+
+def process_rss() -> int:
+    """This process's resident set size in bytes (what it already holds before training)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def available_memory(device: str, index: int = 0) -> tuple[int, str]:
+    """(bytes a training step may use, where that number comes from)."""
+    if device == "cuda":
+        free, total = torch.cuda.mem_get_info(index)
+        return free, f"torch.cuda.mem_get_info: {gib(free)} free of {gib(total)} on {torch.cuda.get_device_name(index)}"
+    avail = meminfo_available()
+    limit = cgroup_free()
+    if limit is not None and limit < avail:
+        return limit, f"cgroup memory limit: {gib(limit)} left"
+    return avail, f"MemAvailable {gib(avail)}"
+
+
+# --------------------------------------------------------------------------------- the choice
+
+
+@dataclass
+class MicroBatch:
+    batch: int
+    accumulate: int
+    estimate: StepMemory
+    available: int
+    source: str
+    auto: bool
+
+    def describe(self) -> str:
+        how = "data.batch_size=auto chose" if self.auto else "data.batch_size"
+        return (f"{how} micro-batch {self.batch} x {self.accumulate} accumulation step(s); peak estimate "
+                f"{self.estimate.describe()}; usable {gib(self.available * (1 - MARGIN))} ({self.source})")
+
+
+def divisors_desc(n: int) -> list[int]:
+    return [d for d in range(n, 0, -1) if n % d == 0]
+
+
+def fit_micro_batch(
+    estimate: Callable[[int], StepMemory],
+    requested,
+    per_device: int,
+    available: int,
+    source: str,
+    ways_out: str,
+    margin: float = MARGIN,
+) -> MicroBatch:
+    """requested: an int micro-batch (checked) or "auto" (the largest divisor of per_device that fits).
+    estimate(batch) -> StepMemory. Activations grow linearly with the batch, so two
+    traces (batch 1 and 2) give every other batch size."""
+    usable = int(available * (1 - margin))
+    one, two = estimate(1), estimate(2)
+    slope = two.activations - one.activations
+
+    def at(b: int, accumulate: int) -> StepMemory:
+        return replace(one, batch=b, accumulate=accumulate, activations=one.activations + (b - 1) * slope,
+                       loss_transient=one.loss_transient * b)
+
+    if requested == "auto":
+        for b in divisors_desc(per_device):
+            acc = per_device // b
+            est = at(b, acc)
+            if est.total <= usable:
+                return MicroBatch(b, acc, est, available, source, auto=True)
+        est = at(1, per_device)
+        raise MemoryError(
+            f"data.batch_size=auto: even a micro-batch of 1 needs {est.describe()}, more than the "
+            f"{gib(usable)} usable ({source}, {int(margin * 100)}% kept free). Ways out: {ways_out}"
+        )
+    b = int(requested)
+    acc = max(1, per_device // b)
+    est = at(b, acc)
+    if est.total > usable:
+        fits = next((d for d in divisors_desc(per_device) if at(d, per_device // d).total <= usable), None)
+        hint = f"data.batch_size={fits} (or auto) fits" if fits else "no micro-batch of this model fits"
+        raise MemoryError(
+            f"data.batch_size={b} does not fit: one training step needs {est.describe()}, more than the "
+            f"{gib(usable)} usable ({source}, {int(margin * 100)}% kept free); {hint}. Ways out: {ways_out}"
+        )
+    return MicroBatch(b, acc, est, available, source, auto=False)

@@ -1,0 +1,233 @@
+"""Runs that fit the machine: device and precision choice, the memory preflight and the micro-batch
+it picks, the final validation and checkpoint, the schedule check, and the fail-fast messages."""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import mlflow
+import pytest
+import torch
+
+from t6 import memory
+from t6.train import summary, train
+
+from conftest import compose_config
+
+
+# ------------------------------------------------------------------------ device and precision
+
+
+def test_precision_auto_follows_the_device():
+    yes, no = (lambda: True), (lambda: False)
+    assert memory.choose_device("auto", cuda_available=yes)[0] == "cuda"
+    assert memory.choose_device("auto", cuda_available=no)[0] == "cpu"
+    assert memory.choose_device("cpu", cuda_available=yes)[0] == "cpu"
+    assert memory.choose_device("gpu", cuda_available=no)[0] == "cuda"
+    assert memory.choose_precision("auto", "cuda", bf16_supported=yes)[0] == "bf16-mixed"
+    assert memory.choose_precision("auto", "cuda", bf16_supported=no)[0] == "32-true"  # e.g. a V100
+    assert memory.choose_precision("auto", "cpu", bf16_supported=yes)[0] == "32-true"
+    assert memory.choose_precision(None, "cpu")[0] == "32-true"
+    precision, why = memory.choose_precision("16-mixed", "cuda", bf16_supported=yes)
+    assert precision == "16-mixed" and "explicit" in why  # an explicit precision wins
+
+
+def test_default_trainer_lets_lightning_choose_and_cpu_gpu_stay_explicit(tmp_path):
+    cfg = compose_config([], tmp_path)
+    assert (cfg.trainer.accelerator, cfg.trainer.precision, cfg.trainer.devices) == ("auto", "auto", 1)
+    cpu = compose_config(["trainer=cpu"], tmp_path).trainer
+    assert (cpu.accelerator, cpu.precision, cpu.max_steps) == ("cpu", "32-true", cfg.trainer.max_steps)
+    for name in ("gpu", "ddp", "fsdp"):
+        trainer = compose_config([f"trainer={name}"], tmp_path).trainer
+        assert trainer.accelerator == "gpu" and trainer.precision == "auto"
+        assert trainer.plugins[0]._target_ == "t6.checkpoint.AtomicCheckpointIO"  # inherited from the default
+
+
+def test_run_announces_device_precision_batch_and_schedule(make_cfg, caplog):
+    caplog.set_level(logging.INFO, logger="t6.train")
+    _, objects = train(make_cfg("trainer.max_steps=2", "callbacks.model_checkpoint=null"))
+    assert objects["hardware"]["precision"] == "32-true" and objects["trainer"].precision == "32-true"
+    plan = caplog.text
+    assert "device          cpu (" in plan and "precision 32-true (" in plan
+    assert "micro-batch 4 x 1 accumulation step(s) x 1 device(s)" in plan
+    assert "memory          data.batch_size micro-batch 4" in plan and "GiB" in plan
+    assert "schedule        warmup 10 of 2 steps" in plan
+
+
+# ------------------------------------------------------------------------------ the preflight
+
+
+def tiny_model_config():
+    from t6.model import ModelConfig
+
+    return ModelConfig(vocab_size=50304, block_size=64, n_layer=2, d_model=64, n_head=2, head_dim=32, attention="mha")
+
+
+def test_estimate_adds_up_and_scales_as_the_memory_does():
+    mcfg = tiny_model_config()
+    one = memory.estimate_step_memory(mcfg, 1, 64)
+    two = memory.estimate_step_memory(mcfg, 2, 64)
+    from t6.model import T6
+
+    n = sum(p.numel() for p in T6(mcfg).parameters())  # the tied head counted once
+    assert one.params == one.grads == 4 * n and one.optimizer == 2 * one.params  # fp32, AdamW's two moments
+    assert one.loss_transient == 64 * 50304 * 8 and two.loss_transient == 2 * one.loss_transient  # [tokens, vocab] fp32 x 2
+    assert one.activations > 64 * 50304 * 4  # the saved log-softmax at least
+    assert two.activations - one.activations == pytest.approx(one.activations, rel=0.05)  # linear in the batch
+    sharded = memory.estimate_step_memory(mcfg, 1, 64, shards=4)
+    assert (sharded.params, sharded.grads, sharded.optimizer) == (one.params // 4, one.grads // 4, one.optimizer // 4)
+    ckpt = memory.estimate_step_memory(mcfg, 1, 64, activation_checkpointing=True)
+    assert ckpt.activations < one.activations
+    bf16 = memory.estimate_step_memory(mcfg, 1, 64, precision="bf16-true")
+    assert bf16.params == one.params // 2
+
+
+@pytest.mark.slow
+def test_estimate_is_within_25_percent_of_the_measured_peak_at_tiny():
+    """A real training step of size=tiny (micro-batch 8) in a fresh process: the preflight's estimate
+    against the process's peak RSS."""
+    from t6.bench.memory import run_case
+
+    result = run_case("tiny", 8)
+    assert result["measure"] == "peak RSS (ru_maxrss)" and result["measured"] > 1e9
+    assert 0.75 <= result["ratio"] <= 1.25, result
+
+
+def cap_memory(monkeypatch, bytes_available: int) -> None:
+    """Present the machine as having bytes_available free (and the process as holding nothing)."""
+    monkeypatch.setattr(memory, "available_memory", lambda device, index=0: (bytes_available, "test cap"))
+    monkeypatch.setattr(memory, "process_rss", lambda: 0)
+
+
+def test_auto_micro_batch_keeps_the_global_batch_and_the_optimization(make_cfg, monkeypatch):
+    run = ["trainer.max_steps=2", "callbacks.model_checkpoint=null", "data.global_batch_size=8"]
+    full_metrics, full = train(make_cfg(*run, "data.batch_size=8"))
+    assert full["trainer"].accumulate_grad_batches == 1
+
+    cfg = make_cfg(*run, "data.batch_size=auto")
+    from t6.config import model_config
+
+    def est(b: int) -> int:
+        return memory.estimate_step_memory(model_config(cfg), b, cfg.data.seq_len, accumulate=2).total
+
+    # the cap: micro-batch 2 fits, 4 does not
+    cap_memory(monkeypatch, int((est(2) + est(4)) / 2 / (1 - memory.MARGIN)))
+    metrics, split = train(cfg)
+    assert split["datamodule"].batch_size == 2 and split["trainer"].accumulate_grad_batches == 4
+    assert split["plan"].auto and split["cfg"].data.batch_size == 2  # logged and checkpointed as the number used
+    assert split["datamodule"].samples_seen() == 2 * 8  # steps x global batch, as before
+    for a, b in zip(full["model"].parameters(), split["model"].parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # the same two optimizer steps
+    assert metrics["val/loss"] == pytest.approx(full_metrics["val/loss"], rel=1e-4)  # the same 8 windows
+
+
+def test_auto_picks_the_whole_share_when_it_fits(make_cfg):
+    _, objects = train(make_cfg("data.batch_size=auto", "data.global_batch_size=8", "trainer.max_steps=1",
+                                "callbacks.model_checkpoint=null"))
+    assert objects["datamodule"].batch_size == 8 and objects["trainer"].accumulate_grad_batches == 1
+
+
+def test_a_micro_batch_that_cannot_fit_fails_before_training(make_cfg, monkeypatch, tmp_path):
+    cap_memory(monkeypatch, 50 * 2**20)
+    with pytest.raises(MemoryError) as err:
+        train(make_cfg("data.batch_size=4"))
+    text = str(err.value)
+    for part in ("data.batch_size=4 does not fit", "GiB", "test cap", "data.batch_size=auto",
+                 "trainer.strategy.activation_checkpointing=true", "trainer=fsdp"):
+        assert part in text, text
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    with pytest.raises(MemoryError, match="data.batch_size=auto: even a micro-batch of 1 needs"):
+        train(make_cfg("data.batch_size=auto", "data.global_batch_size=4"))
+
+
+# ------------------------------------------------------------------------------- fail fast
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "1.5"])
+def test_bad_batch_size_names_the_field(make_cfg, value):
+    with pytest.raises(ValueError, match=rf"data.batch_size={value} must be a positive number"):
+        train(make_cfg(f"data.batch_size={value}"))
+
+
+def test_auto_batch_needs_a_global_batch(make_cfg):
+    with pytest.raises(ValueError, match="data.batch_size=auto needs data.global_batch_size"):
+        train(make_cfg("data.batch_size=auto", "data.global_batch_size=null"))
+
+
+def test_seq_len_longer_than_the_block_fails_before_training(make_cfg, tmp_path):
+    with pytest.raises(ValueError, match=r"data.seq_len=128 is longer than size.block_size=64.*data.seq_len<=64"):
+        train(make_cfg("data.seq_len=128"))
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.fixture
+def corrupted(tmp_path) -> Path:
+    """A training checkpoint cut in half, as a full disk or a killed copy leaves it."""
+    from t6.module import T6LitModule
+
+    path = tmp_path / "broken.ckpt"
+    module = T6LitModule(model_config=dict(attention="mha", n_layer=1, d_model=64, n_head=2, vocab_size=128, block_size=16))
+    torch.save({"state_dict": module.state_dict(), "hyper_parameters": {"model_config": {}}}, path)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    return path
+
+
+def test_corrupted_ckpt_path_fails_before_training_naming_the_file(make_cfg, corrupted):
+    with pytest.raises(ValueError, match=re.escape(f"ckpt_path='{corrupted}' is not a readable checkpoint")) as err:
+        train(make_cfg(f"ckpt_path={corrupted}"))
+    assert "an earlier step*.ckpt" in str(err.value)
+
+
+def test_corrupted_checkpoint_in_generate_eval_and_convert(corrupted):
+    from t6.evaluation.adapter import load_checkpoint_model
+    from t6.generate import load_model
+    from t6.uptrain import convert_checkpoint
+
+    with pytest.raises(ValueError, match=re.escape(f"ckpt_path='{corrupted}' is not a readable checkpoint")):
+        load_model(corrupted)
+    with pytest.raises(ValueError, match=re.escape(f"checkpoint='{corrupted}' is not a readable checkpoint")):
+        load_checkpoint_model(corrupted)
+    with pytest.raises(ValueError, match=re.escape(f"ckpt_path='{corrupted}' is not a readable checkpoint")):
+        convert_checkpoint(corrupted, "gqa", 1)
+
+
+# ------------------------------------------------------------------ how every run ends
+
+
+def test_run_ends_with_validation_and_exactly_one_last_ckpt(make_cfg):
+    cfg = make_cfg("trainer.max_steps=6", "trainer.val_check_interval=4")  # neither interval falls on step 6
+    metrics, objects = train(cfg)
+    client = mlflow.MlflowClient(tracking_uri=cfg.logger.mlflow.tracking_uri)
+    run_id = objects["mlflow"].run_id
+    assert [m.step for m in client.get_metric_history(run_id, "val/loss")] == [3, 5]  # step 4 and the final step 6
+    ckpt_dir = Path(objects["trainer"].checkpoint_callback.dirpath)
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["last.ckpt", "step000004.ckpt"]
+    assert torch.load(ckpt_dir / "last.ckpt", map_location="cpu", weights_only=True)["global_step"] == 6
+    text = summary(metrics, objects)
+    assert f"final val/loss {metrics['val/loss']:.4f}" in text and f"checkpoint      {ckpt_dir / 'last.ckpt'}" in text
+    assert "warmup 10 of 6 steps" in text
+
+    _, again = train(make_cfg("trainer.max_steps=9", "ckpt_path=last"))  # resume in the same run dir
+    assert [p.name for p in ckpt_dir.iterdir() if p.name.startswith("last")] == ["last.ckpt"]  # never last-v1.ckpt
+    assert torch.load(ckpt_dir / "last.ckpt", map_location="cpu", weights_only=True)["global_step"] == 9
+
+
+def test_warmup_that_outlasts_the_run_is_reported(make_cfg, caplog):
+    caplog.set_level(logging.WARNING, logger="t6.train")
+    train(make_cfg("trainer.max_steps=2", "callbacks.model_checkpoint=null"))
+    assert "lr_ablation.warmup_steps=10 >= trainer.max_steps=2" in caplog.text and "lr_ablation.max_lr" in caplog.text
+
+
+# ------------------------------------------------------------------------------- MLflow
+
+
+def test_experiment_opens_as_model_training_and_runs_log_system_metrics(make_cfg):
+    cfg = make_cfg("trainer.max_steps=20", "logger.mlflow.system_metrics_interval_s=0.5", "callbacks.model_checkpoint=null")
+    _, objects = train(cfg)
+    client = mlflow.MlflowClient(tracking_uri=cfg.logger.mlflow.tracking_uri)
+    experiment = client.get_experiment(objects["mlflow"].experiment_id)
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
+    metrics = client.get_run(objects["mlflow"].run_id).data.metrics
+    assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= set(metrics)

@@ -4,8 +4,9 @@
   support, `32-true` otherwise (an explicit precision is kept), with the reason.
 - `estimate_step_memory`: the peak memory of one training step on one device, from the model
   traced on fake (meta) tensors: parameters, gradients, optimizer state, the tensors autograd
-  saves for backward (measured per block by a trace, not guessed), the [tokens x vocab]
-  logits and their gradients in the loss, and the optimizer step's temporaries; FSDP shards
+  saves for backward (measured per block by a trace, not guessed), the logits of the loss
+  (one chunk of `loss_chunk_tokens` tokens x vocab at a time, t6.model.loss; all tokens when
+  None), and the optimizer step's temporaries; FSDP shards
   parameters, gradients and optimizer state; activation checkpointing keeps only each
   block's input plus one block being recomputed.
 - `available_memory`: what the device can give: CPU MemAvailable (capped by the cgroup's
@@ -73,11 +74,14 @@ class StepMemory:
     grads: int
     optimizer: int
     activations: int  # saved for backward, the whole forward
-    loss_transient: int  # logits-sized gradients at the start of backward
+    loss_transient: int  # the logits (and their gradient) alive at once in the loss
     step_transient: int  # the optimizer step's temporaries
     head_grad: int  # the tied embedding/head gradient, the first one backward writes
     accumulate: int = 1  # with accumulation every gradient is alive during backward
     runtime: int = 0  # the process itself (CPU: its resident size before training)
+    loss_bytes_per_token: int = 0  # loss_transient per token of logits alive at once ...
+    loss_chunk_tokens: int | None = None  # ... which is at most this many tokens (None: every token)
+    seq_len: int = 0
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -95,6 +99,11 @@ class StepMemory:
     @property
     def total(self) -> int:
         return self.runtime + self.params + self.optimizer + max(self.backward_peak, self.step_peak)
+
+    def loss_at(self, batch: int) -> int:
+        """loss_transient at another micro-batch: linear in the tokens up to one chunk."""
+        tokens = batch * self.seq_len
+        return self.loss_bytes_per_token * (tokens if self.loss_chunk_tokens is None else min(tokens, self.loss_chunk_tokens))
 
     def describe(self) -> str:
         parts = [
@@ -150,12 +159,11 @@ def optimizer_state_bytes(model: torch.nn.Module, optimizer_target: str, dtype_b
     return total, largest
 
 
-def trace_saved_tensors(model: torch.nn.Module, batch: int, seq_len: int, dtype: torch.dtype, mixed: bool, vocab: int):
-    """Run one forward + loss on fake tensors; returns (bytes saved for backward outside the
+def trace_saved_tensors(model: torch.nn.Module, batch: int, seq_len: int, dtype: torch.dtype, mixed: bool,
+                        loss_chunk_tokens: int | None = None):
+    """Run one forward + loss (as training computes it) on fake tensors; returns (bytes saved for backward outside the
     blocks, per-block saved bytes, bytes of one block's input). Parameters are not counted
     (they are `params`); casts of them under autocast are (they are new tensors)."""
-    import torch.nn.functional as F
-
     from t6.model.t6 import Block
 
     param_storages = {p.untyped_storage()._cdata for p in model.parameters()}
@@ -193,8 +201,7 @@ def trace_saved_tensors(model: torch.nn.Module, batch: int, seq_len: int, dtype:
         target = torch.zeros(batch, seq_len, dtype=torch.long)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             with torch.autocast("cpu", dtype=dtype, enabled=mixed):
-                logits = model(idx)  # [B, T, vocab]
-            F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+                model(idx, targets=target, loss_chunk_tokens=loss_chunk_tokens)  # [] (t6.model.loss)
     finally:
         for h in handles:
             h.remove()
@@ -212,6 +219,7 @@ def estimate_step_memory(
     accumulate: int = 1,
     device: str = "cpu",
     runtime: int = 0,
+    loss_chunk_tokens: int | None = 1024,
 ) -> StepMemory:
     """Peak bytes of one training step per device (see the module docstring)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -231,7 +239,7 @@ def estimate_step_memory(
             torch.set_default_dtype(default)
         n_params = sum(p.numel() for p in model.parameters())
         opt_state, largest = optimizer_state_bytes(model, optimizer_target, pbytes)
-        outside, blocks, block_in = trace_saved_tensors(model, batch, seq_len, cdtype, mixed, model_cfg.vocab_size)
+        outside, blocks, block_in = trace_saved_tensors(model, batch, seq_len, cdtype, mixed, loss_chunk_tokens)
     params = n_params * pbytes
     if activation_checkpointing and blocks:
         activations = outside + len(blocks) * block_in + max(blocks)  # inputs kept, one block recomputed
@@ -239,8 +247,15 @@ def estimate_step_memory(
         activations = outside + sum(blocks)
     tokens = batch * seq_len
     cbytes = torch.tensor([], dtype=cdtype).element_size()
-    # nll_loss's and log_softmax's gradients ([tokens, vocab] fp32), plus the cast back when the logits are not fp32
-    loss_transient = tokens * model_cfg.vocab_size * (4 + 4 + (cbytes if cbytes != 4 else 0))
+    if loss_chunk_tokens is None:
+        # nll_loss's and log_softmax's gradients ([tokens, vocab] fp32), plus the cast back when the logits are not fp32
+        per_token = model_cfg.vocab_size * (4 + 4 + (cbytes if cbytes != 4 else 0))
+        loss_transient = tokens * per_token
+    else:
+        # one chunk's fp32 logits, turned into their gradient in place, plus its cast when the matmuls are not fp32
+        # (the gradients the chunks accumulate, [tokens, d] and [vocab, d], are saved tensors: in `outside`)
+        per_token = model_cfg.vocab_size * (4 + (cbytes if cbytes != 4 else 0))
+        loss_transient = min(tokens, loss_chunk_tokens) * per_token
     embedding = model_cfg.vocab_size * model_cfg.d_model * pbytes  # the tied head's gradient comes first
     grads = params // shards
     if device == "cuda":
@@ -255,7 +270,7 @@ def estimate_step_memory(
     return StepMemory(
         batch=batch, params=params // shards, grads=grads, optimizer=opt_state // shards, activations=activations,
         loss_transient=loss_transient, step_transient=step_transient, head_grad=embedding // shards, accumulate=accumulate, runtime=runtime,
-        notes=notes,
+        loss_bytes_per_token=per_token, loss_chunk_tokens=loss_chunk_tokens, seq_len=seq_len, notes=notes,
     )
 
 
@@ -323,6 +338,11 @@ class MicroBatch:
     source: str
     auto: bool
 
+    def loss_at(self, batch: int) -> int:
+        """loss_transient at another micro-batch: linear in the tokens up to one chunk."""
+        tokens = batch * self.seq_len
+        return self.loss_bytes_per_token * (tokens if self.loss_chunk_tokens is None else min(tokens, self.loss_chunk_tokens))
+
     def describe(self) -> str:
         how = "data.batch_size=auto chose" if self.auto else "data.batch_size"
         return (f"{how} micro-batch {self.batch} x {self.accumulate} accumulation step(s); peak estimate "
@@ -351,7 +371,7 @@ def fit_micro_batch(
 
     def at(b: int, accumulate: int) -> StepMemory:
         return replace(one, batch=b, accumulate=accumulate, activations=one.activations + (b - 1) * slope,
-                       loss_transient=one.loss_transient * b)
+                       loss_transient=one.loss_at(b))
 
     if requested == "auto":
         for b in divisors_desc(per_device):

@@ -145,6 +145,7 @@ def plan_micro_batch(
         return memory.estimate_step_memory(
             mcfg, batch, int(cfg.data.seq_len), precision=hardware["precision"], optimizer_target=cfg.optimizer._target_,
             shards=shards, activation_checkpointing=checkpointing, device=device, runtime=runtime,
+            loss_chunk_tokens=cfg.get("loss_chunk_tokens", 1024),
         )
 
     return memory.fit_micro_batch(estimate, requested, per_device, available, source, ways_out)

@@ -29,12 +29,15 @@ def _chunk_terms(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, n_valid
     z = (h @ weight.t()).to(_acc_dtype(h))  # [n, V] logits, at least fp32 for the softmax
     valid = y != IGNORE_INDEX  # [n]
     safe_y = torch.where(valid, y, 0)  # [n]
-    lse = torch.logsumexp(z, dim=-1)  # [n]
     target = z.gather(1, safe_y[:, None]).squeeze(1)  # [n]
+    peak = z.amax(dim=-1, keepdim=True)  # [n, 1]
+    p = z.sub_(peak).exp_()  # [n, V] exp(z - max), in z's own storage: one [n, V] tensor in all
+    total = p.sum(dim=-1)  # [n]
+    lse = peak.squeeze(1) + total.log()  # [n] logsumexp
     loss_sum = ((lse - target) * valid).sum()  # []
     if not need_grad:
         return loss_sum, None
-    dz = z.sub_(lse[:, None]).exp_()  # [n, V] softmax, in z's own storage
+    dz = p.div_(total[:, None])  # [n, V] softmax, in place
     dz[torch.arange(len(y), device=y.device), safe_y] -= 1.0  # softmax - onehot(y)
     dz *= (valid.to(dz.dtype) / n_valid)[:, None]  # [n, V] d(mean loss)/dz; ignored rows are zero
     return loss_sum, dz

@@ -108,6 +108,7 @@ def test_fused_layer_decoding_equals_the_eager_path(name):
     cache.key_mask = torch.cat([padding_mask(3, 39, torch.Generator().manual_seed(4)), torch.ones(3, 9, dtype=torch.bool)], 1)
     attn(x[:, :39], torch.arange(39), cache)
     pos = torch.tensor([39])
+    attn.fused_decode = True
     fused = attn(x[:, 39:], pos, cache)
     attn.fused_decode = False
     eager = attn(x[:, 39:], pos, cache)

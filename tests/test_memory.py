@@ -76,9 +76,9 @@ def test_estimate_adds_up_and_scales_as_the_memory_does():
     assert one.loss_transient == 64 * 50304 * 8 and two.loss_transient == 2 * one.loss_transient  # [tokens, vocab] fp32 x 2
     assert one.activations > 64 * 50304 * 4  # the saved log-softmax at least
     assert two.activations - one.activations == pytest.approx(one.activations, rel=0.05)  # linear in the batch
-    # The chunked loss (the default): one chunk of logits at a time, fp32; it saves the gradients of the
+    # The chunked loss (loss_chunk_tokens): one chunk of logits at a time, fp32; it saves the gradients of the
     # hidden states (linear in the batch) and of the head (fixed) instead of [tokens, vocab] log-probs.
-    c1, c2 = memory.estimate_step_memory(mcfg, 1, 64), memory.estimate_step_memory(mcfg, 2, 64, loss_chunk_tokens=1024)
+    c1, c2 = (memory.estimate_step_memory(mcfg, b, 64, loss_chunk_tokens=1024) for b in (1, 2))
     assert c1.loss_transient == 64 * 50304 * 4 and c1.loss_at(2) == c2.loss_transient == 2 * c1.loss_transient
     assert c1.loss_at(32) == c1.loss_at(64) == 1024 * 50304 * 4  # capped at one chunk
     head = 50304 * 64 * 4

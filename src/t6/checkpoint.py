@@ -12,6 +12,7 @@ the CheckpointIO; `t6.fsdp.T6FSDPStrategy` reads the same way.
 from __future__ import annotations
 
 import os
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ def load_checkpoint_file(path, what: str = "ckpt_path", map_location: Any = "cpu
         ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as err:  # torch/zipfile/unpickler errors of a damaged file have no common type
         if "weights_only" in str(err) and "Unsupported global" in str(err):
-            raise ValueError(f"{what}={str(path)!r} holds pickled code, which T6 Lab never loads: {err}") from None
+            raise pickle.UnpicklingError(f"{what}={str(path)!r} holds pickled code, which T6 Lab never loads: {err}") from None
         raise ValueError(
             f"{what}={str(path)!r} is not a readable checkpoint (truncated or corrupted? {type(err).__name__}: "
             f"{str(err).splitlines()[0][:200]}); point {what} at an intact file, e.g. an earlier step*.ckpt "

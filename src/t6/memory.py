@@ -219,7 +219,7 @@ def estimate_step_memory(
     accumulate: int = 1,
     device: str = "cpu",
     runtime: int = 0,
-    loss_chunk_tokens: int | None = 1024,
+    loss_chunk_tokens: int | None = None,
 ) -> StepMemory:
     """Peak bytes of one training step per device (see the module docstring)."""
     from torch._subclasses.fake_tensor import FakeTensorMode

@@ -27,7 +27,7 @@ class T6LitModule(L.LightningModule):
         compile: bool = False,
         run_config: dict | None = None,
         nonfinite_loss: str = "stop",
-        loss_chunk_tokens: int | None = 1024,
+        loss_chunk_tokens: int | None = None,
     ):
         """model_config: ModelConfig fields as a plain dict (checkpoints stay loadable with
         weights_only=True); optimizer / scheduler: partials from Hydra, bound in configure_optimizers;

@@ -145,7 +145,7 @@ def plan_micro_batch(
         return memory.estimate_step_memory(
             mcfg, batch, int(cfg.data.seq_len), precision=hardware["precision"], optimizer_target=cfg.optimizer._target_,
             shards=shards, activation_checkpointing=checkpointing, device=device, runtime=runtime,
-            loss_chunk_tokens=cfg.get("loss_chunk_tokens", 1024),
+            loss_chunk_tokens=cfg.get("loss_chunk_tokens"),
         )
 
     return memory.fit_micro_batch(estimate, requested, per_device, available, source, ways_out)
@@ -267,7 +267,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
         compile=cfg.get("compile", False),
         run_config=OmegaConf.to_container(cfg, resolve=True),
         nonfinite_loss=cfg.get("nonfinite_loss", "stop"),
-        loss_chunk_tokens=cfg.get("loss_chunk_tokens", 1024),
+        loss_chunk_tokens=cfg.get("loss_chunk_tokens"),
     )
     if init is not None:
         model.model.load_state_dict(init["state_dict"])  # a resume (ckpt_path) then overrides these weights

@@ -11,15 +11,13 @@ test items from the rest. Scored by `acc` (the candidates are single words of si
 
 from __future__ import annotations
 
-import json
 import re
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
-from t6.data.corpus import TINY_SHAKESPEARE
-from t6.evaluation.next_line import held_out_text, task_yaml, write_if_changed
+from t6.evaluation.next_line import held_out_lines, split_pools, write_task
 
 TASK = "t6_cloze"
 WORD = re.compile(r"[A-Za-z]+")
@@ -63,22 +61,13 @@ def build_cloze_task(
     seed: int = 0,
 ) -> Path:
     """Write test.jsonl, fewshot.jsonl and t6_cloze.yaml into out_dir; returns out_dir (an include_path)."""
-    text_file = Path(text_file) if text_file else TINY_SHAKESPEARE
-    if not text_file.is_file():
-        raise FileNotFoundError(f"eval.local_tasks.{TASK}.text_file={str(text_file)!r} does not exist")
-    text = held_out_text(text_file, val_fraction)
-    lines = text.split("\n")
+    lines = held_out_lines(text_file, val_fraction, TASK)
+    text = "\n".join(lines)
     counts = Counter(w.lower() for w in WORD.findall(text))
     ranked = [w for w, _ in counts.most_common()]
     rank = {w: i for i, w in enumerate(ranked)}
     usable = [i for i, ln in enumerate(lines) if i >= context_lines and is_line(ln) and last_word(ln)]
-    cut = int(len(lines) * 0.15)  # few-shot examples from the first 15% of the held-out lines, tests from the rest
-    few_pool, test_pool = [i for i in usable if i < cut], [i for i in usable if i >= cut + context_lines]
-    if len(few_pool) < n_fewshot or len(test_pool) < n_test:
-        raise ValueError(
-            f"the held-out part of {text_file} has {len(test_pool)} test and {len(few_pool)} few-shot lines "
-            f"ending in a word: too few for eval.local_tasks.{TASK}.n_test={n_test} and n_fewshot={n_fewshot}"
-        )
+    few_pool, test_pool = split_pools(lines, usable, context_lines, n_test, n_fewshot, TASK)
     rng = np.random.default_rng(seed)
 
     def items(targets: list[int]) -> list[dict]:
@@ -96,9 +85,4 @@ def build_cloze_task(
         "test": items(rng.choice(test_pool, size=n_test, replace=False).tolist()),
         "fewshot": items(rng.choice(few_pool, size=n_fewshot, replace=False).tolist()),
     }
-    out_dir = Path(out_dir).resolve()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for name, split in splits.items():
-        write_if_changed(out_dir / f"{name}.jsonl", "".join(json.dumps(it) + "\n" for it in split))
-    write_if_changed(out_dir / f"{TASK}.yaml", task_yaml(out_dir, TASK, target_delimiter=" ", builder=__name__))
-    return out_dir
+    return write_task(out_dir, TASK, splits, target_delimiter=" ", builder=__name__)

@@ -74,18 +74,9 @@ def build_next_line_task(
     seed: int = 0,
 ) -> Path:
     """Write test.jsonl, fewshot.jsonl and t6_next_line.yaml into out_dir; returns out_dir (an include_path)."""
-    text_file = Path(text_file) if text_file else TINY_SHAKESPEARE
-    if not text_file.is_file():
-        raise FileNotFoundError(f"eval.local_tasks.{TASK}.text_file={str(text_file)!r} does not exist")
-    lines = held_out_text(text_file, val_fraction).split("\n")
+    lines = held_out_lines(text_file, val_fraction, TASK)
     speech = [i for i, ln in enumerate(lines) if is_speech(ln) and i >= context_lines]
-    cut = int(len(lines) * 0.15)  # few-shot examples from the first 15% of the held-out lines, tests from the rest
-    few_pool, test_pool = [i for i in speech if i < cut], [i for i in speech if i >= cut + context_lines]
-    if len(few_pool) < n_fewshot or len(test_pool) < n_test:
-        raise ValueError(
-            f"the held-out part of {text_file} ({len(lines)} lines) is too small for "
-            f"eval.local_tasks.{TASK}.n_test={n_test} and n_fewshot={n_fewshot}"
-        )
+    few_pool, test_pool = split_pools(lines, speech, context_lines, n_test, n_fewshot, TASK)
     rng = np.random.default_rng(seed)
     test_targets = sorted(rng.choice(test_pool, size=n_test, replace=False).tolist())
     few_targets = sorted(rng.choice(few_pool, size=n_fewshot, replace=False).tolist())
@@ -93,11 +84,37 @@ def build_next_line_task(
         "test": make_items(lines, test_targets, context_lines, rng),
         "fewshot": make_items(lines, few_targets, context_lines, rng),
     }
+    return write_task(out_dir, TASK, splits, target_delimiter="\n", builder=__name__)
+
+
+def held_out_lines(text_file: str | Path | None, val_fraction: float, task: str) -> list[str]:
+    """The held-out lines of text_file (None: the embedded Tiny Shakespeare) for a local task."""
+    text_file = Path(text_file) if text_file else TINY_SHAKESPEARE
+    if not text_file.is_file():
+        raise FileNotFoundError(f"eval.local_tasks.{task}.text_file={str(text_file)!r} does not exist")
+    return held_out_text(text_file, val_fraction).split("\n")
+
+
+def split_pools(lines: list[str], usable: list[int], context_lines: int, n_test: int, n_fewshot: int, task: str):
+    """(few-shot pool, test pool) of usable line indices: few-shot examples from the first 15% of the
+    held-out lines, test items from the rest, so no test passage holds a few-shot target."""
+    cut = int(len(lines) * 0.15)
+    few_pool, test_pool = [i for i in usable if i < cut], [i for i in usable if i >= cut + context_lines]
+    if len(few_pool) < n_fewshot or len(test_pool) < n_test:
+        raise ValueError(
+            f"the held-out text has {len(test_pool)} test and {len(few_pool)} few-shot lines usable for {task}: too few "
+            f"for eval.local_tasks.{task}.n_test={n_test} and n_fewshot={n_fewshot}"
+        )
+    return few_pool, test_pool
+
+
+def write_task(out_dir: str | Path, task: str, splits: dict[str, list[dict]], target_delimiter: str, builder: str) -> Path:
+    """Write each split as <split>.jsonl and the task YAML into out_dir; returns out_dir (an include_path)."""
     out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     for name, items in splits.items():
         write_if_changed(out_dir / f"{name}.jsonl", "".join(json.dumps(it) + "\n" for it in items))
-    write_if_changed(out_dir / f"{TASK}.yaml", task_yaml(out_dir, TASK, target_delimiter="\n", builder=__name__))
+    write_if_changed(out_dir / f"{task}.yaml", task_yaml(out_dir, task, target_delimiter=target_delimiter, builder=builder))
     return out_dir
 
 

@@ -148,6 +148,19 @@ def _mask_args(key_mask, device):
     return mask, mask.stride(0), True
 
 
+def _partials(B: int, S: int, HP: int, width: int, block_s: int, dev):
+    """The split of the cached sequence across programs and each program's partial softmax state:
+    (tokens per program, programs, running max m [B, splits, HP], sum l [B, splits, HP],
+    accumulator acc [B, splits, HP, width]), all fp32."""
+    splits = _splits(B, S, block_s)
+    per = triton.cdiv(triton.cdiv(S, splits), block_s) * block_s  # whole blocks per program
+    splits = triton.cdiv(S, per)
+    m = torch.empty(B, splits, HP, dtype=torch.float32, device=dev)
+    l = torch.empty(B, splits, HP, dtype=torch.float32, device=dev)
+    acc = torch.empty(B, splits, HP, width, dtype=torch.float32, device=dev)
+    return per, splits, m, l, acc
+
+
 def tpa_decode(q_a, q_b, a_k, b_k, a_v, b_v, key_mask, block_s: int = 32) -> torch.Tensor:
     """Same arguments and result as t6::tpa_decode: [B, h, d_h]."""
     B, S, R_K, H = a_k.shape
@@ -156,13 +169,8 @@ def tpa_decode(q_a, q_b, a_k, b_k, a_v, b_v, key_mask, block_s: int = 32) -> tor
         if t.stride(-1) != 1 or t.stride(-2) != t.shape[-1]:
             raise ValueError(f"{name} must be a cache view whose per-token [R, n] block is contiguous")
     HP, DP = _pow2(H), _pow2(D)
-    splits = _splits(B, S, block_s)
-    per = triton.cdiv(triton.cdiv(S, splits), block_s) * block_s
-    splits = triton.cdiv(S, per)
     dev = q_b.device
-    m = torch.empty(B, splits, HP, dtype=torch.float32, device=dev)
-    l = torch.empty(B, splits, HP, dtype=torch.float32, device=dev)
-    acc = torch.empty(B, splits, HP, DP, dtype=torch.float32, device=dev)
+    per, splits, m, l, acc = _partials(B, S, HP, DP, block_s, dev)
     mask, mask_stride, masked = _mask_args(key_mask, dev)
     factored = q_a is not None
     qa = q_a.contiguous() if factored else q_b  # unused when not factored
@@ -182,13 +190,8 @@ def latent_decode(q_lat, q_rope, c_kv, k_rope, key_mask, block_s: int = 32) -> t
     if c_kv.stride(-1) != 1 or k_rope.stride(-1) != 1:
         raise ValueError("c_kv and k_rope must be contiguous per token")
     HP, DCP, DRP = _pow2(H), _pow2(DC), _pow2(DR)
-    splits = _splits(B, S, block_s)
-    per = triton.cdiv(triton.cdiv(S, splits), block_s) * block_s
-    splits = triton.cdiv(S, per)
     dev = q_lat.device
-    m = torch.empty(B, splits, HP, dtype=torch.float32, device=dev)
-    l = torch.empty(B, splits, HP, dtype=torch.float32, device=dev)
-    acc = torch.empty(B, splits, HP, DCP, dtype=torch.float32, device=dev)
+    per, splits, m, l, acc = _partials(B, S, HP, DCP, block_s, dev)
     mask, mask_stride, masked = _mask_args(key_mask, dev)
     _latent_kernel[(B, splits)](
         q_lat.contiguous(), q_rope.contiguous(), c_kv, k_rope, mask, m, l, acc, S, H, DC, DR, per,

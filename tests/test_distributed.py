@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import ROOT, TEST_RUN, TEST_SIZE
-from t6.evaluation.adapter import load_checkpoint_model
+from t6.model.load import load_model
 from t6.evaluation.callback import build_eval_callback
 from t6.evaluation.harness import flat_metrics, run_harness
 
@@ -158,7 +158,7 @@ def test_ddp_evaluation_splits_the_requests_and_scores_like_one_process(tmp_path
 
     # The same step-8 weights scored by one process over all 9 documents (the ranks had 5 and 4, padded).
     callback = build_eval_callback(make_cfg("eval=local", "eval.limit=9", "eval.num_fewshot=[0]").eval)
-    single = flat_metrics(run_harness(load_checkpoint_model(last), callback.spec, callback.task_manager), callback.spec)
+    single = flat_metrics(run_harness(load_model(last), callback.spec, callback.task_manager), callback.spec)
     for name in ("eval/0shot/t6_next_line/acc", key):
         assert history(client(tmp_path), run_.info.run_id, name)[8] == [pytest.approx(single[name], abs=1e-9)], name
 

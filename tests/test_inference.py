@@ -199,7 +199,7 @@ def test_generate_entry_loads_a_checkpoint_and_prints_text(tmp_path):
     with pytest.raises(FileNotFoundError, match="ckpt_path="):
         load_model(tmp_path / "missing.ckpt")
     torch.save({"state_dict": {}}, tmp_path / "bad.ckpt")
-    with pytest.raises(ValueError, match="not a T6 training checkpoint"):
+    with pytest.raises(ValueError, match="not a T6 checkpoint"):
         load_model(tmp_path / "bad.ckpt")
     assert EOT == 50256
 

@@ -12,7 +12,8 @@ import torch
 from t6.config import model_config
 from t6.model import T6
 from t6.model.attention import get_attention_class
-from t6.summary import meta_model, summarize
+from t6.model.facts import meta_model
+from t6.summary import summarize
 from t6.train import train
 
 from conftest import CONF, compose_config, random_model

@@ -12,33 +12,13 @@ the CheckpointIO; `t6.fsdp.T6FSDPStrategy` reads the same way.
 from __future__ import annotations
 
 import os
-import pickle
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 
-
-def load_checkpoint_file(path, what: str = "ckpt_path", map_location: Any = "cpu", mmap: bool = False) -> dict:
-    """torch.load(weights_only=True) of a checkpoint named by the config field `what`; a missing,
-    truncated or corrupted file is an error naming the field, the file and the fix."""
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(f"{what}={str(path)!r} does not exist")
-    try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
-    except Exception as err:  # torch/zipfile/unpickler errors of a damaged file have no common type
-        if "weights_only" in str(err) and "Unsupported global" in str(err):
-            raise pickle.UnpicklingError(f"{what}={str(path)!r} holds pickled code, which T6 Lab never loads: {err}") from None
-        raise ValueError(
-            f"{what}={str(path)!r} is not a readable checkpoint (truncated or corrupted? {type(err).__name__}: "
-            f"{str(err).splitlines()[0][:200]}); point {what} at an intact file, e.g. an earlier step*.ckpt "
-            "of the same run"
-        ) from None
-    if not isinstance(ckpt, dict):
-        raise ValueError(f"{what}={str(path)!r} is not a T6 Lab checkpoint (it holds a {type(ckpt).__name__}, not a dict)")
-    return ckpt
+from t6.model.load import read_checkpoint
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -58,7 +38,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             tmp.unlink(missing_ok=True)
 
     def load_checkpoint(self, path, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
-        return load_checkpoint_file(path, "ckpt_path", map_location or "cpu", mmap=True)  # weights_only=True, never False
+        return read_checkpoint(path, "ckpt_path", map_location or "cpu", mmap=True)  # weights_only=True, never False
 
 
 def checkpoint_dir(cfg) -> Path:

@@ -9,25 +9,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from t6.data.tokenizer import EOT, gpt2_encoding
-from t6.model import T6, ModelConfig
+from t6.model import T6
+from t6.model.load import load_model
 from t6.model.t6 import left_pad
-
-
-def load_model(ckpt_path: str | Path, device: str = "cpu") -> T6:
-    """The T6 of a Lightning checkpoint (`hyper_parameters.model_config`, `state_dict` keys `model.*`)."""
-    from t6.checkpoint import load_checkpoint_file
-
-    path = Path(ckpt_path).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(f"ckpt_path={str(ckpt_path)!r}: no such checkpoint file (e.g. logs/train/runs/<time>/checkpoints/last.ckpt)")
-    ckpt = load_checkpoint_file(path, "ckpt_path", map_location=device)
-    try:
-        fields, state = ckpt["hyper_parameters"]["model_config"], ckpt["state_dict"]
-    except (KeyError, TypeError) as err:
-        raise ValueError(f"{path} is not a T6 training checkpoint: it has no {err}") from None
-    model = T6(ModelConfig(**fields)).to(device)
-    model.load_state_dict({k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")})
-    return model.eval()
 
 
 def generate_text(

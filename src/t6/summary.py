@@ -14,16 +14,10 @@ from typing import Any
 
 import torch
 
-from t6.model import T6, ModelConfig
-from t6.perf import flops_per_token, forward_flops_per_token
+from t6.model import ModelConfig
+from t6.model.facts import flops_per_token, kv_bytes_per_token, kv_cache_spec, kv_elements_per_token, meta_model, parameter_count
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def meta_model(mcfg: ModelConfig) -> T6:
-    """The model with every tensor on the meta device: shapes only."""
-    with torch.device("meta"):
-        return T6(mcfg)
 
 
 def count(module: torch.nn.Module) -> int:
@@ -40,27 +34,25 @@ def summarize(
     dtype = DTYPES[cache_dtype]
     model = meta_model(mcfg)
     block = model.blocks[0]
-    cache = block.attn.build_kv_cache(1, 1, dtype=dtype, device="meta")  # one token of one layer
-    elements = cache.elements_per_token()
     seq_len = seq_len or mcfg.block_size
-    fwd, train = (forward_flops_per_token(model, seq_len), flops_per_token(model, seq_len)) if flops else (None, None)
+    fwd, train = (flops_per_token(model, seq_len, training=False), flops_per_token(model, seq_len)) if flops else (None, None)
     return {
         "attention": attention,
         "size": size,
         "n_layer": mcfg.n_layer,
         "d_model": mcfg.d_model,
         "n_head": mcfg.n_head,
-        "params": model.num_params(),
-        "params_non_embedding": model.num_params(non_embedding=True),
+        "params": parameter_count(model),
+        "params_non_embedding": parameter_count(model, non_embedding=True),
         "params_embedding": count(model.embed),
         "params_attention_per_block": count(block.attn),
         "params_ffn_per_block": count(block.ffn),
         "params_norms_per_block": count(block.attn_norm) + count(block.ffn_norm),
         "params_attention_parts": {name: count(child) for name, child in block.attn.named_children() if count(child)},
-        "kv_cache": {name: list(shape) for name, shape in cache.spec.items()},
-        "kv_cache_elements_per_token_per_layer": elements,
+        "kv_cache": {name: list(shape) for name, shape in kv_cache_spec(model).items()},
+        "kv_cache_elements_per_token_per_layer": kv_elements_per_token(model),
         "kv_cache_dtype": cache_dtype,
-        "kv_cache_bytes_per_token": elements * dtype.itemsize * mcfg.n_layer,
+        "kv_cache_bytes_per_token": kv_bytes_per_token(model, dtype),
         "flops_seq_len": seq_len,
         "flops_per_token_forward": fwd,
         "flops_per_token_train": train,

@@ -21,16 +21,17 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from t6 import memory
 from t6.callbacks import PreemptionCheckpoint
-from t6.checkpoint import load_checkpoint_file, resolve_ckpt_path
+from t6.checkpoint import resolve_ckpt_path
 from t6.config import flatten, model_config
 from t6.distributed import destroy_process_group
 from t6.evaluation.callback import build_eval_callback
+from t6.model.facts import model_facts
+from t6.model.load import WARM_START_FORMAT, read_checkpoint
 from t6.module import T6LitModule
 from t6.quiet import quiet_libraries
-from t6.summary import summarize
 from t6.sweep import attach_to_sweep, sweep_job_info
 from t6.tracking import SystemMetrics, check_tracking_uri, mlflow_config, save_and_upload_model, tag_training_experiment, ui_path
-from t6.uptrain import WARM_START_FORMAT, adopt_model_config, load_warm_start
+from t6.uptrain import adopt_model_config, load_warm_start
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ def instantiate_dict(group: DictConfig | None) -> list[Any]:
 
 def read_checkpoint_meta(ckpt_path: str) -> dict:
     """The plain-data entries of a checkpoint (no tensors loaded into memory, no pickled code run)."""
-    ckpt = load_checkpoint_file(ckpt_path, "ckpt_path", mmap=True)  # a corrupted file fails here, naming it
+    ckpt = read_checkpoint(ckpt_path, "ckpt_path", mmap=True)  # a corrupted file fails here, naming it
     if ckpt.get("format") == WARM_START_FORMAT:
         raise ValueError(f"ckpt_path={ckpt_path!r} is a converted (warm-start) checkpoint: start from it with init_from=")
     return {k: ckpt[k] for k in ("mlflow_run_id", "run_config", "global_step") if k in ckpt}
@@ -208,16 +209,13 @@ def discard_unused_run_dir(run_dir: str | Path) -> bool:
     return True
 
 
-MODEL_FACTS = ("params", "params_non_embedding", "kv_cache_elements_per_token_per_layer", "kv_cache_bytes_per_token")
-
-
 def log_run_config(logger: MLFlowLogger, cfg: DictConfig, checkpoint_dir: str, mcfg) -> None:
     """Once per run: the flattened, resolved config as params, the model's size and KV cache per
     token (`model/...`, measured on the built model, cache in bf16) for the report, the YAML as an
     artifact, the checkpoint dir as a tag."""
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    facts = summarize(mcfg, cfg.attention.name, cfg.size.name, flops=False)
-    logger.log_hyperparams({**flatten(resolved), **{f"model/{k}": facts[k] for k in MODEL_FACTS}})
+    facts = model_facts(mcfg)  # KV cache counted in bf16
+    logger.log_hyperparams({**flatten(resolved), **{f"model/{k}": v for k, v in facts.items()}})
     if rank_zero_only.rank == 0:
         logger.experiment.log_text(logger.run_id, OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
         logger.experiment.set_tag(logger.run_id, "checkpoints", checkpoint_dir)

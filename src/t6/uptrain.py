@@ -31,8 +31,8 @@ import torch
 
 from t6.model import T6, ModelConfig
 from t6.model.attention.gqa import kv_heads
+from t6.model.load import WARM_START_FORMAT, check_weights, read_checkpoint
 
-WARM_START_FORMAT = "t6-warm-start-v1"
 TARGETS = ("gqa", "mqa")
 METHODS = ("mean", "first")
 
@@ -90,29 +90,10 @@ def convert_state_dict(
     return out
 
 
-def check_weights(state: dict[str, torch.Tensor], cfg: ModelConfig, what: str) -> None:
-    """Raise naming every missing, unexpected or mis-shaped tensor when state does not fit cfg."""
-    with torch.device("meta"):  # shapes only, no memory
-        expected = {k: tuple(v.shape) for k, v in T6(cfg).state_dict().items()}
-    problems = [f"missing {k}" for k in expected if k not in state]
-    problems += [f"unexpected {k}" for k in state if k not in expected]
-    problems += [
-        f"{k}: shape {tuple(state[k].shape)}, config says {shape}"
-        for k, shape in expected.items()
-        if k in state and tuple(state[k].shape) != shape
-    ]
-    if problems:
-        shown = problems[:8] + ([f"... {len(problems) - 8} more"] if len(problems) > 8 else [])
-        raise ValueError(f"{what}: the weights do not match its model config ({cfg.attention}, n_head={cfg.n_head}, "
-                         f"d_model={cfg.d_model}, n_layer={cfg.n_layer}):\n  - " + "\n  - ".join(shown))
-
-
 def load_training_checkpoint(path: str | Path) -> dict:
     """A Lightning checkpoint written by train.py, read with weights_only=True."""
-    from t6.checkpoint import load_checkpoint_file
-
     path = Path(path)
-    ckpt = load_checkpoint_file(path, "ckpt_path")  # missing or corrupted: an error naming the file
+    ckpt = read_checkpoint(path, "ckpt_path")  # missing or corrupted: an error naming the file
     if ckpt.get("format") == WARM_START_FORMAT:
         raise ValueError(f"{path} is already a converted (warm-start) checkpoint; convert the MHA training checkpoint")
     if "model_config" not in ckpt.get("hyper_parameters", {}) or "state_dict" not in ckpt:
@@ -168,10 +149,8 @@ def convert_checkpoint(
 
 def load_warm_start(path: str | Path) -> dict:
     """A converted checkpoint for `init_from`, checked: the format, and weights that fit its model config."""
-    from t6.checkpoint import load_checkpoint_file
-
     path = Path(path)
-    ckpt = load_checkpoint_file(path, "init_from")
+    ckpt = read_checkpoint(path, "init_from")
     if ckpt.get("format") != WARM_START_FORMAT:
         raise ValueError(
             f"init_from={str(path)!r} is not a warm-start checkpoint (write one with `python convert.py`); "
@@ -217,9 +196,7 @@ def adopt_model_config(cfg, model_cfg: dict) -> list[str]:
 def _warm_start_meta(path: str, mtime: float) -> dict:
     """A converted checkpoint's `source` and `source_run_config`, loaded once per file version
     (the uptrain recipe's resolvers read both while the config is composed)."""
-    from t6.checkpoint import load_checkpoint_file
-
-    ckpt = load_checkpoint_file(path, "init_from", mmap=True)
+    ckpt = read_checkpoint(path, "init_from", mmap=True)
     return {"source": ckpt["source"], "run_config": ckpt.get("source_run_config") or {}}
 
 

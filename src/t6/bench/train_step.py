@@ -25,7 +25,7 @@ from hydra.core.global_hydra import GlobalHydra
 from t6.config import model_config
 from t6.model import T6, ModelConfig
 from t6.perf import flops_per_token
-from t6.summary import meta_model
+from t6.model.facts import meta_model
 
 DEFAULT_ATTENTIONS = "mha,mqa,gqa,mla,tpa_kvonly,tpa"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -22,26 +22,8 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from t6.data.tokenizer import EOT, gpt2_encoding
-from t6.model import T6, ModelConfig
-
-
-def load_checkpoint_model(path: str | Path, device: str | torch.device = "cpu") -> T6:
-    """The T6 of a Lightning checkpoint (`hyper_parameters.model_config` + `state_dict`), in eval mode."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint={str(path)!r} does not exist")
-    from t6.checkpoint import load_checkpoint_file
-
-    ckpt = load_checkpoint_file(path, "checkpoint")
-    try:
-        model_config = ckpt["hyper_parameters"]["model_config"]
-    except KeyError as err:
-        raise ValueError(f"{path} has no hyper_parameters.model_config: is it a T6 Lab training checkpoint?") from err
-    model = T6(ModelConfig(**model_config))
-    prefix = "model."
-    state = {k[len(prefix):]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
-    model.load_state_dict(state)
-    return model.to(device).eval()
+from t6.model import T6
+from t6.model.load import load_model
 
 
 @register_model("t6")
@@ -63,7 +45,7 @@ class T6LM(TemplateLM):
         if (model is None) == (checkpoint is None):
             raise ValueError("give the t6 model exactly one of model= or checkpoint= (e.g. --model_args checkpoint=PATH)")
         if model is None:
-            model = load_checkpoint_model(checkpoint, device or ("cuda" if torch.cuda.is_available() else "cpu"))
+            model = load_model(checkpoint, "checkpoint", device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = model
         self._device = next(model.parameters()).device if device is None else torch.device(device)
         self.model.to(self._device)

@@ -8,8 +8,7 @@ import mlflow
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from t6.checkpoint import load_checkpoint_file
-from t6.evaluation.adapter import load_checkpoint_model
+from t6.model.load import load_model, read_checkpoint
 from t6.evaluation.callback import build_eval_callback
 from t6.evaluation.harness import log_results, run_harness
 from t6.tracking import check_tracking_uri
@@ -27,14 +26,14 @@ def evaluate_checkpoint(cfg: DictConfig) -> tuple[dict[str, float], str]:
     callback = build_eval_callback(cfg.eval)  # tasks and datasets checked before the model is loaded
     if callback is None:
         raise ValueError("eval=none: choose an eval group to run (eval=local, eval=paper)")
-    ckpt = load_checkpoint_file(path, "ckpt_path", mmap=True)  # a corrupted file fails here, naming it
+    ckpt = read_checkpoint(path, "ckpt_path", mmap=True)  # a corrupted file fails here, naming it
     run_config, step = ckpt.get("run_config") or {}, int(ckpt.get("global_step", 0))
     run_id = ckpt.get("mlflow_run_id") if cfg.run_id == "train" else cfg.run_id
     if cfg.run_id == "train" and not run_id:
         raise ValueError(f"run_id=train but {path} records no MLflow run; use run_id=null for a new run")
 
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_checkpoint_model(path, device)
+    model = load_model(path, "ckpt_path", device)
     client = mlflow.MlflowClient(tracking_uri=cfg.tracking_uri)
     if run_id is None:
         experiment = cfg.experiment_name or run_config.get("experiment_name", "t6")

@@ -1,0 +1,66 @@
+"""Model facts, read off the built model: parameters, KV cache per token, FLOPs per token.
+
+Every script that reports what a configuration costs (summary, report, benchmarks, training's
+MLflow parameters, uptraining) calls these, so each fact has one definition. The model is built
+on the meta device: shapes only, no memory, no compute.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from t6.model.config import ModelConfig
+from t6.model.t6 import T6
+
+
+def meta_model(cfg: ModelConfig) -> T6:
+    """The model with every tensor on the meta device."""
+    with torch.device("meta"):
+        return T6(cfg)
+
+
+def parameter_count(cfg: ModelConfig | T6, non_embedding: bool = False) -> int:
+    """Distinct parameters (the tied head counts once); non_embedding leaves out the token embedding."""
+    model = cfg if isinstance(cfg, T6) else meta_model(cfg)
+    return model.num_params(non_embedding=non_embedding)
+
+
+def kv_cache_spec(cfg: ModelConfig | T6) -> dict[str, tuple[int, ...]]:
+    """Per-token shape of each tensor one layer caches (the attention's `cache_spec`)."""
+    model = cfg if isinstance(cfg, T6) else meta_model(cfg)
+    return dict(model.blocks[0].attn.cache_spec())
+
+
+def kv_elements_per_token(cfg: ModelConfig | T6) -> int:
+    """Numbers one layer caches per token (paper Table 1's 'KV cache per token'), from cache_spec."""
+    return sum(math.prod(shape) for shape in kv_cache_spec(cfg).values())
+
+
+def kv_bytes_per_token(cfg: ModelConfig | T6, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes the whole model caches per token (every layer) at a cache dtype."""
+    model_cfg = cfg.cfg if isinstance(cfg, T6) else cfg
+    return kv_elements_per_token(cfg) * dtype.itemsize * model_cfg.n_layer
+
+
+def flops_per_token(cfg: ModelConfig | T6, seq_len: int | None = None, training: bool = True) -> float:
+    """FLOPs per token of one training step (forward + backward) or of one forward pass, over a
+    sequence of seq_len tokens (default: block_size), counted by torch.utils.flop_counter."""
+    from t6.perf import flops_per_token as train_flops
+    from t6.perf import forward_flops_per_token
+
+    model = cfg if isinstance(cfg, T6) else meta_model(cfg)
+    seq_len = seq_len or model.cfg.block_size
+    return train_flops(model, seq_len) if training else forward_flops_per_token(model, seq_len)
+
+
+def model_facts(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:
+    """The facts training logs and reports read back: parameters and KV cache per token."""
+    model = meta_model(cfg)
+    return {
+        "params": parameter_count(model),
+        "params_non_embedding": parameter_count(model, non_embedding=True),
+        "kv_cache_elements_per_token_per_layer": kv_elements_per_token(model),
+        "kv_cache_bytes_per_token": kv_bytes_per_token(model, dtype),
+    }

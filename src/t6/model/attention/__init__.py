@@ -32,8 +32,33 @@ def get_attention_class(name: str) -> type[Attention]:
 
 
 def available() -> list[str]:
+    """Every registered mechanism, sorted."""
     _discover()
     return sorted(registry)
 
 
-__all__ = ["Attention", "KVCache", "available", "causal_mask", "get_attention_class", "positive_int_options", "register"]
+# The paper's comparison (Tables 2-3, Figures 2-4), in its order. Every recipe, benchmark and
+# test that means "the paper's six" reads this; other mechanisms join a comparison by naming
+# them next to it (`compare=[paper,gta]`, `--attentions paper,gta`), not by editing a list.
+PAPER = ("mha", "mqa", "gqa", "mla", "tpa_kvonly", "tpa")
+GROUPS = {"paper": PAPER}
+
+
+def select(spec: str | list[str] | tuple[str, ...]) -> list[str]:
+    """Mechanism names from a spec: names, `paper` (the paper's six) and `all` (every registered
+    mechanism), comma-separated or as a list, e.g. "paper,gta". Each name once, in order; an
+    unknown name is an error listing the known ones."""
+    items = spec.split(",") if isinstance(spec, str) else [str(s) for s in spec]
+    names: list[str] = []
+    for item in (i.strip() for i in items if i.strip()):
+        group = available() if item == "all" else GROUPS.get(item, (item,))
+        for name in group:
+            get_attention_class(name)  # KeyError naming the known mechanisms
+            if name not in names:
+                names.append(name)
+    if not names:
+        raise ValueError(f"no attention mechanism selected by {spec!r}; name some, or `paper` / `all`")
+    return names
+
+
+__all__ = ["GROUPS", "PAPER", "Attention", "KVCache", "available", "select", "causal_mask", "get_attention_class", "positive_int_options", "register"]

@@ -6,29 +6,26 @@ from __future__ import annotations
 import pytest
 import torch
 
-from t6.bench.common import FALLBACK_OPTIONS, attention_yaml, conf_dir, model_configs
+from t6.bench.common import model_configs
 from t6.data.tokenizer import EOT
-from t6.generate import generate_text, load_model, run
-from t6.summary import summarize
+from t6.generate import generate_text, run
 from t6.model import T6, ModelConfig
 from t6.model.attention import available, get_attention_class
+from t6.model.facts import kv_elements_per_token
+from t6.model.load import load_model
 from t6.model.t6 import left_pad
+from t6.summary import summarize
+
+from conftest import CONF
 
 
-NAMES = available()  # every registered mechanism, with or without a conf/attention yaml
-TPA = [n for n in ("tpa", "tpa_kvonly") if n in NAMES]
-
-
-def options(name: str) -> dict:
-    path = conf_dir() / "attention" / f"{name}.yaml"
-    if path.exists():
-        return attention_yaml(path, "tiny").get("options") or {}
-    return FALLBACK_OPTIONS.get(name, {})
+NAMES = available()  # every registered mechanism
+TPA = ["tpa", "tpa_kvonly"]
 
 
 def tiny(name: str, seed: int = 0, n_head: int = 4, **kw) -> T6:
-    cfg = ModelConfig(attention=name, attention_options=options(name), n_layer=2, d_model=64, n_head=n_head,
-                      vocab_size=256, block_size=64, **kw)
+    """A 2-layer model of mechanism `name` with its default options and random weights everywhere."""
+    cfg = ModelConfig(attention=name, n_layer=2, d_model=64, n_head=n_head, vocab_size=256, block_size=64, **kw)
     torch.manual_seed(seed)
     model = T6(cfg)
     with torch.no_grad():  # residual outputs start at zero; randomize so every path matters
@@ -60,32 +57,17 @@ def test_cached_greedy_generation_equals_recomputation_token_for_token(name):
         logits = model(ref[:, 7 + t : 8 + t], 7 + t, caches)[:, -1]
 
 
-def paper_elements_per_token(cfg: ModelConfig) -> int | None:
-    """KV cache numbers per token and layer, paper Table 1."""
-    h, d = cfg.n_head, cfg.head_dim
-    if cfg.attention == "mha":
-        return 2 * h * d
-    if cfg.attention == "mqa":
-        return 2 * d
-    if cfg.attention == "gqa":
-        return 2 * cfg.option("n_kv_head") * d
-    if cfg.attention in ("tpa", "tpa_kvonly"):
-        return (cfg.option("k_rank", 2) + cfg.option("v_rank", 2)) * (h + d)
-    return None
-
-
 @pytest.mark.parametrize("name", NAMES)
-def test_allocated_cache_holds_the_paper_count_per_token(name):
+def test_allocated_cache_holds_the_declared_count_per_token(name):
+    """The caches decoding writes hold exactly the mechanism's cache_spec per token: the count
+    summary.py, the benchmarks and the reports print (t6.model.facts)."""
     model = tiny(name)
-    expected = paper_elements_per_token(model.cfg)
-    if expected is None:
-        pytest.skip(f"no paper formula here for {name}")
+    expected = kv_elements_per_token(model.cfg)
     caches = model.build_kv_caches(3, 20)
     for cache in caches:
         assert all(t.shape[0] == 3 and t.shape[cache.seq_dims[n]] == 20 for n, t in cache.tensors.items())
         assert sum(t.numel() for t in cache.tensors.values()) == 3 * 20 * expected
-        assert cache.elements_per_token() == expected
-    assert summarize(model.cfg, name, "test")["kv_cache_elements_per_token_per_layer"] == expected  # what summary.py prints
+    assert summarize(model.cfg, name, "test")["kv_cache_elements_per_token_per_layer"] == expected
 
 
 @pytest.mark.parametrize("name", TPA)
@@ -192,7 +174,7 @@ def test_generate_entry_loads_a_checkpoint_and_prints_text(tmp_path):
     from hydra.core.global_hydra import GlobalHydra
 
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         gen_cfg = compose("generate", overrides=[f"ckpt_path={tmp_path / 'last.ckpt'}", "max_new_tokens=4",
                                                  "temperature=0", "prompt=[ROMEO:,JULIET:]"])
     assert run(gen_cfg)[:1] == generate_text(loaded, ["ROMEO:"], 4, temperature=0)
@@ -207,9 +189,7 @@ def test_generate_entry_loads_a_checkpoint_and_prints_text(tmp_path):
 def test_benchmark_configs_are_parameter_matched_and_skip_unknown_names(capsys):
     configs = model_configs(["mha", "mqa", "gqa", "tpa", "no_such_attention"], "medium")
     assert "skipped no_such_attention" in capsys.readouterr().out
-    heads = {name: cfg.n_head for name, cfg in configs.items()}
-    assert heads["mha"] == 16 and heads["tpa"] == 47
-    assert heads.get("mqa", 31) == 31 and heads.get("gqa", 30) == 30
+    assert {name: cfg.n_head for name, cfg in configs.items()} == {"mha": 16, "mqa": 31, "gqa": 30, "tpa": 47}
 
 
 def test_benchmarks_run_and_write_their_records(tmp_path):

@@ -4,12 +4,14 @@ config into the plain dataclasses the model uses. Nothing under t6.model imports
 from __future__ import annotations
 
 import math
-import os
+from dataclasses import fields
 from pathlib import Path
 
+from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from t6.model import ModelConfig
+from t6.model.attention import available, get_mechanism
 
 
 def _abspath(path: str) -> str:
@@ -48,17 +50,33 @@ def register_resolvers() -> None:
 register_resolvers()
 
 
+def store_attention_options() -> None:
+    """Each registered mechanism's options with their defaults (its `Options` dataclass, the
+    name's preset applied) as the config `attention_options/<name>`: conf/attention/<name>.yaml
+    takes it as `options` from its defaults list, so the defaults live in the Python file only
+    and every option can be overridden as `attention.options.<field>=...`."""
+    store = ConfigStore.instance()
+    for name in available():
+        store.store(group="attention_options", name=name, node=get_mechanism(name).default_options())
+
+
+store_attention_options()
+
+SIZE_KEYS = {"name"}  # the size's label (logs, run names)
+
+
 def model_config(cfg: DictConfig) -> ModelConfig:
-    """ModelConfig from the `size` and `attention` groups; raises one ValueError naming every bad field."""
-    size, attention = cfg.size, cfg.attention
+    """ModelConfig from the `size` and `attention` groups: every size.* key is a ModelConfig field
+    (`name` aside), so `+size.rope_theta=500000` reaches the model and a misspelled key is an
+    error; raises one ValueError naming every bad field."""
+    size = OmegaConf.to_container(cfg.size, resolve=True)
+    model_fields = {f.name for f in fields(ModelConfig)} - {"attention", "attention_options"}
+    unknown = sorted(set(size) - model_fields - SIZE_KEYS)
+    if unknown:
+        raise ValueError(f"size.{unknown[0]} is not a model setting; size.* takes {sorted(model_fields)}")
+    attention = cfg.attention
     return ModelConfig(
-        vocab_size=size.vocab_size,
-        block_size=size.block_size,
-        n_layer=size.n_layer,
-        d_model=size.d_model,
-        n_head=size.n_head,
-        head_dim=size.head_dim,
-        ffn_hidden=size.get("ffn_hidden"),
+        **{k: v for k, v in size.items() if k in model_fields},
         attention=attention.name,
         attention_options=OmegaConf.to_container(attention.options, resolve=True) if attention.get("options") else {},
     )
@@ -75,6 +93,3 @@ def flatten(cfg: dict, prefix: str = "") -> dict[str, object]:
             flat[name] = value
     return flat
 
-
-def project_root() -> Path:
-    return Path(os.environ.get("T6_ROOT", ".")).resolve()

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from t6.model import T6, ModelConfig
-from t6.model.attention.gqa import kv_heads
+from t6.model.facts import meta_model
 from t6.model.load import WARM_START_FORMAT, check_weights, read_checkpoint
 
 TARGETS = ("gqa", "mqa")
@@ -80,7 +80,7 @@ def convert_state_dict(
     state: dict[str, torch.Tensor], source: ModelConfig, target: ModelConfig, method: str = "mean"
 ) -> dict[str, torch.Tensor]:
     """Map a T6 state dict from the source (MHA) config to the target (GQA/MQA) config."""
-    groups = kv_heads(target)
+    groups = meta_model(target).blocks[0].attn.n_kv
     out = {}
     for name, tensor in state.items():
         if name.endswith((".attn.k.weight", ".attn.v.weight")):
@@ -131,7 +131,7 @@ def convert_checkpoint(
         "format": WARM_START_FORMAT,
         "state_dict": new_state,
         "model_config": asdict(cfg),
-        "conversion": {"target": target, "kv_heads": kv_heads(cfg), "method": method},
+        "conversion": {"target": target, "kv_heads": meta_model(cfg).blocks[0].attn.n_kv, "method": method},
         "source": {
             "ckpt_path": str(Path(ckpt_path).resolve()),
             "mlflow_run_id": ckpt.get("mlflow_run_id"),

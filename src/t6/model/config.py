@@ -7,7 +7,7 @@ every cross-field problem is reported at once, in one ValueError that names the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
@@ -21,8 +21,9 @@ class ModelConfig:
     head_dim: int = 64  # d_h
     ffn_hidden: int | None = None  # SwiGLU hidden width; None -> floor(8/3 * d_model)
     attention: str = "mha"  # a name registered in t6.model.attention
-    # Mechanism-specific options, validated by the attention class itself
-    # (e.g. n_kv_head for GQA, q_rank/k_rank/v_rank for TPA, kv_lora_rank for MLA).
+    # The mechanism's options as plain data (checkpoints stay loadable with weights_only=True);
+    # their types, defaults and checks live in the mechanism's `Options` dataclass. Stored
+    # complete: every option with its value, defaults and the name's preset filled in.
     attention_options: dict[str, Any] = field(default_factory=dict)
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
@@ -44,17 +45,22 @@ class ModelConfig:
             problems.append(f"rope_theta={self.rope_theta} must be positive")
         if not problems:
             # Deferred import: the attention registry imports this module.
-            from t6.model.attention import get_attention_class
+            from t6.model.attention import get_mechanism
 
             try:
-                cls = get_attention_class(self.attention)
+                mechanism = get_mechanism(self.attention)
             except KeyError as err:
                 problems.append(str(err.args[0]))
             else:
-                problems.extend(cls.check_config(self))
+                options, problems = mechanism.options(self.attention_options)
+                if options is not None:
+                    problems = options.problems(self)
+                    self.attention_options = asdict(options)
         if problems:
             raise ValueError("Invalid model config:\n  - " + "\n  - ".join(problems))
 
-    def option(self, name: str, default: Any = None) -> Any:
-        """A mechanism-specific option, with the mechanism's default."""
-        return self.attention_options.get(name, default)
+    def options(self):
+        """The attention's typed options (its `Options` dataclass)."""
+        from t6.model.attention import get_mechanism
+
+        return get_mechanism(self.attention).cls.Options(**self.attention_options)

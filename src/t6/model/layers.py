@@ -15,7 +15,6 @@ class SwiGLU(nn.Module):
         self.gate = nn.Linear(d_model, hidden, bias=False)
         self.up = nn.Linear(d_model, hidden, bias=False)
         self.down = nn.Linear(hidden, d_model, bias=False)
-        self.down.is_residual_out = True  # zero-initialized, see T6.init_weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [B, T, d] -> [B, T, hidden] -> [B, T, d]

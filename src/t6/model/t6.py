@@ -43,23 +43,20 @@ class T6(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """N(0, init_std) for embeddings and projections; Xavier-uniform for TPA factor maps;
-        zeros for the output projection of every residual branch (attention W_O and the
-        SwiGLU down projection), so each block starts as the identity. Norms start at one."""
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                if getattr(module, "is_residual_out", False):
-                    nn.init.zeros_(module.weight)
-                elif getattr(module, "xavier_init", False):
-                    nn.init.xavier_uniform_(module.weight)
-                else:
-                    nn.init.normal_(module.weight, std=self.cfg.init_std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, std=self.cfg.init_std)
-            elif isinstance(module, nn.RMSNorm):
-                nn.init.ones_(module.weight)
+        """N(0, init_std) for the embedding and the SwiGLU projections, zeros for the SwiGLU down
+        projection (each residual branch starts at zero, so each block starts as the identity),
+        ones for norms; each attention initializes its own layers (`Attention.init_weights`)."""
+        nn.init.normal_(self.embed.weight, std=self.cfg.init_std)
+        for block in self.blocks:
+            for lin in (block.ffn.gate, block.ffn.up):
+                nn.init.normal_(lin.weight, std=self.cfg.init_std)
+            nn.init.zeros_(block.ffn.down.weight)
+            nn.init.ones_(block.attn_norm.weight)
+            nn.init.ones_(block.ffn_norm.weight)
+            block.attn.init_weights()
+        nn.init.ones_(self.norm.weight)
+        if not self.cfg.tie_embeddings:
+            nn.init.normal_(self.lm_head.weight, std=self.cfg.init_std)
 
     def forward(
         self,

@@ -1,8 +1,9 @@
 """The attention zoo: one module per mechanism, each registering itself by name.
 
-Adding a mechanism takes one Python file in this folder (a subclass of `Attention`
-decorated with `@register("name")`) and one YAML file in `conf/attention/`. Modules here
-are discovered automatically; nothing else needs editing.
+Adding a mechanism takes one Python file in this folder (a subclass of `Attention` with its
+`Options` dataclass, decorated with `@register("name")`) and one YAML file in `conf/attention/`
+(its head count per size). Modules here are discovered automatically; nothing else needs
+editing: tests, summary, benchmarks and reports find it in the registry.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from t6.model.attention.base import Attention, KVCache, causal_mask, positive_int_options, register, registry
+from t6.model.attention.base import Attention, KVCache, Mechanism, Options, causal_mask, register, registry
 
 _discovered = False
 
@@ -24,11 +25,16 @@ def _discover() -> None:
         _discovered = True
 
 
-def get_attention_class(name: str) -> type[Attention]:
+def get_mechanism(name: str) -> Mechanism:
+    """The registered name: its class and preset."""
     _discover()
     if name not in registry:
         raise KeyError(f"attention={name!r} is not a known mechanism; choose one of {sorted(registry)}")
     return registry[name]
+
+
+def get_attention_class(name: str) -> type[Attention]:
+    return get_mechanism(name).cls
 
 
 def available() -> list[str]:
@@ -61,4 +67,5 @@ def select(spec: str | list[str] | tuple[str, ...]) -> list[str]:
     return names
 
 
-__all__ = ["GROUPS", "PAPER", "Attention", "KVCache", "available", "select", "causal_mask", "get_attention_class", "positive_int_options", "register"]
+__all__ = ["GROUPS", "PAPER", "Attention", "KVCache", "Mechanism", "Options", "available", "causal_mask",
+           "get_attention_class", "get_mechanism", "register", "select"]

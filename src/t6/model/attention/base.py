@@ -8,24 +8,71 @@ once (`build_kv_cache`) and the attention writes into it in place at `pos`.
 from __future__ import annotations
 
 import math
-from typing import ClassVar
+from dataclasses import asdict, dataclass, fields
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from t6.model.config import ModelConfig
 
-registry: dict[str, type[Attention]] = {}
+@dataclass
+class Options:
+    """A mechanism's options: subclass it with typed fields and their defaults, the one place
+    they live. Hydra shows them as `attention.options.*` (t6.config stores each registered name's
+    options, presets applied, as the attention group's defaults). `problems` validates them
+    against the model config; int fields must be positive (or None where the type allows it)."""
+
+    def problems(self, cfg: ModelConfig) -> list[str]:
+        out = []
+        for f in fields(self):
+            value, kind = getattr(self, f.name), str(f.type)
+            if value is None and "None" in kind:
+                continue
+            if kind.startswith("int") and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                out.append(f"attention.options.{f.name}={value!r} must be a positive integer")
+        return out
 
 
-def register(*names: str):
-    """Class decorator: make an attention selectable as `attention=<name>`."""
+@dataclass(frozen=True)
+class Mechanism:
+    """A registered name: its class and the options the name fixes (a preset, e.g. mha = GQA
+    with one KV head per query head)."""
+
+    name: str
+    cls: type[Attention]
+    preset: dict[str, Any]
+
+    def default_options(self) -> dict[str, Any]:
+        """Every option with its default for this name (the preset applied)."""
+        return {**asdict(self.cls.Options()), **self.preset}
+
+    def options(self, given: dict[str, Any]) -> tuple[Options | None, list[str]]:
+        """(options, problems) from the options a config gives."""
+        known = {f.name for f in fields(self.cls.Options)}
+        problems = [f"attention.options.{k} is not an option of attention={self.name} (options: {sorted(known)})"
+                    for k in given if k not in known]
+        problems += [f"attention.options.{k}={given[k]!r}: attention={self.name} fixes it to {v!r}"
+                     for k, v in self.preset.items() if k in given and given[k] != v]
+        if problems:
+            return None, problems
+        return self.cls.Options(**{**given, **self.preset}), []
+
+
+registry: dict[str, Mechanism] = {}
+
+
+def register(name: str, **preset: Any):
+    """Class decorator: make an attention selectable as `attention=<name>`, with `preset` fixing
+    some of its options (stack one decorator per name)."""
 
     def wrap(cls: type[Attention]) -> type[Attention]:
-        for name in names:
-            if name in registry and registry[name] is not cls:
-                raise ValueError(f"attention name {name!r} registered twice ({registry[name].__name__}, {cls.__name__})")
-            registry[name] = cls
+        if name in registry and registry[name].cls is not cls:
+            raise ValueError(f"attention name {name!r} registered twice ({registry[name].cls.__name__}, {cls.__name__})")
+        unknown = set(preset) - {f.name for f in fields(cls.Options)}
+        if unknown:
+            raise ValueError(f"attention {name!r}: preset {sorted(unknown)} are not fields of {cls.Options.__name__}")
+        registry[name] = Mechanism(name, cls, dict(preset))
         return cls
 
     return wrap
@@ -102,27 +149,16 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
-def positive_int_options(cfg: ModelConfig, defaults: dict[str, int | None]) -> list[str]:
-    """Problems with mechanism options that must be positive integers (a None default: optional)."""
-    problems = []
-    for name, default in defaults.items():
-        value = cfg.option(name, default)
-        if value is None and default is None:
-            continue
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            problems.append(f"attention.options.{name}={value!r} must be a positive integer")
-    return problems
-
-
 def causal_mask(pos: torch.Tensor, end: int) -> torch.Tensor:
     """Boolean mask [T, end]: query at absolute position pos[i] may see keys 0..pos[i]."""
     return torch.arange(end, device=pos.device)[None, :] <= pos[:, None]
 
 
 class Attention(nn.Module):
-    """Base class. Subclasses set up their projections in __init__ and implement forward/cache_spec."""
+    """Base class. Subclasses declare `Options`, set up their projections in __init__ and
+    implement cache_spec and forward; `init_weights` initializes their own layers."""
 
-    names: ClassVar[tuple[str, ...]] = ()
+    Options: ClassVar[type[Options]] = Options
     # True when the mechanism honours KVCache.key_mask (needed for batched prompts of different lengths).
     supports_key_mask: ClassVar[bool] = False
     # Cached quantities stored head-major ([B, n, max_len, ...], see KVCache).
@@ -131,11 +167,18 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
+        self.opts = cfg.options()  # this mechanism's Options, validated by ModelConfig
 
-    @classmethod
-    def check_config(cls, cfg: ModelConfig) -> list[str]:
-        """Return every problem with cfg for this mechanism (empty when valid)."""
-        return []
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """N(0, init_std) on every projection, ones on norms, zeros on the output projection W_O
+        (so each block starts as the identity). Mechanisms with other needs override this."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=self.cfg.init_std)
+            elif isinstance(module, nn.RMSNorm):
+                nn.init.ones_(module.weight)
+        nn.init.zeros_(self.out.weight)
 
     def cache_spec(self) -> dict[str, tuple[int, ...]]:
         """Per-token shape of each tensor this mechanism caches for decoding."""

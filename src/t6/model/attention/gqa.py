@@ -1,8 +1,8 @@
 """Multi-head, multi-query and grouped-query attention (one class, `n_kv_head` sets the family).
 
-- mha: n_kv_head = n_head (Vaswani et al. 2017)
-- mqa: n_kv_head = 1, one K/V head shared by all query heads (Shazeer 2019)
 - gqa: n_kv_head = G groups of query heads, each sharing a K/V head (Ainslie et al. 2023)
+- mha: the preset n_kv_head = None, one K/V head per query head (Vaswani et al. 2017)
+- mqa: the preset n_kv_head = 1, one K/V head shared by all query heads (Shazeer 2019)
 
 Cached per token and layer: K and V for the KV heads only, 2 * n_kv_head * d_h numbers
 (MHA 2 h d_h, MQA 2 d_h, GQA 2 G d_h; paper Table 1).
@@ -13,21 +13,29 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from t6.model.attention.base import Attention, KVCache, register
+from dataclasses import dataclass
+
+from t6.model.attention.base import Attention, KVCache, Options, register
 from t6.model.config import ModelConfig
 from t6.model.layers import Rotary
 
 
-def kv_heads(cfg: ModelConfig) -> int:
-    if cfg.attention == "mha":
-        return cfg.n_head
-    if cfg.attention == "mqa":
-        return 1
-    return cfg.option("n_kv_head", cfg.n_head)
+@dataclass
+class GQAOptions(Options):
+    n_kv_head: int | None = 2  # G, K/V heads; must divide size.n_head. None: one per query head (MHA)
+
+    def problems(self, cfg: ModelConfig) -> list[str]:
+        problems = super().problems(cfg)
+        if not problems and self.n_kv_head is not None and cfg.n_head % self.n_kv_head:
+            problems.append(f"size.n_head={cfg.n_head} must be divisible by attention.options.n_kv_head={self.n_kv_head}")
+        return problems
 
 
-@register("mha", "mqa", "gqa")
+@register("gqa")
+@register("mha", n_kv_head=None)
+@register("mqa", n_kv_head=1)
 class GroupedQueryAttention(Attention):
+    Options = GQAOptions
     supports_key_mask = True
     # K and V cached [B, h_kv, max_len, d_h]: SDPA reads each head's keys as one contiguous
     # block (a token-major cache read through a strided view decodes ~2x slower on CPU).
@@ -35,22 +43,13 @@ class GroupedQueryAttention(Attention):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
-        h, d, self.n_kv = cfg.n_head, cfg.head_dim, kv_heads(cfg)
+        h, d = cfg.n_head, cfg.head_dim
+        self.n_kv = self.opts.n_kv_head or h  # K/V heads
         self.q = nn.Linear(cfg.d_model, h * d, bias=False)
         self.k = nn.Linear(cfg.d_model, self.n_kv * d, bias=False)
         self.v = nn.Linear(cfg.d_model, self.n_kv * d, bias=False)
         self.out = nn.Linear(h * d, cfg.d_model, bias=False)
-        self.out.is_residual_out = True
         self.rope = Rotary(d, cfg.block_size, cfg.rope_theta)
-
-    @classmethod
-    def check_config(cls, cfg: ModelConfig) -> list[str]:
-        g = kv_heads(cfg)
-        if not isinstance(g, int) or g <= 0:
-            return [f"attention.options.n_kv_head={g!r} must be a positive integer"]
-        if cfg.n_head % g:
-            return [f"size.n_head={cfg.n_head} must be divisible by attention.options.n_kv_head={g}"]
-        return []
 
     def cache_spec(self) -> dict[str, tuple[int, ...]]:
         return {"k": (self.n_kv, self.cfg.head_dim), "v": (self.n_kv, self.cfg.head_dim)}

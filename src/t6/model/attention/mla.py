@@ -18,25 +18,40 @@ scores c_kv directly) and W_UV into the output (attention averages c_kv, W_UV ex
 result), so per-head keys and values are never materialized. Training (no cache) uses the
 explicit up-projections. Both are the same function (tests/test_model.py checks it).
 
-Initialization: N(0, init_std) on every projection, zero W_O (the shared recipe of T6.init_weights).
+Initialization: N(0, init_std) on every projection, zero W_O (`Attention.init_weights`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from t6.model.attention.base import Attention, KVCache, positive_int_options, register
+from t6.model.attention.base import Attention, KVCache, Options, register
 from t6.model.attention.fused_decode import latent_decode
 from t6.model.config import ModelConfig
 from t6.model.layers import Rotary
 
-DEFAULTS = {"q_lora_rank": 512, "kv_lora_rank": 256, "rope_dim": 32, "nope_dim": None, "v_dim": None}
+@dataclass
+class MLAOptions(Options):
+    q_lora_rank: int = 512  # d_cq, the query latent
+    kv_lora_rank: int = 256  # d_c, the cached KV latent
+    rope_dim: int = 32  # d_h^R, the decoupled RoPE width (one key shared by all heads)
+    nope_dim: int | None = None  # per-head no-RoPE query/key width; None: size.head_dim
+    v_dim: int | None = None  # per-head value width; None: size.head_dim
+
+    def problems(self, cfg) -> list[str]:
+        problems = super().problems(cfg)
+        if isinstance(self.rope_dim, int) and self.rope_dim % 2:
+            problems.append(f"attention.options.rope_dim={self.rope_dim} must be even (RoPE rotates pairs)")
+        return problems
 
 
 @register("mla")
 class MultiHeadLatentAttention(Attention):
+    Options = MLAOptions
     supports_key_mask = True
     # Single-token cached steps run the fused operator t6::latent_decode (one pass over the
     # latents, online softmax) when True; False keeps the eager absorbed form; None (default):
@@ -45,11 +60,10 @@ class MultiHeadLatentAttention(Attention):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
-        o = {k: cfg.option(k, v) for k, v in DEFAULTS.items()}
-        h = cfg.n_head
-        self.d_cq, self.d_c, self.d_rope = o["q_lora_rank"], o["kv_lora_rank"], o["rope_dim"]
-        self.d_nope = o["nope_dim"] or cfg.head_dim  # per-head no-RoPE query/key width
-        self.d_v = o["v_dim"] or cfg.head_dim
+        o, h = self.opts, cfg.n_head
+        self.d_cq, self.d_c, self.d_rope = o.q_lora_rank, o.kv_lora_rank, o.rope_dim
+        self.d_nope = o.nope_dim or cfg.head_dim  # per-head no-RoPE query/key width
+        self.d_v = o.v_dim or cfg.head_dim
         self.q_down = nn.Linear(cfg.d_model, self.d_cq, bias=False)  # W_DQ
         self.q_norm = nn.RMSNorm(self.d_cq, eps=cfg.norm_eps)
         self.q_up = nn.Linear(self.d_cq, h * (self.d_nope + self.d_rope), bias=False)  # W_UQ and W_QR
@@ -57,17 +71,8 @@ class MultiHeadLatentAttention(Attention):
         self.kv_norm = nn.RMSNorm(self.d_c, eps=cfg.norm_eps)
         self.kv_up = nn.Linear(self.d_c, h * (self.d_nope + self.d_v), bias=False)  # W_UK and W_UV
         self.out = nn.Linear(h * self.d_v, cfg.d_model, bias=False)
-        self.out.is_residual_out = True
         self.rope = Rotary(self.d_rope, cfg.block_size, cfg.rope_theta)
         self.scale = (self.d_nope + self.d_rope) ** -0.5
-
-    @classmethod
-    def check_config(cls, cfg: ModelConfig) -> list[str]:
-        problems = positive_int_options(cfg, DEFAULTS)
-        rope = cfg.option("rope_dim", DEFAULTS["rope_dim"])
-        if isinstance(rope, int) and rope % 2:
-            problems.append(f"attention.options.rope_dim={rope} must be even (RoPE rotates pairs)")
-        return problems
 
     def cache_spec(self) -> dict[str, tuple[int, ...]]:
         return {"c_kv": (self.d_c,), "k_rope": (self.d_rope,)}

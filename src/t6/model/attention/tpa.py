@@ -6,8 +6,8 @@ A(x_t) in R^{R x h} and a token-dimension factor B(x_t) in R^{R x d_h}, both lin
     Q_t = (1/R_Q) A_Q(x_t)^T B_Q(x_t)   (same for K with R_K, V with R_V)      [h, d_h]
 
 RoPE is applied to B_Q and B_K before the contraction (§3.2, Theorem 1), so keys are
-cached pre-rotated. Defaults R_Q=6, R_K=R_V=2. `tpa_kvonly` keeps a standard query
-projection and factorizes K and V only.
+cached pre-rotated. Defaults R_Q=6, R_K=R_V=2 (`TPAOptions`). `tpa_kvonly` is the preset
+q_rank = None: a standard query projection, K and V factorized.
 
 Cached per token and layer: A_K, B_K, A_V, B_V, that is (R_K + R_V)(h + d_h) numbers
 (paper Table 1), for both `tpa` and `tpa_kvonly`.
@@ -28,18 +28,19 @@ Two ways to attend:
   min(h, d_h), which costs more than scoring it against B_K directly (h R_K d_h), so that
   form is used.
 
-Initialization (following the reference recipe): Xavier-uniform on the factor maps
-W_A and W_B; the output projection W_O is zero-initialized like every residual output.
+Initialization (following the reference recipe, `init_weights`): Xavier-uniform on the
+factor maps W_A and W_B; the output projection W_O is zero-initialized like every residual output.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from t6.model.attention.base import Attention, KVCache, positive_int_options, register
+from t6.model.attention.base import Attention, KVCache, Options, register
 from t6.model.attention.fused_decode import tpa_decode
 from t6.model.config import ModelConfig
 from t6.model.layers import Rotary
@@ -53,8 +54,10 @@ class Factor(nn.Module):
         self.rank, self.n_head, self.head_dim = rank, n_head, head_dim
         self.a = nn.Linear(d_model, rank * n_head, bias=False)
         self.b = nn.Linear(d_model, rank * head_dim, bias=False)
-        for lin in (self.a, self.b):
-            lin.xavier_init = True
+
+    def init_weights(self) -> None:
+        nn.init.xavier_uniform_(self.a.weight)
+        nn.init.xavier_uniform_(self.b.weight)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         B, T, _ = x.shape
@@ -68,8 +71,17 @@ def contract(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.einsum("btrh,btrd->bthd", a, b) / a.shape[2]
 
 
-@register("tpa", "tpa_kvonly")
+@dataclass
+class TPAOptions(Options):
+    q_rank: int | None = 6  # R_Q; None: a standard (unfactorized) query projection
+    k_rank: int = 2  # R_K
+    v_rank: int = 2  # R_V
+
+
+@register("tpa")
+@register("tpa_kvonly", q_rank=None)
 class TensorProductAttention(Attention):
+    Options = TPAOptions
     # Cached calls with at most this many new tokens attend from the factors; longer chunks
     # (and prefill without history) materialize K and V for SDPA.
     factor_decode_max_tokens: int = 16
@@ -83,21 +95,28 @@ class TensorProductAttention(Attention):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         h, d = cfg.n_head, cfg.head_dim
-        self.k_rank, self.v_rank = cfg.option("k_rank", 2), cfg.option("v_rank", 2)
-        self.kv_only = cfg.attention == "tpa_kvonly"
+        self.k_rank, self.v_rank = self.opts.k_rank, self.opts.v_rank
+        self.kv_only = self.opts.q_rank is None
         if self.kv_only:
             self.q = nn.Linear(cfg.d_model, h * d, bias=False)
         else:
-            self.q = Factor(cfg.d_model, cfg.option("q_rank", 6), h, d)
-        self.k = Factor(cfg.d_model, self.k_rank, h, d)
-        self.v = Factor(cfg.d_model, self.v_rank, h, d)
+            self.q = self.factor(cfg.d_model, self.opts.q_rank, h, d)
+        self.k = self.factor(cfg.d_model, self.k_rank, h, d)
+        self.v = self.factor(cfg.d_model, self.v_rank, h, d)
         self.out = nn.Linear(h * d, cfg.d_model, bias=False)
-        self.out.is_residual_out = True
         self.rope = Rotary(d, cfg.block_size, cfg.rope_theta)
 
-    @classmethod
-    def check_config(cls, cfg: ModelConfig) -> list[str]:
-        return positive_int_options(cfg, {"q_rank": 6, "k_rank": 2, "v_rank": 2})
+    def factor(self, d_model: int, rank: int, n_head: int, head_dim: int) -> Factor:
+        """The map from x to one of Q, K, V's factors (variants return their own kind)."""
+        return Factor(d_model, rank, n_head, head_dim)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """N(0, init_std) on a standard query, Xavier-uniform on the factor maps W_A and W_B, zero W_O."""
+        super().init_weights()
+        for module in self.modules():
+            if isinstance(module, Factor):
+                module.init_weights()
 
     def cache_spec(self) -> dict[str, tuple[int, ...]]:
         h, d = self.cfg.n_head, self.cfg.head_dim

@@ -10,7 +10,7 @@
   Cached per token and layer: A_K and A_V, (R_K + R_V) h numbers.
 
 Both keep RoPE on the token-dimension factor, so Theorem 1 (logits depend on relative
-position only) holds. Defaults R_Q=6, R_K=R_V=2 as for `tpa`.
+position only) holds. Ranks and the constant factor: `NonContextualOptions`.
 
 Initialization: Xavier-uniform on the contextual factor maps (as `tpa`) and on the constant
 factors; zero W_O.
@@ -18,18 +18,28 @@ factors; zero W_O.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-from t6.model.attention.base import Attention, KVCache, positive_int_options, register
+from t6.model.attention.base import Attention, KVCache, Options, register
 from t6.model.config import ModelConfig
 from t6.model.layers import Rotary
 
-RANKS = (("q_rank", 6), ("k_rank", 2), ("v_rank", 2))
 
+@dataclass
+class NonContextualOptions(Options):
+    q_rank: int = 6  # R_Q
+    k_rank: int = 2  # R_K
+    v_rank: int = 2  # R_V
+    constant: str = "a"  # the factor that is a learned constant: "a" (head factors) or "b" (token factors)
 
-def check_ranks(cfg: ModelConfig) -> list[str]:
-    return positive_int_options(cfg, dict(RANKS))
+    def problems(self, cfg) -> list[str]:
+        problems = super().problems(cfg)
+        if self.constant not in ("a", "b"):
+            problems.append(f"attention.options.constant={self.constant!r} must be 'a' or 'b'")
+        return problems
 
 
 class ConstantFactor(nn.Module):
@@ -38,7 +48,6 @@ class ConstantFactor(nn.Module):
     def __init__(self, rank: int, n: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(rank, n))
-        nn.init.xavier_uniform_(self.weight)
 
     def forward(self) -> torch.Tensor:
         return self.weight  # [R, n]
@@ -50,30 +59,34 @@ class ContextualMap(nn.Linear):
     def __init__(self, d_model: int, rank: int, n: int):
         super().__init__(d_model, rank * n, bias=False)
         self.rank, self.n = rank, n
-        self.xavier_init = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         return super().forward(x).view(B, T, self.rank, self.n)  # [B, T, R, n]
 
 
-@register("tpa_nc_a", "tpa_nc_b")
+@register("tpa_nc_a", constant="a")
+@register("tpa_nc_b", constant="b")
 class NonContextualTPA(Attention):
+    Options = NonContextualOptions
+
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         h, d = cfg.n_head, cfg.head_dim
-        self.const_a = cfg.attention == "tpa_nc_a"
-        self.ranks = {name[0]: cfg.option(name, default) for name, default in RANKS}  # {"q": R_Q, "k": R_K, "v": R_V}
+        self.const_a = self.opts.constant == "a"
+        self.ranks = {"q": self.opts.q_rank, "k": self.opts.k_rank, "v": self.opts.v_rank}
         const_n, ctx_n = (h, d) if self.const_a else (d, h)
         self.const = nn.ModuleDict({n: ConstantFactor(r, const_n) for n, r in self.ranks.items()})
         self.ctx = nn.ModuleDict({n: ContextualMap(cfg.d_model, r, ctx_n) for n, r in self.ranks.items()})
         self.out = nn.Linear(h * d, cfg.d_model, bias=False)
-        self.out.is_residual_out = True
         self.rope = Rotary(d, cfg.block_size, cfg.rope_theta)
 
-    @classmethod
-    def check_config(cls, cfg: ModelConfig) -> list[str]:
-        return check_ranks(cfg)
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Xavier-uniform on the contextual factor maps and the constant factors, zero W_O."""
+        super().init_weights()
+        for module in (*self.const.values(), *self.ctx.values()):
+            nn.init.xavier_uniform_(module.weight)
 
     def cache_spec(self) -> dict[str, tuple[int, ...]]:
         n = self.cfg.head_dim if self.const_a else self.cfg.n_head

@@ -6,7 +6,7 @@
 - tpa_softmax: sigma = softmax over the h heads, each rank component distributes one unit
   of weight across heads ("mixture of heads").
 
-Everything else is `tpa`: the same factor maps, ranks (R_Q=6, R_K=R_V=2), RoPE on B_Q and
+Everything else is `tpa`: the same factor maps, ranks (`TPAOptions`), RoPE on B_Q and
 B_K (Theorem 1 still holds, the nonlinearity acts on the head factor only) and forward.
 Cached per token and layer: the activated A_K, A_V and B_K, B_V, (R_K + R_V)(h + d_h)
 numbers, as `tpa`. Same parameters as `tpa`, so the same head counts.
@@ -16,13 +16,25 @@ Initialization: Xavier-uniform factor maps, zero W_O (as `tpa`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from t6.model.attention.base import register
-from t6.model.attention.tpa import Factor, TensorProductAttention
-from t6.model.config import ModelConfig
+from t6.model.attention.tpa import Factor, TensorProductAttention, TPAOptions
 
-ACTIVATIONS = {"tpa_sigmoid": torch.sigmoid, "tpa_softmax": lambda a: a.softmax(dim=-1)}  # a: [B, T, R, h]
+ACTIVATIONS = {"sigmoid": torch.sigmoid, "softmax": lambda a: a.softmax(dim=-1)}  # a: [B, T, R, h]
+
+
+@dataclass
+class NonlinearTPAOptions(TPAOptions):
+    activation: str = "sigmoid"  # sigma on the head factors: sigmoid or softmax (over the heads)
+
+    def problems(self, cfg) -> list[str]:
+        problems = super().problems(cfg)
+        if self.activation not in ACTIVATIONS:
+            problems.append(f"attention.options.activation={self.activation!r} must be one of {sorted(ACTIVATIONS)}")
+        return problems
 
 
 class ActivatedFactor(Factor):
@@ -37,11 +49,10 @@ class ActivatedFactor(Factor):
         return self.activation(a), b
 
 
-@register(*ACTIVATIONS)
+@register("tpa_sigmoid", activation="sigmoid")
+@register("tpa_softmax", activation="softmax")
 class NonlinearHeadTPA(TensorProductAttention):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg)
-        act, h, d = ACTIVATIONS[cfg.attention], cfg.n_head, cfg.head_dim
-        self.q = ActivatedFactor(cfg.d_model, cfg.option("q_rank", 6), h, d, act)
-        self.k = ActivatedFactor(cfg.d_model, self.k_rank, h, d, act)
-        self.v = ActivatedFactor(cfg.d_model, self.v_rank, h, d, act)
+    Options = NonlinearTPAOptions
+
+    def factor(self, d_model: int, rank: int, n_head: int, head_dim: int) -> ActivatedFactor:
+        return ActivatedFactor(d_model, rank, n_head, head_dim, ACTIVATIONS[self.opts.activation])

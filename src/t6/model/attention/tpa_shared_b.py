@@ -15,34 +15,45 @@ Initialization: Xavier-uniform factor maps, zero W_O (as `tpa`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-from t6.model.attention.base import Attention, KVCache, positive_int_options, register
+from t6.model.attention.base import Attention, KVCache, Options, register
 from t6.model.attention.tpa import Factor, contract
 from t6.model.config import ModelConfig
 from t6.model.layers import Rotary
 
 
+@dataclass
+class SharedBOptions(Options):
+    q_rank: int = 6  # R_Q
+    kv_rank: int = 2  # R, the rank of K and of V
+
+
 @register("tpa_shared_b")
 class SharedBTPA(Attention):
+    Options = SharedBOptions
+
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         h, d = cfg.n_head, cfg.head_dim
-        self.rank = cfg.option("kv_rank", 2)
-        self.q = Factor(cfg.d_model, cfg.option("q_rank", 6), h, d)
+        self.rank = self.opts.kv_rank
+        self.q = Factor(cfg.d_model, self.opts.q_rank, h, d)
         self.a_k = nn.Linear(cfg.d_model, self.rank * h, bias=False)
         self.a_v = nn.Linear(cfg.d_model, self.rank * h, bias=False)
         self.b = nn.Linear(cfg.d_model, self.rank * d, bias=False)
-        for lin in (self.a_k, self.a_v, self.b):
-            lin.xavier_init = True
         self.out = nn.Linear(h * d, cfg.d_model, bias=False)
-        self.out.is_residual_out = True
         self.rope = Rotary(d, cfg.block_size, cfg.rope_theta)
 
-    @classmethod
-    def check_config(cls, cfg: ModelConfig) -> list[str]:
-        return positive_int_options(cfg, {"q_rank": 6, "kv_rank": 2})
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Xavier-uniform on every factor map, zero W_O (as `tpa`)."""
+        super().init_weights()
+        self.q.init_weights()
+        for lin in (self.a_k, self.a_v, self.b):
+            nn.init.xavier_uniform_(lin.weight)
 
     def cache_spec(self) -> dict[str, tuple[int, ...]]:
         h, d = self.cfg.n_head, self.cfg.head_dim

@@ -18,14 +18,29 @@ Initialization: Xavier-uniform factor maps, zero W_O (as `tpa`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-from t6.model.attention.base import Attention, KVCache, positive_int_options, register
+from t6.model.attention.base import Attention, KVCache, Options, register
 from t6.model.config import ModelConfig
 from t6.model.layers import Rotary
 
-RANKS = (("q_rank", 6), ("k_rank", 2), ("v_rank", 2))
+
+@dataclass
+class ThirdOrderOptions(Options):
+    q_rank: int = 6  # R_Q
+    k_rank: int = 2  # R_K
+    v_rank: int = 2  # R_V
+    c_dim: int = 4  # d_c; d_b = head_dim / c_dim
+
+    def problems(self, cfg: ModelConfig) -> list[str]:
+        problems = super().problems(cfg)
+        c = self.c_dim
+        if not problems and (cfg.head_dim % c or (cfg.head_dim // c) % 2):
+            problems.append(f"attention.options.c_dim={c} must divide size.head_dim={cfg.head_dim} into an even d_b (RoPE on b)")
+        return problems
 
 
 class Factor3(nn.Module):
@@ -35,8 +50,6 @@ class Factor3(nn.Module):
         super().__init__()
         self.rank, self.dims = rank, dims
         self.maps = nn.ModuleList(nn.Linear(d_model, rank * n, bias=False) for n in dims)
-        for lin in self.maps:
-            lin.xavier_init = True
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         B, T, _ = x.shape
@@ -51,28 +64,27 @@ def contract3(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor
 
 @register("tpa_third_order")
 class ThirdOrderTPA(Attention):
+    Options = ThirdOrderOptions
+
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         h = cfg.n_head
-        self.d_c = cfg.option("c_dim", 4)
+        self.d_c = self.opts.c_dim
         self.d_b = cfg.head_dim // self.d_c
-        self.ranks = {name[0]: cfg.option(name, default) for name, default in RANKS}  # {"q": R_Q, "k": R_K, "v": R_V}
+        self.ranks = {"q": self.opts.q_rank, "k": self.opts.k_rank, "v": self.opts.v_rank}
         self.q = Factor3(cfg.d_model, self.ranks["q"], (h, self.d_b, self.d_c))
         self.k = Factor3(cfg.d_model, self.ranks["k"], (h, self.d_b, self.d_c))
         self.v = Factor3(cfg.d_model, self.ranks["v"], (h, self.d_b, self.d_c))
         self.out = nn.Linear(h * cfg.head_dim, cfg.d_model, bias=False)
-        self.out.is_residual_out = True
         self.rope = Rotary(self.d_b, cfg.block_size, cfg.rope_theta)
 
-    @classmethod
-    def check_config(cls, cfg: ModelConfig) -> list[str]:
-        problems = positive_int_options(cfg, {**dict(RANKS), "c_dim": 4})
-        c = cfg.option("c_dim", 4)
-        if isinstance(c, int) and c > 0 and (cfg.head_dim % c or (cfg.head_dim // c) % 2):
-            problems.append(
-                f"attention.options.c_dim={c} must divide size.head_dim={cfg.head_dim} into an even d_b (RoPE on b)"
-            )
-        return problems
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Xavier-uniform on the factor maps, zero W_O (as `tpa`)."""
+        super().init_weights()
+        for factor in (self.q, self.k, self.v):
+            for lin in factor.maps:
+                nn.init.xavier_uniform_(lin.weight)
 
     def cache_spec(self) -> dict[str, tuple[int, ...]]:
         h = self.cfg.n_head

@@ -3,10 +3,12 @@ padded, sampled), the checkpoint-to-text path, and the benchmarks' config buildi
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
-from t6.bench.common import FALLBACK_OPTIONS, attention_yaml, conf_dir, model_configs
+from t6.bench.common import compose, model_config_of, model_configs
 from t6.data.tokenizer import EOT
 from t6.generate import generate_text, load_model, run
 from t6.summary import summarize
@@ -19,11 +21,10 @@ NAMES = available()  # every registered mechanism, with or without a conf/attent
 TPA = [n for n in ("tpa", "tpa_kvonly") if n in NAMES]
 
 
+@functools.cache
 def options(name: str) -> dict:
-    path = conf_dir() / "attention" / f"{name}.yaml"
-    if path.exists():
-        return attention_yaml(path, "tiny").get("options") or {}
-    return FALLBACK_OPTIONS.get(name, {})
+    """The mechanism's options at size tiny, as the benchmarks build them (its YAML, or the fallback)."""
+    return model_config_of(name, "tiny").attention_options
 
 
 def tiny(name: str, seed: int = 0, n_head: int = 4, **kw) -> T6:
@@ -188,13 +189,8 @@ def test_generate_entry_loads_a_checkpoint_and_prints_text(tmp_path):
         assert k == k2 and torch.equal(v, v2)
     texts = generate_text(loaded, ["ROMEO:", "First Citizen:\nWe are"], 5, temperature=0)
     assert texts[0].startswith("ROMEO:") and texts[1].startswith("First Citizen:\nWe are") and len(texts) == 2
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-        gen_cfg = compose("generate", overrides=[f"ckpt_path={tmp_path / 'last.ckpt'}", "max_new_tokens=4",
-                                                 "temperature=0", "prompt=[ROMEO:,JULIET:]"])
+    gen_cfg = compose("generate", [f"ckpt_path={tmp_path / 'last.ckpt'}", "max_new_tokens=4", "temperature=0",
+                                   "prompt=[ROMEO:,JULIET:]"])
     assert run(gen_cfg)[:1] == generate_text(loaded, ["ROMEO:"], 4, temperature=0)
     with pytest.raises(FileNotFoundError, match="ckpt_path="):
         load_model(tmp_path / "missing.ckpt")
@@ -204,12 +200,11 @@ def test_generate_entry_loads_a_checkpoint_and_prints_text(tmp_path):
     assert EOT == 50256
 
 
-def test_benchmark_configs_are_parameter_matched_and_skip_unknown_names(capsys):
-    configs = model_configs(["mha", "mqa", "gqa", "tpa", "no_such_attention"], "medium")
-    assert "skipped no_such_attention" in capsys.readouterr().out
-    heads = {name: cfg.n_head for name, cfg in configs.items()}
-    assert heads["mha"] == 16 and heads["tpa"] == 47
-    assert heads.get("mqa", 31) == 31 and heads.get("gqa", 30) == 30
+def test_benchmark_configs_are_parameter_matched_and_reject_unknown_names():
+    configs = model_configs(["mha", "mqa", "gqa", "tpa"], "medium")
+    assert {name: cfg.n_head for name, cfg in configs.items()} == {"mha": 16, "mqa": 31, "gqa": 30, "tpa": 47}
+    with pytest.raises(KeyError, match="no_such_attention"):
+        model_configs(["mha", "no_such_attention"], "medium")
 
 
 def test_benchmarks_run_and_write_their_records(tmp_path):
@@ -217,7 +212,7 @@ def test_benchmarks_run_and_write_their_records(tmp_path):
 
     from t6.bench import decode, kv_memory, prefill
 
-    names = "mha,tpa,no_such_attention"
+    names = "mha,tpa"
     decode.main(["--attentions", names, "--size", "tiny", "--contexts", "32,64", "--steps", "1", "--rounds", "1",
                  "--warmup", "1", "--json", str(tmp_path / "decode.json")])
     kv_memory.main(["--attentions", names, "--sizes", "tiny", "--json", str(tmp_path / "kv.json")])

@@ -3,9 +3,9 @@ dtypes, devices, timing, tables and JSON.
 
 A mechanism's config is conf/attention/NAME.yaml x conf/size/SIZE.yaml composed by Hydra, as
 training composes it (`heads.<size>` gives the parameter-matched head count). A registered
-mechanism without that file still runs: its options fall back to FALLBACK_OPTIONS and its head
-count is the one whose attention layer has the parameter count closest to MHA's at that width
-(for medium width: MQA 31, GQA 30 with 2 KV heads, TPA 47, TPA-KVonly 29).
+mechanism without that file still runs, with its default options and the head count whose
+attention layer has the parameter count closest to MHA's at that width (for medium width, as the
+YAMLs' head counts: MQA 31, GQA 30 with 2 KV heads, TPA 47, TPA-KVonly 29).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from t6.model import ModelConfig
 from t6.model.attention import get_attention_class, select
 from t6.model.facts import kv_bytes_per_token
 
-FALLBACK_OPTIONS: dict[str, dict] = {"gqa": {"n_kv_head": 2}}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -82,9 +81,9 @@ def model_config_of(name: str, size: str, overrides: list[str] | tuple[str, ...]
     """The ModelConfig of mechanism `name` at `size` (Hydra overrides such as size.n_layer=2 apply)."""
     check_size(size)
     get_attention_class(name)  # KeyError naming the registered mechanisms
-    if not (conf_dir() / "attention" / f"{name}.yaml").exists():  # registered, no YAML: the fallback
+    if not (conf_dir() / "attention" / f"{name}.yaml").exists():  # registered, no YAML: default options
         width = model_config(compose("summary", ["attention=mha", f"size={size}", *overrides]))
-        base = dataclasses.replace(width, attention=name, attention_options=FALLBACK_OPTIONS.get(name, {}))
+        base = dataclasses.replace(width, attention=name, attention_options={})
         return dataclasses.replace(base, n_head=matched_heads(base))
     return model_config(compose("summary", [f"attention={name}", f"size={size}", *overrides]))
 

@@ -3,10 +3,11 @@ padded, sampled), the checkpoint-to-text path, and the benchmarks' config buildi
 
 from __future__ import annotations
 
+
 import pytest
 import torch
 
-from t6.bench.common import model_configs
+from t6.bench.common import compose, model_configs
 from t6.data.tokenizer import EOT
 from t6.generate import generate_text, run
 from t6.model import T6, ModelConfig
@@ -16,7 +17,6 @@ from t6.model.load import load_model
 from t6.model.t6 import left_pad
 from t6.summary import summarize
 
-from conftest import CONF
 
 
 NAMES = available()  # every registered mechanism
@@ -170,13 +170,8 @@ def test_generate_entry_loads_a_checkpoint_and_prints_text(tmp_path):
         assert k == k2 and torch.equal(v, v2)
     texts = generate_text(loaded, ["ROMEO:", "First Citizen:\nWe are"], 5, temperature=0)
     assert texts[0].startswith("ROMEO:") and texts[1].startswith("First Citizen:\nWe are") and len(texts) == 2
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        gen_cfg = compose("generate", overrides=[f"ckpt_path={tmp_path / 'last.ckpt'}", "max_new_tokens=4",
-                                                 "temperature=0", "prompt=[ROMEO:,JULIET:]"])
+    gen_cfg = compose("generate", [f"ckpt_path={tmp_path / 'last.ckpt'}", "max_new_tokens=4", "temperature=0",
+                                   "prompt=[ROMEO:,JULIET:]"])
     assert run(gen_cfg)[:1] == generate_text(loaded, ["ROMEO:"], 4, temperature=0)
     with pytest.raises(FileNotFoundError, match="ckpt_path="):
         load_model(tmp_path / "missing.ckpt")
@@ -186,10 +181,11 @@ def test_generate_entry_loads_a_checkpoint_and_prints_text(tmp_path):
     assert EOT == 50256
 
 
-def test_benchmark_configs_are_parameter_matched_and_skip_unknown_names(capsys):
-    configs = model_configs(["mha", "mqa", "gqa", "tpa", "no_such_attention"], "medium")
-    assert "skipped no_such_attention" in capsys.readouterr().out
+def test_benchmark_configs_are_parameter_matched_and_reject_unknown_names():
+    configs = model_configs(["mha", "mqa", "gqa", "tpa"], "medium")
     assert {name: cfg.n_head for name, cfg in configs.items()} == {"mha": 16, "mqa": 31, "gqa": 30, "tpa": 47}
+    with pytest.raises(KeyError, match="no_such_attention"):
+        model_configs(["mha", "no_such_attention"], "medium")
 
 
 def test_benchmarks_run_and_write_their_records(tmp_path):
@@ -197,7 +193,7 @@ def test_benchmarks_run_and_write_their_records(tmp_path):
 
     from t6.bench import decode, kv_memory, prefill
 
-    names = "mha,tpa,no_such_attention"
+    names = "mha,tpa"
     decode.main(["--attentions", names, "--size", "tiny", "--contexts", "32,64", "--steps", "1", "--rounds", "1",
                  "--warmup", "1", "--json", str(tmp_path / "decode.json")])
     kv_memory.main(["--attentions", names, "--sizes", "tiny", "--json", str(tmp_path / "kv.json")])

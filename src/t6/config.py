@@ -4,6 +4,7 @@ config into the plain dataclasses the model uses. Nothing under t6.model imports
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import fields
 from pathlib import Path
 
@@ -93,3 +94,19 @@ def flatten(cfg: dict, prefix: str = "") -> dict[str, object]:
             flat[name] = value
     return flat
 
+
+def project_root() -> Path:
+    return Path(os.environ.get("T6_ROOT", ".")).resolve()
+
+
+def conf_dir() -> Path:
+    """The project's conf/, for Hydra's compose API: beside src/ in a checkout (or an editable
+    install), else under the project root (T6_ROOT, default the working directory)."""
+    checkout = Path(__file__).resolve().parents[2] / "conf"  # src/t6/config.py -> repo root
+    if checkout.is_dir():
+        return checkout
+    here = project_root() / "conf"
+    if here.is_dir():
+        return here
+    raise FileNotFoundError(f"no conf/ directory at {checkout} or {here}; run from the project's checkout "
+                            "or set T6_ROOT to the directory that holds conf/")

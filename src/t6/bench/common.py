@@ -1,15 +1,17 @@
-"""Shared pieces of the benchmarks: building parameter-matched configs by attention name,
-timing, tables and JSON.
+"""The benchmarks' one harness: which mechanisms (`--attentions`), their parameter-matched configs,
+dtypes, devices, timing, tables and JSON.
 
-Head counts and options come from conf/attention/NAME.yaml (`heads.<size>`, `options`) when
-that file exists; otherwise the options fall back to FALLBACK_OPTIONS and the head count is
-the one whose attention layer has the parameter count closest to MHA's at that width (for
-medium width: MQA 31, GQA 30 with 2 KV heads, TPA 47, TPA-KVonly 29).
+A mechanism's config is conf/attention/NAME.yaml x conf/size/SIZE.yaml composed by Hydra, as
+training composes it (`heads.<size>` gives the parameter-matched head count). A registered
+mechanism without that file still runs, with its default options and the head count whose
+attention layer has the parameter count closest to MHA's at that width (for medium width, as the
+YAMLs' head counts: MQA 31, GQA 30 with 2 KV heads, TPA 47, TPA-KVonly 29).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -17,26 +19,32 @@ import time
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, open_dict
 
+from t6.config import conf_dir, model_config
 from t6.model import ModelConfig
-from t6.model.attention import available, get_attention_class
+from t6.model.attention import get_attention_class, select
+from t6.model.facts import kv_bytes_per_token
 
-DEFAULT_ATTENTIONS = ("mha", "gqa", "mqa", "mla", "tpa_kvonly", "tpa")
-FALLBACK_OPTIONS: dict[str, dict] = {"gqa": {"n_kv_head": 2}}
-
-
-def conf_dir() -> Path:
-    root = os.environ.get("T6_ROOT")
-    return (Path(root) if root else Path(__file__).resolve().parents[3]) / "conf"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def size_config(size: str) -> dict:
-    path = conf_dir() / "size" / f"{size}.yaml"
-    if not path.exists():
-        raise ValueError(f"--size {size}: no {path}; choose one of {sorted(p.stem for p in path.parent.glob('*.yaml'))}")
-    cfg = OmegaConf.load(path)
-    return {k: cfg[k] for k in ("n_layer", "d_model", "head_dim", "vocab_size", "block_size")}
+def compose(config_name: str, overrides: list[str] | tuple[str, ...] = (), runtime: bool = False) -> DictConfig:
+    """conf/<config_name>.yaml composed with Hydra overrides. runtime: as under @hydra.main (the
+    Hydra config set, so ${hydra:...} resolves, and no `hydra` node in the job's config)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = hydra_compose(config_name=config_name, overrides=list(overrides), return_hydra_config=runtime)
+    if runtime:
+        HydraConfig.instance().set_config(cfg)
+        with open_dict(cfg):
+            del cfg["hydra"]
+    return cfg
 
 
 def attention_params(cfg: ModelConfig) -> int:
@@ -46,13 +54,15 @@ def attention_params(cfg: ModelConfig) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def matched_heads(name: str, options: dict, base: dict) -> int:
-    """The head count whose attention layer has the parameter count closest to MHA's (h = d_model / d_h)."""
-    target = attention_params(ModelConfig(attention="mha", n_head=base["d_model"] // base["head_dim"], **base))
+def matched_heads(base: ModelConfig) -> int:
+    """The head count whose attention layer (base's mechanism and options) has the parameter count
+    closest to MHA's at base's width (h = d_model / d_h)."""
+    mha = dataclasses.replace(base, attention="mha", attention_options={}, n_head=base.d_model // base.head_dim)
+    target = attention_params(mha)
     best = None
-    for h in range(1, 4 * base["d_model"] // base["head_dim"] + 1):
+    for h in range(1, 4 * base.d_model // base.head_dim + 1):
         try:
-            cfg = ModelConfig(attention=name, attention_options=options, n_head=h, **base)
+            cfg = dataclasses.replace(base, n_head=h)
         except ValueError:  # e.g. h not divisible by the KV groups
             continue
         gap = abs(attention_params(cfg) - target)
@@ -61,42 +71,40 @@ def matched_heads(name: str, options: dict, base: dict) -> int:
     return best[1]
 
 
-def attention_yaml(path: Path, size: str) -> dict:
-    """conf/attention/NAME.yaml resolved as composed with size=`size` (options may depend on the size)."""
-    cfg = OmegaConf.create({"size": {"name": size}, "attention": OmegaConf.load(path)})
-    return OmegaConf.to_container(cfg, resolve=True)["attention"]
+def check_size(size: str) -> None:
+    sizes = sorted(p.stem for p in (conf_dir() / "size").glob("*.yaml"))
+    if size not in sizes:
+        raise ValueError(f"size {size!r}: no conf/size/{size}.yaml; choose one of {sizes}")
 
 
-def model_configs(names: list[str], size: str, block_size: int | None = None, **overrides) -> dict[str, ModelConfig]:
-    """name -> ModelConfig at the given size; names that are not registered are skipped with a message."""
-    base = size_config(size)
-    base.update(overrides)
+def model_config_of(name: str, size: str, overrides: list[str] | tuple[str, ...] = ()) -> ModelConfig:
+    """The ModelConfig of mechanism `name` at `size` (Hydra overrides such as size.n_layer=2 apply)."""
+    check_size(size)
+    get_attention_class(name)  # KeyError naming the registered mechanisms
+    if not (conf_dir() / "attention" / f"{name}.yaml").exists():  # registered, no YAML: default options
+        width = model_config(compose("summary", ["attention=mha", f"size={size}", *overrides]))
+        base = dataclasses.replace(width, attention=name, attention_options={})
+        return dataclasses.replace(base, n_head=matched_heads(base))
+    return model_config(compose("summary", [f"attention={name}", f"size={size}", *overrides]))
+
+
+def model_configs(names: list[str], size: str, block_size: int | None = None,
+                  overrides: list[str] | tuple[str, ...] = ()) -> dict[str, ModelConfig]:
+    """name -> ModelConfig at the given size, block_size replaced when given."""
+    configs = {name: model_config_of(name, size, overrides) for name in names}
     if block_size is not None:
-        base["block_size"] = block_size
-    registered = set(available())
-    configs = {}
-    for name in names:
-        if name not in registered:
-            print(f"skipped {name}: not a registered attention (registered: {', '.join(sorted(registered))})")
-            continue
-        path = conf_dir() / "attention" / f"{name}.yaml"
-        yaml = attention_yaml(path, size) if path.exists() else {}
-        options = yaml.get("options") or FALLBACK_OPTIONS.get(name, {})
-        heads = (yaml.get("heads") or {}).get(size)
-        if heads is None:
-            heads = matched_heads(name, options, base)
-        configs[name] = ModelConfig(attention=name, attention_options=options, n_head=heads, **base)
+        configs = {name: dataclasses.replace(cfg, block_size=block_size) for name, cfg in configs.items()}
     return configs
 
 
-def cache_bytes_per_token(module, dtype: torch.dtype) -> int:
-    """Bytes per token of the cache the attention really allocates (one token, batch one)."""
-    return module.build_kv_cache(1, 1, dtype, "cpu").nbytes()
+def layer_kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes per token one layer's cache holds (t6.model.facts for a one-layer model)."""
+    return kv_bytes_per_token(dataclasses.replace(cfg, n_layer=1), dtype)
 
 
-def time_call(fn, steps: int, device: str) -> float:
-    """Seconds per call of fn, averaged over `steps` calls."""
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+def time_call(fn, steps: int, device: str | torch.device) -> float:
+    """Seconds per call of fn, averaged over `steps` calls (CUDA synchronized before and after)."""
+    sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
     sync()
     start = time.perf_counter()
     for _ in range(steps):
@@ -109,19 +117,53 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
+def ratios_to_mha(records: list[dict], key: str, out: str) -> None:
+    """records[out] = record[key] / MHA's record[key] (None when MHA was not measured)."""
+    mha = next((r for r in records if r["attention"] == "mha"), None)
+    for r in records:
+        r[out] = r[key] / mha[key] if mha else None
+
+
 def ints(text: str) -> list[int]:
     """"1k,2k,16384" -> [1024, 2048, 16384]."""
     return [int(v[:-1]) * 1024 if v.lower().endswith("k") else int(v) for v in text.split(",") if v]
 
 
-def common_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--attentions", default=",".join(DEFAULT_ATTENTIONS),
-                        help="comma-separated attention names (unregistered ones are skipped)")
-    parser.add_argument("--size", default="medium", help="model width from conf/size/NAME.yaml")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+def attention_names(spec: str) -> list[str]:
+    """--attentions: names, `paper` (the paper's six) and `all` (every registered), comma-separated."""
+    try:
+        return select(spec)
+    except (KeyError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e).strip("'\"")) from None
+
+
+def resolve_device(name: str) -> str:
+    """`auto`: cuda when available, else cpu; any other name as given."""
+    return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
+
+
+def attention_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--attentions", type=attention_names, default="paper",
+                        help="mechanism names, `paper` (the paper's six) and `all` (every registered), comma-separated")
+
+
+def common_args(parser: argparse.ArgumentParser, size: str = "medium", device: str = "cpu",
+                dtype: str = "float32") -> None:
+    """--attentions, --size, --device, --dtype, --threads, --json (defaults per benchmark)."""
+    attention_args(parser)
+    parser.add_argument("--size", default=size, help="model width from conf/size/NAME.yaml")
+    parser.add_argument("--device", type=resolve_device, default=device, help="auto, cpu, cuda, cuda:1, ...")
+    parser.add_argument("--dtype", default=dtype, choices=sorted(DTYPES))
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     parser.add_argument("--json", type=Path, default=None, help="write the records to this JSON file")
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """parser's arguments, with --threads applied."""
+    args = parser.parse_args(argv)
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
+    return args
 
 
 def layer_args(parser: argparse.ArgumentParser, contexts: str, contexts_help: str) -> None:

@@ -1,6 +1,6 @@
 """Decode speed: tokens/s of single-token decoding against a KV cache filled to each context length.
 
-    python -m t6.bench.decode --attentions mha,gqa,mqa,mla,tpa_kvonly,tpa --size medium \\
+    python -m t6.bench.decode --attentions paper --size medium \\
         --contexts 1k,2k,4k,8k,16k,32k --json results/decode.json
 
 What is measured (default `--scope attention`): one attention layer of the chosen width with
@@ -22,8 +22,8 @@ import dataclasses
 
 import torch
 
-from t6.bench.common import (cache_bytes_per_token, common_args, environment, ints, layer_args, median, model_configs,
-                             table, time_call, write_json)
+from t6.bench.common import (DTYPES, common_args, environment, ints, layer_args, layer_kv_bytes_per_token, median,
+                             model_configs, parse, ratios_to_mha, table, time_call, write_json)
 from t6.model.t6 import Block
 
 def flops_per_cached_token(cfg) -> int:
@@ -105,7 +105,7 @@ def measure(configs: dict, contexts: list[int], *, batch: int = 1, scope: str = 
             "n_head": cfg.n_head,
             "options": cfg.attention_options,
             "layer_params": sum(p.numel() for p in attn.parameters()),
-            "kv_cache_bytes_per_token": cache_bytes_per_token(attn, dtype),
+            "kv_cache_bytes_per_token": layer_kv_bytes_per_token(cfg, dtype),
             "flops_per_cached_token": flops_per_cached_token(cfg),
         }
     records = []
@@ -119,36 +119,36 @@ def measure(configs: dict, contexts: list[int], *, batch: int = 1, scope: str = 
             for _ in range(rounds):
                 for name, layer in layers.items():
                     seconds[name].append(time_call(lambda: layer(x, pos, caches[name]), steps, device))
+        rows = []
         for name in layers:
             s = median(seconds[name])
-            records.append({"attention": name, "context": context, "batch": batch, "ms_per_token": 1e3 * s,
-                            "tokens_per_s": batch / s, **info[name]})
-        base = {r["attention"]: r["tokens_per_s"] for r in records if r["context"] == context}
-        for r in records:
-            if r["context"] == context:
-                r["speed_vs_mha"] = r["tokens_per_s"] / base["mha"] if "mha" in base else None
+            rows.append({"attention": name, "context": context, "batch": batch, "ms_per_token": 1e3 * s,
+                         "tokens_per_s": batch / s, **info[name]})
+        ratios_to_mha(rows, "tokens_per_s", "speed_vs_mha")
         if verbose:
-            print(table([r for r in records if r["context"] == context], COLUMNS), flush=True)
+            print(table(rows, COLUMNS), flush=True)
             print()
+        records += rows
     return records
 
 
 def run(args) -> dict:
     contexts = ints(args.contexts)
-    configs = model_configs(args.attentions.split(","), args.size, block_size=max(contexts) + 1)
+    configs = model_configs(args.attentions, args.size, block_size=max(contexts) + 1)
     if args.bandwidth_gbs and args.peak_tflops:
         bw, peak = args.bandwidth_gbs, 1e3 * args.peak_tflops
     elif args.device == "cpu":
         bw, peak = machine_limits()
     else:
-        raise ValueError("--bandwidth-gbs and --peak-tflops are required off the CPU (the device's memory bandwidth and peak)")
+        raise ValueError("--bandwidth-gbs and --peak-tflops are required off the CPU "
+                         "(the device's memory bandwidth and peak)")
     print(f"limits: {bw:.1f} GB/s copy bandwidth, {peak:.1f} GFLOP/s fp32 matmul")
     records = measure(configs, contexts, batch=args.batch, scope=args.scope, device=args.device,
-                      dtype=getattr(torch, args.dtype), steps=args.steps, rounds=args.rounds, warmup=args.warmup)
+                      dtype=DTYPES[args.dtype], steps=args.steps, rounds=args.rounds, warmup=args.warmup)
     add_roofline(records, bw, peak)
     print(table(records, COLUMNS + ROOFLINE))
-    return {"benchmark": "decode", "bandwidth_gbs": bw, "peak_gflops": peak, "scope": args.scope, "size": args.size, "dtype": args.dtype,
-            "environment": environment(args.device), "records": records}
+    return {"benchmark": "decode", "bandwidth_gbs": bw, "peak_gflops": peak, "scope": args.scope, "size": args.size,
+            "dtype": args.dtype, "environment": environment(args.device), "records": records}
 
 
 COLUMNS = [("attention", "attention", ""), ("context", "context", "d"), ("n_head", "heads", "d"),
@@ -180,10 +180,9 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the median is reported")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--bandwidth-gbs", type=float, default=None, help="memory bandwidth (default: measured, CPU)")
-    parser.add_argument("--peak-tflops", type=float, default=None, help="peak FLOP/s in TFLOP/s (default: measured fp32, CPU)")
-    args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="peak FLOP/s in TFLOP/s (default: measured fp32, CPU)")
+    args = parse(parser, argv)
     result = run(args)
     print(summary(result["records"]))
     write_json(args.json, result)

@@ -20,7 +20,7 @@ from t6.evaluation.adapter import T6LM
 from t6.evaluation.next_line import build_next_line_task
 from t6.model import T6
 
-CONF = Path(__file__).resolve().parents[3] / "conf"
+CONF = t6.config.conf_dir()
 
 
 def model_for(size: str, attention: str) -> T6:

@@ -15,25 +15,18 @@ import time
 from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
-from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import open_dict
 
+from t6.bench.common import compose
 from t6.config import model_config
 from t6.model import T6
 from t6.optim import param_groups
 
 
-CONF = Path(__file__).resolve().parents[3] / "conf"  # the project's conf/ (src/t6/bench/ -> repo root)
-
-
 def _config(overrides: list[str]):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
-    HydraConfig.instance().set_config(cfg)
+    cfg = compose("train", overrides, runtime=True)
     with open_dict(cfg):
-        del cfg["hydra"]
         cfg.paths.output_dir = str(Path(cfg.paths.log_dir) / "bench")
     return cfg
 

@@ -20,20 +20,20 @@ from pathlib import Path
 
 import torch
 
-from t6.bench.common import environment, table, write_json
-from t6.bench.train_step import bench_one, chunk_tokens, model_cfg
+from t6.bench.common import DTYPES, environment, model_config_of, resolve_device, table, write_json
+from t6.bench.train_step import bench_one, chunk_tokens
 
 
 def measure(args: argparse.Namespace, chunk: int | None) -> dict:
     """One setting, in this process: median step time and peak memory."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
-    mcfg = model_cfg(args.attention, args.size, args.override)
+    device = torch.device(resolve_device(args.device))
+    mcfg = model_config_of(args.attention, args.size, args.override)
     run = argparse.Namespace(**{**vars(args), "loss_chunk_tokens": chunk, "compile": False})
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    times, _ = bench_one(mcfg, run, device)
+    times, _ = bench_one(mcfg, run, str(device))
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
     else:
@@ -76,7 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5, help="timed steps per setting")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, ...")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="autocast dtype (float32: none)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="autocast dtype (float32: none)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     p.add_argument("--override", action="append", default=[], help="extra Hydra override, e.g. size.n_layer=2")
     p.add_argument("--json", type=Path, help="write the rows here as JSON")
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(table(rows, [("chunk_tokens", "chunk tokens", ""), ("step_ms", "ms/step", ".0f"),
                        ("tokens_per_s", "tokens/s", ".0f"), ("speedup_vs_first", "speed vs first", ".2f"),
                        ("peak_mib", "peak MiB", ".0f"), ("memory_vs_first", "memory vs first", ".2f")]))
-    write_json(args.json, {"environment": environment(str(args.device)), "args": {k: str(v) for k, v in vars(args).items()},
+    write_json(args.json, {"environment": environment(resolve_device(args.device)), "args": {k: str(v) for k, v in vars(args).items()},
                            "rows": rows})
     return rows
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import subprocess
 import sys
@@ -27,14 +26,11 @@ def measure(size: str, batch: int, attention: str = "tpa", steps: int = 2, extra
     """In this process: train `steps` steps and return the estimate and the measured peak (bytes)."""
     import torch
 
-    import t6.config  # noqa: F401  (registers the resolvers)
-    from t6.train import train
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.hydra_config import HydraConfig
     from omegaconf import open_dict
 
-    root = Path(os.environ.get("T6_ROOT", Path(__file__).resolve().parents[3]))
+    from t6.bench.common import compose
+    from t6.train import train
+
     out = Path(tempfile.mkdtemp(prefix="t6-bench-memory-"))
     overrides = [
         f"size={size}", f"attention={attention}", f"data.batch_size={batch}", f"data.global_batch_size={batch}",
@@ -42,12 +38,8 @@ def measure(size: str, batch: int, attention: str = "tpa", steps: int = 2, extra
         "callbacks.model_checkpoint=null", "callbacks.rich_progress_bar=null", "callbacks.rich_model_summary=null",
         "print_config=false", "auto_resume=false", *extra,
     ]
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(root / "conf"), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
-    HydraConfig.instance().set_config(cfg)
+    cfg = compose("train", overrides, runtime=True)
     with open_dict(cfg):
-        del cfg["hydra"]
         cfg.paths.output_dir = str(out)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()

@@ -1,6 +1,6 @@
 """Prefill speed: tokens/s of processing a prompt of each length in one forward pass.
 
-    python -m t6.bench.prefill --attentions mha,gqa,mqa,mla,tpa_kvonly,tpa --size medium \\
+    python -m t6.bench.prefill --attentions paper --size medium \\
         --contexts 512,1k,2k,4k --json results/prefill.json
 
 What is measured: one attention layer of the chosen width (parameter-matched heads, as in
@@ -16,15 +16,15 @@ import argparse
 
 import torch
 
-from t6.bench.common import (cache_bytes_per_token, common_args, environment, ints, layer_args, median, model_configs,
-                             table, time_call, write_json)
+from t6.bench.common import (DTYPES, common_args, environment, ints, layer_args, layer_kv_bytes_per_token, median,
+                             model_configs, parse, ratios_to_mha, table, time_call, write_json)
 from t6.bench.decode import attention_of, build_layer
 
 
 def run(args) -> dict:
-    dtype = getattr(torch, args.dtype)
+    dtype = DTYPES[args.dtype]
     contexts = ints(args.contexts)
-    configs = model_configs(args.attentions.split(","), args.size, block_size=max(contexts))
+    configs = model_configs(args.attentions, args.size, block_size=max(contexts))
     layers = {name: build_layer(cfg, args.scope, args.device, dtype) for name, cfg in configs.items()}
     records = []
     for context in contexts:
@@ -40,14 +40,12 @@ def run(args) -> dict:
                 for name, layer in layers.items():
                     seconds[name].append(time_call(lambda: layer(x, pos, caches[name]), 1, args.device))
         rows = []
-        for name, layer in layers.items():
+        for name in layers:
             s = median(seconds[name])
             rows.append({"attention": name, "context": context, "batch": args.batch, "n_head": configs[name].n_head,
                          "ms": 1e3 * s, "tokens_per_s": args.batch * context / s,
-                         "kv_cache_bytes_per_token": cache_bytes_per_token(attention_of(layer), dtype)})
-        base = next((r["tokens_per_s"] for r in rows if r["attention"] == "mha"), None)
-        for r in rows:
-            r["speed_vs_mha"] = r["tokens_per_s"] / base if base else None
+                         "kv_cache_bytes_per_token": layer_kv_bytes_per_token(configs[name], dtype)})
+        ratios_to_mha(rows, "tokens_per_s", "speed_vs_mha")
         print(table(rows, COLUMNS), flush=True)
         print()
         records += rows
@@ -64,9 +62,7 @@ def main(argv=None) -> None:
     common_args(parser)
     layer_args(parser, "512,1k,2k,4k", "prompt lengths")
     parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = parse(parser, argv)
     write_json(args.json, run(args))
 
 

@@ -1,0 +1,70 @@
+"""The benchmarks' shared harness: which mechanisms `--attentions` selects, that `all` reaches
+every registered mechanism (one registered without a YAML too), and that the KV bytes per token
+the benchmarks report (t6.model.facts) are what the caches really allocate."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from t6.bench import common, kv_memory, prefill
+from t6.config import conf_dir
+from t6.model.attention import PAPER, available, get_attention_class, register
+from t6.model.attention.base import registry
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_conf_dir_is_the_checkouts_conf():
+    assert conf_dir() == ROOT / "conf"
+
+
+def test_attentions_default_to_the_papers_six_and_accept_groups():
+    parser = argparse.ArgumentParser()
+    common.attention_args(parser)
+    assert parser.parse_args([]).attentions == list(PAPER)
+    assert parser.parse_args(["--attentions", "all"]).attentions == available()
+    assert parser.parse_args(["--attentions", "tpa,paper"]).attentions == ["tpa", *[n for n in PAPER if n != "tpa"]]
+
+
+def test_unknown_mechanism_is_a_usage_error_naming_it(capsys):
+    with pytest.raises(SystemExit):
+        prefill.main(["--attentions", "paper,no_such_attention", "--size", "tiny", "--contexts", "8"])
+    err = capsys.readouterr().err
+    assert "--attentions" in err and "no_such_attention" in err and "tpa" in err
+
+
+@pytest.fixture(scope="module")
+def kv_all(tmp_path_factory) -> dict[str, dict]:
+    """kv_memory --attentions all at size tiny, by mechanism."""
+    out = tmp_path_factory.mktemp("kv") / "kv.json"
+    kv_memory.main(["--attentions", "all", "--sizes", "tiny", "--dtype", "float32", "--json", str(out)])
+    return {r["attention"]: r for r in json.loads(out.read_text())["records"]}
+
+
+def test_all_selects_nothing_else(kv_all):
+    assert sorted(kv_all) == available()
+
+
+@pytest.mark.parametrize("name", available())
+def test_all_covers_every_registered_mechanism_and_its_cache_fact_holds(kv_all, name):
+    r = kv_all[name]
+    assert r["kv_cache_bytes_per_token"] == r["allocated_bytes_per_token"] > 0
+    assert r["kv_cache_bytes_per_token"] == 4 * r["n_layer"] * r["elements_per_token_layer"]  # fp32
+
+
+def test_a_mechanism_registered_without_a_yaml_is_benchmarked_parameter_matched():
+    name = "bench_test_mha_copy"
+    assert not (conf_dir() / "attention" / f"{name}.yaml").exists()
+    register(name)(type("MHACopy", (get_attention_class("mha"),), {}))
+    try:
+        assert name in common.attention_names("all")
+        configs = common.model_configs(["mha", name], "tiny")
+        assert configs[name].attention == name and configs[name].n_head == configs["mha"].n_head  # same layer
+        assert configs[name].d_model == configs["mha"].d_model and configs[name].n_layer == configs["mha"].n_layer
+    finally:
+        del registry[name]
+    assert name not in available()

@@ -1,0 +1,50 @@
+"""Parameters and KV cache per token of a run's model: the values train() logged (model/...), else
+counted on the model rebuilt from the run's size.* and attention.* params."""
+
+from __future__ import annotations
+
+import math
+
+from t6.report.runs import RunData
+
+
+def _unflatten(params: dict[str, str], prefixes: tuple[str, ...]) -> dict:
+    import yaml
+
+    tree: dict = {}
+    for key, raw in params.items():
+        if not key.startswith(prefixes):
+            continue
+        value = None if raw in ("None", "null") else yaml.safe_load(raw) if isinstance(raw, str) else raw
+        node = tree
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return tree
+
+
+def model_stats_from_params(params: dict[str, str], bytes_per_element: int = 2) -> dict[str, float]:
+    """Parameters and KV cache bytes per token (all layers, at bytes_per_element) of the run's model,
+    built from its size.* and attention.* params on the meta device (no memory, no weights)."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from t6.config import model_config
+    from t6.model import T6
+
+    cfg = OmegaConf.create(_unflatten(params, ("size.", "attention.")))
+    if "size" not in cfg or "attention" not in cfg:
+        raise KeyError("the run has no size.* / attention.* params to rebuild its model from")
+    with torch.device("meta"):
+        model = T6(model_config(cfg))
+    elements = sum(math.prod(shape) for block in model.blocks for shape in block.attn.cache_spec().values())
+    return {"params": float(model.num_params()), "kv_cache_bytes_per_token": float(elements * bytes_per_element)}
+
+
+def logged_fact(run: RunData, key: str) -> float | None:
+    """A model fact the run logged (model/params, model/kv_cache_bytes_per_token), as a param or a metric."""
+    value = run.param(key)
+    if value is not None:
+        return float(value)
+    return run.metrics.get(key)

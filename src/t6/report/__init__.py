@@ -19,7 +19,7 @@ so tests build them from real runs and check every number:
 - evals.py        eval/{n}shot/{task}/{metric} keys; the paper's metric per task
 - curves.py       tokens per step, curves over seeds
 - plots.py        the figures
-- model_facts.py  parameters / KV cache per token (logged, else counted on the rebuilt model)
+- model_facts.py  parameters / KV cache per token (logged, else t6.model.facts)
 - decode.py       records of t6.bench.decode
 - tables.py       the Markdown tables
 - document.py     report.md

@@ -1,9 +1,7 @@
 """Parameters and KV cache per token of a run's model: the values train() logged (model/...), else
-counted on the model rebuilt from the run's size.* and attention.* params."""
+t6.model.facts over the model rebuilt from the run's size.* and attention.* params."""
 
 from __future__ import annotations
-
-import math
 
 from t6.report.runs import RunData
 
@@ -24,22 +22,18 @@ def _unflatten(params: dict[str, str], prefixes: tuple[str, ...]) -> dict:
     return tree
 
 
-def model_stats_from_params(params: dict[str, str], bytes_per_element: int = 2) -> dict[str, float]:
-    """Parameters and KV cache bytes per token (all layers, at bytes_per_element) of the run's model,
-    built from its size.* and attention.* params on the meta device (no memory, no weights)."""
-    import torch
+def model_stats_from_params(params: dict[str, str]) -> dict[str, int]:
+    """t6.model.facts.model_facts (params, KV cache bytes per token over all layers in bf16, ...) of the
+    model the run's size.* and attention.* params describe, built on the meta device."""
     from omegaconf import OmegaConf
 
     from t6.config import model_config
-    from t6.model import T6
+    from t6.model.facts import model_facts
 
     cfg = OmegaConf.create(_unflatten(params, ("size.", "attention.")))
     if "size" not in cfg or "attention" not in cfg:
         raise KeyError("the run has no size.* / attention.* params to rebuild its model from")
-    with torch.device("meta"):
-        model = T6(model_config(cfg))
-    elements = sum(math.prod(shape) for block in model.blocks for shape in block.attn.cache_spec().values())
-    return {"params": float(model.num_params()), "kv_cache_bytes_per_token": float(elements * bytes_per_element)}
+    return model_facts(model_config(cfg))
 
 
 def logged_fact(run: RunData, key: str) -> float | None:

@@ -12,6 +12,7 @@ import time
 
 import mlflow
 import pytest
+import yaml
 from mlflow.entities import Metric, Param
 
 from t6.report import (
@@ -25,6 +26,7 @@ from t6.report import (
     model_stats_from_params,
     plot_curves,
     task_metric,
+    task_order,
     tokens_per_step,
 )
 from t6.train import train
@@ -50,6 +52,25 @@ def test_task_metric_follows_the_paper_and_falls_back_to_acc():
     assert task_metric("t6_local", {"acc", "acc_norm", "acc_stderr"}) == "acc_norm"
     assert task_metric("t6_local", {"acc", "acc_stderr"}) == "acc"
     assert task_metric("lambada", {"perplexity", "perplexity_stderr"}) == "perplexity"
+    assert task_metric("t6_cloze", {"acc", "acc_norm"}) == "acc"  # conf/eval/local.yaml's choice, not acc_norm
+
+
+def test_task_columns_follow_the_eval_configs(tmp_path):
+    from t6.report.evals import EVAL_CONF, eval_config_metrics, paper_tasks
+
+    paper = yaml.safe_load((EVAL_CONF / "paper.yaml").read_text())
+    local = yaml.safe_load((EVAL_CONF / "local.yaml").read_text())
+    assert eval_config_metrics() == {**paper["metrics"], **local["metrics"]}
+    assert paper_tasks() == tuple(paper["tasks"])
+    assert task_order(["t6_local", "mmlu", "social_iqa", "arc_easy", "winogrande"]) == [
+        "arc_easy", "winogrande", "mmlu", "social_iqa", "t6_local"]  # paper.yaml's order, then by name
+
+    (tmp_path / "paper.yaml").write_text("tasks: [boolq]\nmetrics: {boolq: acc}\n")
+    (tmp_path / "mine.yaml").write_text("metrics: {boolq: acc_norm}\n")
+    with pytest.raises(ValueError, match="task 'boolq' has metric 'acc_norm' in .*mine.yaml but 'acc' in .*paper.yaml"):
+        eval_config_metrics(tmp_path)
+    with pytest.raises(FileNotFoundError, match="paper.yaml does not exist"):
+        eval_config_metrics(tmp_path / "nowhere")
 
 
 def test_tokens_per_step_from_params():

@@ -16,7 +16,7 @@ so tests build them from real runs and check every number:
 
 - runs.py         RunData, and the grouping of runs into rows (mechanism, seeds pooled)
 - stats.py        mean ± std over seeds, best row of a column
-- evals.py        eval/{n}shot/{task}/{metric} keys; the paper's metric per task
+- evals.py        eval/{n}shot/{task}/{metric} keys; the metric of a task from conf/eval/
 - curves.py       tokens per step, curves over seeds
 - plots.py        the figures
 - model_facts.py  parameters / KV cache per token (logged, else t6.model.facts)

@@ -321,3 +321,38 @@ def test_report_folder_has_no_spaces():
     cli = load_cli()
     assert cli.folder_name("sweep 2026-01-02_03-04-05") == "sweep-2026-01-02_03-04-05"
     assert cli.folder_name("my study / v2") == "my-study-v2"
+
+
+def test_every_mechanism_in_the_runs_has_a_row_in_every_table_paper_order_first(make_cfg, tmp_path):
+    """Mechanisms outside the paper's six (tpa_nc_a, tpa_third_order) get rows like the paper's, after
+    them: the paper's in t6.model.attention.PAPER order, then the others by name, whatever the run order."""
+    from omegaconf import OmegaConf
+
+    from t6.config import flatten, model_config
+    from t6.model.attention import PAPER
+    from t6.model.facts import model_facts
+
+    runs, facts = [], {}
+    for i, attention in enumerate(("tpa_third_order", "tpa", "tpa_nc_a", "mha")):
+        cfg = make_cfg(f"attention={attention}")
+        model = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("size", "attention")}
+        params = {**SETUP, **{k: str(v) for k, v in flatten(model).items()}, "seed": "1"}
+        metrics = {"val/loss": 5.0 - i, "train/loss": 5.0, "val/ppl": 2.0, "eval/0shot/arc_easy/acc_norm": 0.3 + i / 10,
+                   "eval/0shot/t6_cloze/acc": 0.5, "eval/0shot/t6_cloze/acc_norm": 0.6}
+        runs.append(RunData(f"{attention}-run", attention, "FINISHED", params, metrics=metrics))
+        facts[attention] = model_facts(model_config(cfg))
+        assert model_stats_from_params(params) == facts[attention]
+    assert "tpa_nc_a" not in PAPER and "tpa_third_order" not in PAPER
+
+    md = build_report(runs, tmp_path, "t").markdown
+    lines = md.splitlines()
+    order = ["mha", "tpa", "tpa_nc_a", "tpa_third_order"]
+    for title in ("Final losses", "Zero-shot", "Memory"):
+        start = next(i for i, line in enumerate(lines) if line.startswith("## " + title))
+        end = next(i for i in range(start + 1, len(lines)) if lines[i].startswith("## "))
+        rows = [line.split(" | ")[0][2:] for line in lines[start:end] if line.startswith("| ") and "|---" not in line]
+        assert rows == ["attention", *order], title
+    assert "| attention | arc_easy (acc_norm) | t6_cloze (acc) | Avg. |" in md
+    assert "| tpa_nc_a | 50.00 | **50.00** | 50.00 |" in md  # arc_easy 0.3 + 2/10, t6_cloze acc 0.5 (all tied)
+    kv = facts["tpa_nc_a"]["kv_cache_bytes_per_token"]
+    assert f"| tpa_nc_a | {facts['tpa_nc_a']['params'] / 1e6:.2f}M | {kv / 1024:.1f} KiB |" in md

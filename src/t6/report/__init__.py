@@ -10,6 +10,7 @@ the tracking store and writes, into an output folder and as MLflow artifacts:
 
 Only finished runs enter a table or a curve. Unfinished or failed runs, and finished runs that
 lack a metric, are listed by name in the report; nothing is dropped or averaged in silently.
+Rows follow the paper's six mechanisms in its order, then every other mechanism by name.
 
 One job per module; the pieces are pure functions over `RunData` (plain data read from the store),
 so tests build them from real runs and check every number:

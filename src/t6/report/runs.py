@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from t6.model.attention import PAPER
+
 
 @dataclass
 class RunData:
@@ -77,14 +79,26 @@ def split_by_setup(label: str, runs: list[RunData]) -> tuple[dict[str, list[RunD
     return rows, note
 
 
+def mechanism_rank(runs: list[RunData]) -> tuple[int, int, str]:
+    """Where a row stands: the paper's six in its order (t6.model.attention.PAPER), then every other
+    mechanism by name, then rows without a mechanism."""
+    mechanism = attention_of(runs[0])
+    if mechanism is None:
+        return (2, 0, "")
+    if mechanism in PAPER:
+        return (0, PAPER.index(mechanism), "")
+    return (1, 0, mechanism)
+
+
 @dataclass
 class Grouped:
-    groups: dict[str, list[RunData]]  # finished runs per row, rows in first-seen order
+    groups: dict[str, list[RunData]]  # finished runs per row, rows in mechanism order (mechanism_rank)
     excluded: list[tuple[RunData, str]]  # runs left out and why
     notes: list[str] = field(default_factory=list)  # rows split because their runs differ in more than the seed
 
 
 def group_runs(runs: Iterable[RunData], group_by: tuple[str, ...] = ("attention.name",)) -> Grouped:
+    """Finished runs into rows; rows of one mechanism keep the order their runs were first seen in."""
     by_label: dict[str, list[RunData]] = {}
     excluded = []
     for run in runs:
@@ -100,7 +114,8 @@ def group_runs(runs: Iterable[RunData], group_by: tuple[str, ...] = ("attention.
         rows, note = split_by_setup(label, members)
         groups.update(rows)
         notes += [note] if note else []
-    return Grouped(groups, excluded, notes)
+    ordered = dict(sorted(groups.items(), key=lambda item: mechanism_rank(item[1])))  # sorted() is stable
+    return Grouped(ordered, excluded, notes)
 
 
 def last_step(run: RunData) -> int | None:

@@ -18,21 +18,19 @@ import torch
 from t6.bench.decode import measure
 from t6.data.datamodule import TokenDataModule
 from t6.model import T6, ModelConfig
+from t6.model.facts import kv_bytes_per_token, kv_cache_spec
 from t6.uptrain import validation_loss
 
 ROOT = Path(__file__).resolve().parents[2]
-KV_DTYPE_BYTES = 2  # bf16 caches, as served
-
-
-def kv_bytes_per_token(cfg: ModelConfig) -> int:
-    """Cached numbers per token over all layers (the attention's cache_spec) x bytes per number."""
-    with torch.device("meta"):
-        model = T6(cfg)
-    return sum(b.attn.build_kv_cache(1, 1, device="meta").elements_per_token() for b in model.blocks) * KV_DTYPE_BYTES
 
 
 def kv_heads(cfg: ModelConfig) -> int:
-    return cfg.n_head if cfg.attention == "mha" else cfg.attention_options.get("n_kv_head", 1)
+    """KV heads of an MHA / GQA / MQA model: the heads of the K it caches per token."""
+    spec = kv_cache_spec(cfg)  # {"k": (n_kv_head, head_dim), "v": (n_kv_head, head_dim)}
+    if "k" not in spec:
+        raise ValueError(f"attention={cfg.attention!r} caches {sorted(spec)}, not K/V heads; "
+                         "uptraining reports cover mha / gqa / mqa runs")
+    return spec["k"][0]
 
 
 def decode_speeds(configs: list[ModelConfig], contexts: list[int]) -> dict[tuple, dict[int, float]]:
@@ -110,7 +108,7 @@ def main() -> None:
     random_loss = validation_loss(T6(ModelConfig(**converted[0][1].__dict__)), loader) if converted else float("nan")
 
     def kv(cfg: ModelConfig) -> str:
-        return f"{kv_bytes_per_token(cfg):,}"
+        return f"{kv_bytes_per_token(cfg):,}"  # all layers, bf16 caches, as served
 
     contexts = [int(c) for c in args.contexts.split(",")]
     speeds = decode_speeds([r[1] for r in rows] + [c[1] for c in converted], contexts)

@@ -12,6 +12,7 @@ import time
 
 import mlflow
 import pytest
+import yaml
 from mlflow.entities import Metric, Param
 
 from t6.report import (
@@ -25,6 +26,7 @@ from t6.report import (
     model_stats_from_params,
     plot_curves,
     task_metric,
+    task_order,
     tokens_per_step,
 )
 from t6.train import train
@@ -50,6 +52,25 @@ def test_task_metric_follows_the_paper_and_falls_back_to_acc():
     assert task_metric("t6_local", {"acc", "acc_norm", "acc_stderr"}) == "acc_norm"
     assert task_metric("t6_local", {"acc", "acc_stderr"}) == "acc"
     assert task_metric("lambada", {"perplexity", "perplexity_stderr"}) == "perplexity"
+    assert task_metric("t6_cloze", {"acc", "acc_norm"}) == "acc"  # conf/eval/local.yaml's choice, not acc_norm
+
+
+def test_task_columns_follow_the_eval_configs(tmp_path):
+    from t6.report.evals import EVAL_CONF, eval_config_metrics, paper_tasks
+
+    paper = yaml.safe_load((EVAL_CONF / "paper.yaml").read_text())
+    local = yaml.safe_load((EVAL_CONF / "local.yaml").read_text())
+    assert eval_config_metrics() == {**paper["metrics"], **local["metrics"]}
+    assert paper_tasks() == tuple(paper["tasks"])
+    assert task_order(["t6_local", "mmlu", "social_iqa", "arc_easy", "winogrande"]) == [
+        "arc_easy", "winogrande", "mmlu", "social_iqa", "t6_local"]  # paper.yaml's order, then by name
+
+    (tmp_path / "paper.yaml").write_text("tasks: [boolq]\nmetrics: {boolq: acc}\n")
+    (tmp_path / "mine.yaml").write_text("metrics: {boolq: acc_norm}\n")
+    with pytest.raises(ValueError, match="task 'boolq' has metric 'acc_norm' in .*mine.yaml but 'acc' in .*paper.yaml"):
+        eval_config_metrics(tmp_path)
+    with pytest.raises(FileNotFoundError, match="paper.yaml does not exist"):
+        eval_config_metrics(tmp_path / "nowhere")
 
 
 def test_tokens_per_step_from_params():
@@ -300,3 +321,38 @@ def test_report_folder_has_no_spaces():
     cli = load_cli()
     assert cli.folder_name("sweep 2026-01-02_03-04-05") == "sweep-2026-01-02_03-04-05"
     assert cli.folder_name("my study / v2") == "my-study-v2"
+
+
+def test_every_mechanism_in_the_runs_has_a_row_in_every_table_paper_order_first(make_cfg, tmp_path):
+    """Mechanisms outside the paper's six (tpa_nc_a, tpa_third_order) get rows like the paper's, after
+    them: the paper's in t6.model.attention.PAPER order, then the others by name, whatever the run order."""
+    from omegaconf import OmegaConf
+
+    from t6.config import flatten, model_config
+    from t6.model.attention import PAPER
+    from t6.model.facts import model_facts
+
+    runs, facts = [], {}
+    for i, attention in enumerate(("tpa_third_order", "tpa", "tpa_nc_a", "mha")):
+        cfg = make_cfg(f"attention={attention}")
+        model = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("size", "attention")}
+        params = {**SETUP, **{k: str(v) for k, v in flatten(model).items()}, "seed": "1"}
+        metrics = {"val/loss": 5.0 - i, "train/loss": 5.0, "val/ppl": 2.0, "eval/0shot/arc_easy/acc_norm": 0.3 + i / 10,
+                   "eval/0shot/t6_cloze/acc": 0.5, "eval/0shot/t6_cloze/acc_norm": 0.6}
+        runs.append(RunData(f"{attention}-run", attention, "FINISHED", params, metrics=metrics))
+        facts[attention] = model_facts(model_config(cfg))
+        assert model_stats_from_params(params) == facts[attention]
+    assert "tpa_nc_a" not in PAPER and "tpa_third_order" not in PAPER
+
+    md = build_report(runs, tmp_path, "t").markdown
+    lines = md.splitlines()
+    order = ["mha", "tpa", "tpa_nc_a", "tpa_third_order"]
+    for title in ("Final losses", "Zero-shot", "Memory"):
+        start = next(i for i, line in enumerate(lines) if line.startswith("## " + title))
+        end = next(i for i in range(start + 1, len(lines)) if lines[i].startswith("## "))
+        rows = [line.split(" | ")[0][2:] for line in lines[start:end] if line.startswith("| ") and "|---" not in line]
+        assert rows == ["attention", *order], title
+    assert "| attention | arc_easy (acc_norm) | t6_cloze (acc) | Avg. |" in md
+    assert "| tpa_nc_a | 50.00 | **50.00** | 50.00 |" in md  # arc_easy 0.3 + 2/10, t6_cloze acc 0.5 (all tied)
+    kv = facts["tpa_nc_a"]["kv_cache_bytes_per_token"]
+    assert f"| tpa_nc_a | {facts['tpa_nc_a']['params'] / 1e6:.2f}M | {kv / 1024:.1f} KiB |" in md

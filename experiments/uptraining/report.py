@@ -18,21 +18,20 @@ import torch
 from t6.bench.decode import measure
 from t6.data.datamodule import TokenDataModule
 from t6.model import T6, ModelConfig
+from t6.model.facts import kv_bytes_per_token, kv_cache_spec
+from t6.model.load import load_model, model_state, read_checkpoint
 from t6.uptrain import validation_loss
 
 ROOT = Path(__file__).resolve().parents[2]
-KV_DTYPE_BYTES = 2  # bf16 caches, as served
-
-
-def kv_bytes_per_token(cfg: ModelConfig) -> int:
-    """Cached numbers per token over all layers (the attention's cache_spec) x bytes per number."""
-    with torch.device("meta"):
-        model = T6(cfg)
-    return sum(b.attn.build_kv_cache(1, 1, device="meta").elements_per_token() for b in model.blocks) * KV_DTYPE_BYTES
 
 
 def kv_heads(cfg: ModelConfig) -> int:
-    return cfg.n_head if cfg.attention == "mha" else cfg.attention_options.get("n_kv_head", 1)
+    """KV heads of an MHA / GQA / MQA model: the heads of the K it caches per token."""
+    spec = kv_cache_spec(cfg)  # {"k": (n_kv_head, head_dim), "v": (n_kv_head, head_dim)}
+    if "k" not in spec:
+        raise ValueError(f"attention={cfg.attention!r} caches {sorted(spec)}, not K/V heads; "
+                         "uptraining reports cover mha / gqa / mqa runs")
+    return spec["k"][0]
 
 
 def decode_speeds(configs: list[ModelConfig], contexts: list[int]) -> dict[tuple, dict[int, float]]:
@@ -78,11 +77,12 @@ def main() -> None:
     if experiment is None:
         raise SystemExit(f"no MLflow experiment {args.experiment!r} in {args.tracking_uri}; run experiments/uptraining/run.sh first")
 
-    source_ckpt = torch.load(runs_dir / "mha-scratch/checkpoints/last.ckpt", map_location="cpu", weights_only=True)
+    source_path = runs_dir / "mha-scratch/checkpoints/last.ckpt"
+    source_ckpt = read_checkpoint(source_path, "source checkpoint")
     loader = val_loader(source_ckpt["run_config"])
-    source_cfg = ModelConfig(**source_ckpt["hyper_parameters"]["model_config"])
+    source_cfg, source_state = model_state(source_ckpt, "source checkpoint", source_path)
     mha = T6(source_cfg)
-    mha.load_state_dict({k[6:]: v for k, v in source_ckpt["state_dict"].items() if k.startswith("model.")})
+    mha.load_state_dict(source_state)
     source_loss = validation_loss(mha, loader)
     source_tokens = source_ckpt["TokenDataModule"]["samples_seen"] * source_ckpt["run_config"]["data"]["seq_len"]
 
@@ -90,8 +90,9 @@ def main() -> None:
     done = [p for p in runs_dir.iterdir() if (p / "checkpoints/last.ckpt").is_file()]
     for run_dir in sorted(done, key=lambda p: (p.name != "mha-scratch", p.name)):
         run = mlflow_run(client, experiment.experiment_id, run_dir.name)
-        ckpt = torch.load(run_dir / "checkpoints/last.ckpt", map_location="cpu", weights_only=True, mmap=True)
-        cfg = ModelConfig(**ckpt["hyper_parameters"]["model_config"])
+        path = run_dir / "checkpoints/last.ckpt"
+        ckpt = read_checkpoint(path, "run checkpoint", mmap=True)
+        cfg, _ = model_state(ckpt, "run checkpoint", path)
         tokens = ckpt["TokenDataModule"]["samples_seen"] * ckpt["run_config"]["data"]["seq_len"]
         init_from = ckpt["run_config"].get("init_from")
         total = tokens + (source_tokens if init_from else 0)
@@ -101,16 +102,13 @@ def main() -> None:
 
     converted = []
     for path in sorted((runs_dir / "converted").glob("*.ckpt")):
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-        cfg = ModelConfig(**ckpt["model_config"])
-        model = T6(cfg)
-        model.load_state_dict(ckpt["state_dict"])
-        converted.append((path.stem, cfg, validation_loss(model, loader)))
+        model = load_model(path, "converted checkpoint")
+        converted.append((path.stem, model.cfg, validation_loss(model, loader)))
     torch.manual_seed(0)
     random_loss = validation_loss(T6(ModelConfig(**converted[0][1].__dict__)), loader) if converted else float("nan")
 
     def kv(cfg: ModelConfig) -> str:
-        return f"{kv_bytes_per_token(cfg):,}"
+        return f"{kv_bytes_per_token(cfg):,}"  # all layers, bf16 caches, as served
 
     contexts = [int(c) for c in args.contexts.split(",")]
     speeds = decode_speeds([r[1] for r in rows] + [c[1] for c in converted], contexts)

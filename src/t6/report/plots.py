@@ -1,0 +1,56 @@
+"""Figures: one PNG per curve metric, a line per table row (mean over seeds, band ± std) vs training tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from t6.report.curves import CURVES, curve
+from t6.report.runs import RunData
+
+
+def _tokens_axis(value: float, _pos=None) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:g}{unit}"
+    return f"{value:g}"
+
+
+def plot_curves(groups: dict[str, list[RunData]], key: str, path: Path) -> list[str]:
+    """One figure: `key` vs training tokens, a line per group (mean over seeds, band ± std).
+    Returns the problems (groups not drawn and why)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
+
+    problems = []
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    for label, runs in groups.items():
+        try:
+            data = curve(runs, key)
+        except KeyError as err:
+            problems.append(f"{label}: {err.args[0]}")
+            continue
+        if data is None:
+            lacking = [r.name for r in runs if not r.history.get(key)]
+            problems.append(f"{label}: no {key} history in {', '.join(lacking)}")
+            continue
+        x, mean, std = data
+        few = len(x) <= 20  # markers where a line has few points (one point draws no line at all)
+        (line,) = ax.plot(x, mean, label=f"{label} (n={len(runs)})", linewidth=1.4, marker="o" if few else None,
+                          markersize=4)
+        if len(runs) > 1:
+            ax.fill_between(x, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
+                            color=line.get_color(), alpha=0.2, linewidth=0)
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel(key)
+    ax.set_title(CURVES.get(key, key))
+    ax.xaxis.set_major_formatter(FuncFormatter(_tokens_axis))
+    ax.grid(alpha=0.3)
+    if ax.lines:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return problems

@@ -13,17 +13,18 @@ import torch
 from conftest import TEST_RUN
 from t6.model import T6, ModelConfig
 from t6.train import train
-from t6.uptrain import (
-    convert_checkpoint,
-    convert_state_dict,
-    load_warm_start,
-    source_lr,
-    pool_heads,
-    target_config,
-    validation_loss,
-)
+from t6.uptrain.convert import convert_checkpoint, convert_state_dict, load_warm_start, pool_heads, target_config
+from t6.uptrain.recipe import source_lr
 
 SMALL = dict(vocab_size=512, block_size=32, n_layer=2, d_model=64, n_head=4, head_dim=16)
+
+
+@torch.no_grad()
+def validation_loss(model: T6, loader) -> float:
+    """The model's mean next-token loss over a loader of (input [B, T], target [B, T]) batches, per token."""
+    model.eval()
+    losses = [(model(x, targets=y).item(), y.numel()) for x, y in loader]  # (mean over the batch's B*T tokens, B*T)
+    return sum(loss * n for loss, n in losses) / sum(n for _, n in losses)
 
 
 def random_mha(seed: int = 0) -> T6:

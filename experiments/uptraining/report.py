@@ -18,7 +18,6 @@ import torch
 from t6.bench.decode import measure
 from t6.data.datamodule import TokenDataModule
 from t6.model import T6, ModelConfig
-from t6.uptrain import validation_loss
 
 ROOT = Path(__file__).resolve().parents[2]
 KV_DTYPE_BYTES = 2  # bf16 caches, as served
@@ -33,6 +32,14 @@ def kv_bytes_per_token(cfg: ModelConfig) -> int:
 
 def kv_heads(cfg: ModelConfig) -> int:
     return cfg.n_head if cfg.attention == "mha" else cfg.attention_options.get("n_kv_head", 1)
+
+
+@torch.no_grad()
+def validation_loss(model: T6, loader) -> float:
+    """The model's mean next-token loss over a loader of (input [B, T], target [B, T]) batches, per token."""
+    model.eval()
+    losses = [(model(x, targets=y).item(), y.numel()) for x, y in loader]  # (mean over the batch's B*T tokens, B*T)
+    return sum(loss * n for loss, n in losses) / sum(n for _, n in losses)
 
 
 def decode_speeds(configs: list[ModelConfig], contexts: list[int]) -> dict[tuple, dict[int, float]]:

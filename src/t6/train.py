@@ -32,7 +32,8 @@ from t6.module import T6LitModule
 from t6.quiet import quiet_libraries
 from t6.sweep import attach_to_sweep, sweep_job_info
 from t6.tracking import SystemMetrics, check_tracking_uri, mlflow_config, save_and_upload_model, tag_training_experiment, ui_path
-from t6.uptrain import adopt_model_config, load_warm_start
+from t6.uptrain.convert import load_warm_start
+from t6.uptrain.recipe import adopt_model_config
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@
 import hydra
 from omegaconf import DictConfig
 
-from t6.uptrain import convert_checkpoint
+from t6.uptrain.convert import convert_checkpoint
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="convert")

@@ -12,6 +12,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, open_dict
 
 import t6.config  # noqa: F401  (registers resolvers)
+import t6.uptrain.recipe  # noqa: F401  (registers the uptrain recipe's resolvers)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from t6.data.batching import sequences_per_step, world_size
 from t6.data.corpus import TINY_SHAKESPEARE, prepare_text_corpus
 from t6.data.datamodule import TokenDataModule, TrainStream, Windows
 from t6.data.shards import Manifest, ShardError, read_shard, write_shard
@@ -92,3 +93,15 @@ def test_global_batch_must_divide():
     assert dm.accumulation(world_size=8) == 10
     with pytest.raises(ValueError, match="global_batch_size=480 is not divisible"):
         dm.accumulation(world_size=7)
+
+
+def test_sequences_per_step_is_the_global_batch_else_micro_batch_times_world():
+    assert sequences_per_step(6, 480, world_size=8) == 480  # 6 x 8 x 10 accumulation steps
+    assert sequences_per_step(6, None, world_size=8) == 48  # no accumulation
+    assert sequences_per_step("auto", 480, world_size=None) == 480
+    assert world_size(4, num_nodes=2) == 8 and world_size([0, 1]) == 2 and world_size(3, None) == 3
+    assert world_size("auto") is None and world_size(-1) is None
+    with pytest.raises(ValueError, match="set data.global_batch_size or trainer.devices=N"):
+        sequences_per_step(6, None, world_size=None)
+    with pytest.raises(ValueError, match="data.batch_size=auto needs data.global_batch_size"):
+        sequences_per_step("auto", None, world_size=8)

@@ -190,7 +190,7 @@ def test_corrupted_ckpt_path_fails_before_training_naming_the_file(make_cfg, cor
 
 def test_corrupted_checkpoint_in_generate_eval_and_convert(corrupted):
     from t6.model.load import load_model
-    from t6.uptrain import convert_checkpoint
+    from t6.uptrain.convert import convert_checkpoint
 
     with pytest.raises(ValueError, match=re.escape(f"ckpt_path='{corrupted}' is not a readable checkpoint")):
         load_model(corrupted)

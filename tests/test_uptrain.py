@@ -13,17 +13,18 @@ import torch
 from conftest import TEST_RUN
 from t6.model import T6, ModelConfig
 from t6.train import train
-from t6.uptrain import (
-    convert_checkpoint,
-    convert_state_dict,
-    load_warm_start,
-    source_lr,
-    pool_heads,
-    target_config,
-    validation_loss,
-)
+from t6.uptrain.convert import convert_checkpoint, convert_state_dict, load_warm_start, pool_heads, target_config
+from t6.uptrain.recipe import source_lr, uptrain_steps
 
 SMALL = dict(vocab_size=512, block_size=32, n_layer=2, d_model=64, n_head=4, head_dim=16)
+
+
+@torch.no_grad()
+def validation_loss(model: T6, loader) -> float:
+    """The model's mean next-token loss over a loader of (input [B, T], target [B, T]) batches, per token."""
+    model.eval()
+    losses = [(model(x, targets=y).item(), y.numel()) for x, y in loader]  # (mean over the batch's B*T tokens, B*T)
+    return sum(loss * n for loss, n in losses) / sum(n for _, n in losses)
 
 
 def random_mha(seed: int = 0) -> T6:
@@ -192,3 +193,14 @@ def test_train_tells_warm_start_from_resume(make_cfg, tmp_path):
         train(make_cfg("experiment=uptrain", f"init_from={out}", "trainer.max_steps=2", small=False))
     with pytest.raises(FileNotFoundError, match="init_from='nope.ckpt' does not exist"):
         source_lr("nope.ckpt")
+
+
+def test_uptrain_steps_divide_the_source_tokens_by_this_runs_global_batch(tmp_path):
+    ckpt = save_training_checkpoint(random_mha(), tmp_path / "mha.ckpt", TokenDataModule={"samples_seen": 100})
+    out = tmp_path / "mqa.ckpt"
+    assert convert_checkpoint(ckpt, "mqa", out=out)["source"]["tokens"] == 100 * SMALL["block_size"]  # 3200
+    # half of 3200 tokens at 4 sequences x 2 devices x 2 nodes x 32 tokens = 512 per step: 4 steps (ceil of 3.1)
+    assert uptrain_steps(str(out), 0.5, 4, None, 2, 2, 32) == 4
+    assert uptrain_steps(str(out), 0.5, 4, 20, "auto", 1, 32) == 3  # the global batch: 20 x 32 = 640 per step
+    with pytest.raises(ValueError, match="uptrain_fraction counts tokens per step: .*set data.global_batch_size"):
+        uptrain_steps(str(out), 0.5, 4, None, "auto", 1, 32)

@@ -20,7 +20,6 @@ from t6.data.datamodule import TokenDataModule
 from t6.model import T6, ModelConfig
 from t6.model.facts import kv_bytes_per_token, kv_cache_spec
 from t6.model.load import load_model, model_state, read_checkpoint
-from t6.uptrain import validation_loss
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,6 +31,14 @@ def kv_heads(cfg: ModelConfig) -> int:
         raise ValueError(f"attention={cfg.attention!r} caches {sorted(spec)}, not K/V heads; "
                          "uptraining reports cover mha / gqa / mqa runs")
     return spec["k"][0]
+
+
+@torch.no_grad()
+def validation_loss(model: T6, loader) -> float:
+    """The model's mean next-token loss over a loader of (input [B, T], target [B, T]) batches, per token."""
+    model.eval()
+    losses = [(model(x, targets=y).item(), y.numel()) for x, y in loader]  # (mean over the batch's B*T tokens, B*T)
+    return sum(loss * n for loss, n in losses) / sum(n for _, n in losses)
 
 
 def decode_speeds(configs: list[ModelConfig], contexts: list[int]) -> dict[tuple, dict[int, float]]:

@@ -1,5 +1,6 @@
-"""The Hydra boundary: resolvers for the config files and the conversion of the composed
-config into the plain dataclasses the model uses. Nothing under t6.model imports Hydra."""
+"""The Hydra boundary: the general resolvers of the config files and the conversion of the composed
+config into the plain dataclasses the model uses. Nothing under t6.model imports Hydra. (The uptrain
+recipe's resolvers live with it, in t6.uptrain.recipe, which registers them when imported.)"""
 
 from __future__ import annotations
 
@@ -19,18 +20,6 @@ def _abspath(path: str) -> str:
     return str(Path(path).expanduser().resolve())
 
 
-def _uptrain_steps(*args) -> int:
-    from t6.uptrain import uptrain_steps
-
-    return uptrain_steps(*args)
-
-
-def _source_lr(*args) -> float:
-    from t6.uptrain import source_lr
-
-    return source_lr(*args)
-
-
 def _ceil_mul(value: float, factor: float) -> int:
     return math.ceil(float(value) * float(factor))
 
@@ -38,12 +27,6 @@ def _ceil_mul(value: float, factor: float) -> int:
 def register_resolvers() -> None:
     if not OmegaConf.has_resolver("t6.abspath"):
         OmegaConf.register_new_resolver("t6.abspath", _abspath)
-    if not OmegaConf.has_resolver("t6.uptrain_steps"):
-        # ${t6.uptrain_steps:init_from,fraction,batch_size,global_batch_size,devices,seq_len} (conf/experiment/uptrain.yaml)
-        OmegaConf.register_new_resolver("t6.uptrain_steps", _uptrain_steps)
-    if not OmegaConf.has_resolver("t6.source_lr"):
-        # ${t6.source_lr:init_from,key,factor}: factor x the source run's lr_ablation.<key> (conf/experiment/uptrain.yaml)
-        OmegaConf.register_new_resolver("t6.source_lr", _source_lr)
     if not OmegaConf.has_resolver("t6.ceil_mul"):
         OmegaConf.register_new_resolver("t6.ceil_mul", _ceil_mul)  # ${t6.ceil_mul:x,f} = ceil(x * f), e.g. warmup steps
 

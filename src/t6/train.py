@@ -23,6 +23,7 @@ from t6 import memory
 from t6.callbacks import PreemptionCheckpoint
 from t6.checkpoint import resolve_ckpt_path
 from t6.config import flatten, model_config
+from t6.data.batching import accumulation_steps, check_batch_settings, sequences_per_step
 from t6.distributed import destroy_process_group
 from t6.evaluation.callback import build_eval_callback
 from t6.model.facts import model_facts
@@ -31,7 +32,8 @@ from t6.module import T6LitModule
 from t6.quiet import quiet_libraries
 from t6.sweep import attach_to_sweep, sweep_job_info
 from t6.tracking import SystemMetrics, check_tracking_uri, mlflow_config, save_and_upload_model, tag_training_experiment, ui_path
-from t6.uptrain import adopt_model_config, load_warm_start
+from t6.uptrain.convert import load_warm_start
+from t6.uptrain.recipe import adopt_model_config
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +64,6 @@ def choose_hardware(cfg: DictConfig) -> dict[str, str]:
 
 def check_data_shape(cfg: DictConfig) -> None:
     """Batch settings and sequence length, named by their fields, before any data is read."""
-    from t6.data.datamodule import check_batch_settings
-
     check_batch_settings(cfg.data.get("batch_size"), cfg.data.get("global_batch_size"), cfg.data.get("seq_len"))
     seq_len, block = cfg.data.get("seq_len"), cfg.size.block_size
     if isinstance(seq_len, int) and seq_len > block:
@@ -111,11 +111,8 @@ def plan_micro_batch(
     world = trainer.world_size
     per_device = datamodule.per_device_batch(world)
     requested = datamodule.batch_size
-    if requested != "auto" and per_device % requested:
-        raise ValueError(
-            f"data.global_batch_size={datamodule.global_batch_size} is not divisible by data.batch_size={requested} "
-            f"x world size {world}; change one of them"
-        )
+    if requested != "auto":
+        accumulation_steps(requested, datamodule.global_batch_size, world)  # raises when it does not divide
     device = hardware["device"]
     if not cfg.get("preflight", True) or device not in ("cpu", "cuda"):
         if requested == "auto":
@@ -349,10 +346,11 @@ def announce(cfg: DictConfig, hardware: dict, plan, datamodule, trainer: L.Train
     """The opening lines: device and precision and why, the batch and the memory it needs, the schedule."""
     world = trainer.world_size
     accumulate = trainer.accumulate_grad_batches
+    per_step = sequences_per_step(datamodule.batch_size, datamodule.global_batch_size, world)
     lines = [
         f"device          {hardware['device']} ({hardware['device_why']}), precision {hardware['precision']} "
         f"({hardware['precision_why']})",
-        f"batch           {datamodule.batch_size * accumulate * world} sequences x {datamodule.seq_len} tokens per step = "
+        f"batch           {per_step} sequences x {datamodule.seq_len} tokens per step = "
         f"micro-batch {datamodule.batch_size} x {accumulate} accumulation step(s) x {world} device(s)",
     ]
     if plan is not None:

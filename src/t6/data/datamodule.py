@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
+from t6.data.batching import accumulation_steps, check_batch_settings, sequences_per_device, sequences_per_step
 from t6.data.corpus import TINY_SHAKESPEARE, prepare_text_corpus
 from t6.data.shards import Manifest, ShardError
 from t6.data.tokenizer import tokenizer_id
@@ -84,26 +85,6 @@ class ValWindows(Dataset):
         return self.windows.get(i)
 
 
-def check_batch_settings(batch_size, global_batch_size, seq_len) -> None:
-    """Raise naming the field when a batch setting cannot work (before any data is read)."""
-    def positive_int(v) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool) and v > 0
-
-    if batch_size != "auto" and not positive_int(batch_size):
-        raise ValueError(
-            f"data.batch_size={batch_size!r} must be a positive number of sequences per device and micro-step, "
-            "or auto (the largest that fits the device's memory); e.g. data.batch_size=8"
-        )
-    if global_batch_size is not None and not positive_int(global_batch_size):
-        raise ValueError(f"data.global_batch_size={global_batch_size!r} must be a positive number of sequences per "
-                         "optimizer step, or null (data.batch_size x devices)")
-    if batch_size == "auto" and global_batch_size is None:
-        raise ValueError("data.batch_size=auto needs data.global_batch_size (the sequences per optimizer step it keeps "
-                         "through gradient accumulation); set it, or give data.batch_size a number")
-    if not positive_int(seq_len):
-        raise ValueError(f"data.seq_len={seq_len!r} must be a positive number of tokens")
-
-
 class TokenDataModule(L.LightningDataModule):
     """Token shards in `data_dir` (a manifest plus shards). With `text_file` set (or `embedded`),
     the shards are made from that text on first use; otherwise they must have been prepared."""
@@ -140,28 +121,11 @@ class TokenDataModule(L.LightningDataModule):
 
     def per_device_batch(self, world_size: int) -> int:
         """Sequences each device handles per optimizer step: its share of data.global_batch_size."""
-        if self.global_batch_size is None:
-            return int(self.batch_size)
-        if self.global_batch_size % world_size:
-            raise ValueError(
-                f"data.global_batch_size={self.global_batch_size} is not divisible by the world size {world_size}; "
-                "change one of them"
-            )
-        return self.global_batch_size // world_size
+        return sequences_per_device(self.batch_size, self.global_batch_size, world_size)
 
     def accumulation(self, world_size: int) -> int:
         """Gradient-accumulation steps so that micro-batch x world size x steps = global batch."""
-        if self.batch_size == "auto":
-            raise ValueError("data.batch_size=auto is resolved by the memory preflight before training (t6.train)")
-        per_step = self.batch_size * world_size
-        if self.global_batch_size is None:
-            return 1
-        if self.global_batch_size % per_step:
-            raise ValueError(
-                f"data.global_batch_size={self.global_batch_size} is not divisible by data.batch_size={self.batch_size} "
-                f"x world size {world_size}; change one of them"
-            )
-        return self.global_batch_size // per_step
+        return accumulation_steps(self.batch_size, self.global_batch_size, world_size)
 
     def prepare_data(self) -> None:
         if self.text_file is not None:
@@ -186,7 +150,7 @@ class TokenDataModule(L.LightningDataModule):
         trainer = self.trainer
         if trainer is None:
             return 0
-        return trainer.global_step * trainer.accumulate_grad_batches * self.batch_size * trainer.world_size
+        return trainer.global_step * sequences_per_step(self.batch_size, self.global_batch_size, trainer.world_size)
 
     def train_dataloader(self) -> DataLoader:
         trainer = self.trainer

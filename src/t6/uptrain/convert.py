@@ -1,5 +1,5 @@
-"""Uptraining (Ainslie et al. 2023, "GQA", §2.1): turn a multi-head checkpoint into a
-grouped-query or multi-query one, then continue training it as a warm start.
+"""Conversion for uptraining (Ainslie et al. 2023, "GQA", §2.1): turn a multi-head checkpoint
+into a grouped-query or multi-query one, written as a warm-start checkpoint.
 
 Conversion keeps every weight except the key and value projections: the embedding, the
 norms, the SwiGLU, the query and output projections are copied; the h K (and V) heads of
@@ -16,20 +16,19 @@ A converted checkpoint is a warm-start checkpoint: plain tensors and data only, 
 with `torch.load(weights_only=True)`, holding the T6 state dict, the target ModelConfig
 as a dict, and where it came from (the source's MLflow run id, checkpoint and the tokens
 it was trained on). `python train.py init_from=PATH` trains from it with a fresh
-optimizer, schedule, step count and MLflow run.
+optimizer, schedule, step count and MLflow run (the recipe side: t6.uptrain.recipe).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from t6.model import T6, ModelConfig
+from t6.data.batching import sequences_per_step, world_size
+from t6.model import ModelConfig
 from t6.model.facts import meta_model
 from t6.model.load import WARM_START_FORMAT, check_weights, read_checkpoint
 
@@ -68,7 +67,8 @@ def target_config(source: ModelConfig, target: str, kv_heads: int | None) -> Mod
         if source.n_head % kv_heads:
             divisors = [g for g in range(1, source.n_head + 1) if source.n_head % g == 0]
             raise ValueError(
-                f"target_kv_heads={kv_heads} does not divide the source's n_head={source.n_head}; choose one of {divisors}"
+                f"target_kv_heads={kv_heads} does not divide the source's n_head={source.n_head}; "
+                f"choose one of {divisors}"
             )
         options = {"n_kv_head": kv_heads}
     fields = asdict(source)
@@ -76,11 +76,16 @@ def target_config(source: ModelConfig, target: str, kv_heads: int | None) -> Mod
     return ModelConfig(**fields)
 
 
+def kv_head_count(cfg: ModelConfig) -> int:
+    """KV heads of the model cfg builds (its attention decides; read off the meta-device model)."""
+    return meta_model(cfg).blocks[0].attn.n_kv
+
+
 def convert_state_dict(
     state: dict[str, torch.Tensor], source: ModelConfig, target: ModelConfig, method: str = "mean"
 ) -> dict[str, torch.Tensor]:
     """Map a T6 state dict from the source (MHA) config to the target (GQA/MQA) config."""
-    groups = meta_model(target).blocks[0].attn.n_kv
+    groups = kv_head_count(target)
     out = {}
     for name, tensor in state.items():
         if name.endswith((".attn.k.weight", ".attn.v.weight")):
@@ -102,21 +107,27 @@ def load_training_checkpoint(path: str | Path) -> dict:
 
 
 def source_tokens(ckpt: dict) -> dict[str, int | None]:
-    """Training tokens behind a Lightning checkpoint: samples seen (steps x global batch) x seq_len.
-    None where the checkpoint does not record them (no data-module state and no run config)."""
+    """Training tokens behind a Lightning checkpoint: samples seen x seq_len. Samples: the data module's
+    position, else optimizer steps x the run config's global batch (t6.data.batching); None where the
+    checkpoint records neither (or its run's device count was not a number)."""
     run = ckpt.get("run_config") or {}
     data, trainer = run.get("data", {}), run.get("trainer", {})
     seq_len = int(data.get("seq_len") or ckpt["hyper_parameters"]["model_config"]["block_size"])
     samples = (ckpt.get("TokenDataModule") or {}).get("samples_seen")
-    if samples is None and data.get("batch_size") and "global_step" in ckpt:  # steps x global batch
-        devices = trainer.get("devices", 1)
-        samples = int(ckpt["global_step"]) * int(data.get("global_batch_size") or data["batch_size"] * (devices if isinstance(devices, int) else 1))
+    world = world_size(trainer.get("devices", 1), trainer.get("num_nodes", 1))
+    global_batch = data.get("global_batch_size")
+    if samples is None and "global_step" in ckpt and (global_batch or (data.get("batch_size") and world)):
+        samples = int(ckpt["global_step"]) * sequences_per_step(data.get("batch_size"), global_batch, world)
     return {"steps": ckpt.get("global_step"), "samples": samples, "seq_len": seq_len,
             "tokens": None if samples is None else int(samples) * seq_len}
 
 
 def convert_checkpoint(
-    ckpt_path: str | Path, target: str, target_kv_heads: int | None = None, method: str = "mean", out: str | Path | None = None
+    ckpt_path: str | Path,
+    target: str,
+    target_kv_heads: int | None = None,
+    method: str = "mean",
+    out: str | Path | None = None,
 ) -> dict:
     """Convert an MHA training checkpoint; returns the warm-start checkpoint and writes it to `out` when given."""
     ckpt = load_training_checkpoint(ckpt_path)
@@ -131,7 +142,7 @@ def convert_checkpoint(
         "format": WARM_START_FORMAT,
         "state_dict": new_state,
         "model_config": asdict(cfg),
-        "conversion": {"target": target, "kv_heads": meta_model(cfg).blocks[0].attn.n_kv, "method": method},
+        "conversion": {"target": target, "kv_heads": kv_head_count(cfg), "method": method},
         "source": {
             "ckpt_path": str(Path(ckpt_path).resolve()),
             "mlflow_run_id": ckpt.get("mlflow_run_id"),
@@ -159,92 +170,3 @@ def load_warm_start(path: str | Path) -> dict:
     cfg = ModelConfig(**ckpt["model_config"])
     check_weights(ckpt["state_dict"], cfg, f"init_from={path}")
     return ckpt
-
-
-MODEL_FIELDS = ("vocab_size", "block_size", "n_layer", "d_model", "n_head", "head_dim", "ffn_hidden")
-
-
-def adopt_model_config(cfg, model_cfg: dict) -> list[str]:
-    """Write a warm start's model shape into the composed config (size.* and attention.name/options),
-    so the run trains, logs and tags the model it really is. Returns the fields that changed."""
-    from omegaconf import open_dict
-
-    changed = []
-    with open_dict(cfg):
-        for name in MODEL_FIELDS:
-            if name == "ffn_hidden" and cfg.size.get(name) is None and model_cfg[name] == int(8 * model_cfg["d_model"] / 3):
-                continue  # null means the default width, which the checkpoint has
-            if cfg.size.get(name) != model_cfg[name]:
-                changed.append(f"size.{name}: {cfg.size.get(name)} -> {model_cfg[name]}")
-                cfg.size[name] = model_cfg[name]
-        options = dict(model_cfg["attention_options"])
-        current = dict(cfg.attention.get("options") or {})
-        if cfg.attention.name != model_cfg["attention"] or current != options:
-            changed.append(f"attention: {cfg.attention.name} {current} -> {model_cfg['attention']} {options}")
-            cfg.attention.name = model_cfg["attention"]
-            cfg.attention.options = options
-    from t6.config import model_config
-
-    built = asdict(model_config(cfg))
-    differ = [f"{k}={model_cfg.get(k)!r} (the config gives {v!r})" for k, v in built.items() if model_cfg.get(k) != v]
-    if differ:
-        raise ValueError("init_from: the converted model's config cannot be expressed by size/attention: " + ", ".join(differ))
-    return changed
-
-
-@lru_cache(maxsize=16)
-def _warm_start_meta(path: str, mtime: float) -> dict:
-    """A converted checkpoint's `source` and `source_run_config`, loaded once per file version
-    (the uptrain recipe's resolvers read both while the config is composed)."""
-    ckpt = read_checkpoint(path, "init_from", mmap=True)
-    return {"source": ckpt["source"], "run_config": ckpt.get("source_run_config") or {}}
-
-
-def converted_meta(init_from: str, needed_by: str) -> dict:
-    """`source` and `run_config` of the converted checkpoint `init_from`, for the recipe value `needed_by`."""
-    if not init_from:
-        raise ValueError(f"{needed_by} needs init_from=PATH, a checkpoint written by `python convert.py`")
-    path = Path(init_from)
-    if not path.is_file():
-        raise FileNotFoundError(f"init_from={init_from!r} does not exist")
-    return _warm_start_meta(str(path.resolve()), path.stat().st_mtime)
-
-
-def uptrain_steps(init_from: str, fraction: float, batch_size: int, global_batch_size: int | None, devices, seq_len: int) -> int:
-    """Optimizer steps that train on `fraction` of the source's tokens at this run's global batch and seq_len."""
-    if not 0 < float(fraction):
-        raise ValueError(f"uptrain_fraction={fraction} must be positive")
-    source = converted_meta(init_from, "uptrain_fraction")["source"]
-    if not source.get("tokens"):
-        raise ValueError(
-            f"init_from={init_from!r}: its source checkpoint does not record how many tokens it was trained on; "
-            "set trainer.max_steps instead of uptrain_fraction"
-        )
-    world = devices if isinstance(devices, int) else 1
-    if not global_batch_size and batch_size == "auto":
-        raise ValueError("uptrain_fraction with data.batch_size=auto needs data.global_batch_size (the tokens per step)")
-    tokens_per_step = int(global_batch_size or batch_size * world) * int(seq_len)
-    return max(1, math.ceil(float(fraction) * source["tokens"] / tokens_per_step))
-
-
-def source_lr(init_from: str, key: str = "min_lr", factor: float = 1.0) -> float:
-    """factor x the source run's lr_ablation.<key> (min_lr: the learning rate its schedule ended at),
-    read from the converted checkpoint `init_from`."""
-    run = converted_meta(init_from, f"lr_ablation.{key} from the source")["run_config"]
-    value = (run.get("lr_ablation") or {}).get(key)
-    if value is None:
-        raise ValueError(f"init_from={init_from!r}: its source run config records no lr_ablation.{key}; "
-                         "set lr_ablation.max_lr and lr_ablation.min_lr explicitly")
-    return float(value) * float(factor)
-
-
-@torch.no_grad()
-def validation_loss(model: T6, loader) -> float:
-    """Mean next-token cross-entropy of model over a loader of (input [B, T], target [B, T]) batches."""
-    model.eval()
-    total, count = 0.0, 0
-    for x, y in loader:
-        logits = model(x)  # [B, T, vocab]
-        total += torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum").item()
-        count += y.numel()
-    return total / count

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, open_dict
 
+import t6.uptrain.recipe  # noqa: F401  (registers the uptrain recipe's resolvers: experiment=uptrain composes)
 from t6.config import conf_dir, model_config
 from t6.model import ModelConfig
 from t6.model.attention import get_attention_class, select

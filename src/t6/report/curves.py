@@ -5,32 +5,32 @@ from __future__ import annotations
 
 import statistics
 
+from t6.data.batching import sequences_per_step, world_size
 from t6.report.runs import RunData
 
 CURVES = {"train/loss": "Training loss", "val/loss": "Validation loss", "val/ppl": "Validation perplexity"}
 
 
 def tokens_per_step(params: dict[str, str]) -> int:
-    """Training tokens per optimizer step: global batch (data.global_batch_size, else data.batch_size
-    x trainer.devices x trainer.num_nodes) x data.seq_len. Raises KeyError naming the missing params."""
+    """Training tokens per optimizer step, from a run's logged params: the global batch
+    (t6.data.batching.sequences_per_step) x data.seq_len. Raises KeyError naming what is missing."""
 
     def get(key: str) -> str | None:
         value = params.get(key)
         return None if value in (None, "None", "null", "") else value
 
-    seq_len, global_batch = get("data.seq_len"), get("data.global_batch_size")
-    missing = [] if seq_len else ["data.seq_len"]
-    if global_batch is None:
-        batch, devices = get("data.batch_size"), get("trainer.devices")
-        if batch is None:
-            missing.append("data.batch_size (or data.global_batch_size)")
-        if devices is None or not str(devices).isdigit():
-            missing.append(f"trainer.devices as a number (got {devices!r}; or data.global_batch_size)")
-        if not missing:
-            global_batch = int(batch) * int(devices) * int(get("trainer.num_nodes") or 1)
-    if missing:
-        raise KeyError("cannot compute tokens per step: missing params " + ", ".join(missing))
-    return int(global_batch) * int(seq_len)
+    seq_len, global_batch, batch = get("data.seq_len"), get("data.global_batch_size"), get("data.batch_size")
+    devices = get("trainer.devices")
+    processes = world_size(int(devices), int(get("trainer.num_nodes") or 1)) if str(devices).isdigit() else None
+    if seq_len is None or (batch is None and global_batch is None):
+        raise KeyError("cannot compute tokens per step: missing param " + ("data.seq_len" if seq_len is None else
+                                                                           "data.batch_size or data.global_batch_size"))
+    try:
+        sequences = sequences_per_step(int(batch) if batch and batch.isdigit() else batch,
+                                       None if global_batch is None else int(global_batch), processes)
+    except ValueError as err:
+        raise KeyError(f"cannot compute tokens per step from the run's params: {err}") from None
+    return sequences * int(seq_len)
 
 
 def curve(runs: list[RunData], key: str) -> tuple[list[float], list[float], list[float]] | None:

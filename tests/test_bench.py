@@ -56,15 +56,3 @@ def test_all_covers_every_registered_mechanism_and_its_cache_fact_holds(kv_all, 
     assert r["kv_cache_bytes_per_token"] == 4 * r["n_layer"] * r["elements_per_token_layer"]  # fp32
 
 
-def test_a_mechanism_registered_without_a_yaml_is_benchmarked_parameter_matched():
-    name = "bench_test_mha_copy"
-    assert not (conf_dir() / "attention" / f"{name}.yaml").exists()
-    register(name)(type("MHACopy", (get_attention_class("mha"),), {}))
-    try:
-        assert name in common.attention_names("all")
-        configs = common.model_configs(["mha", name], "tiny")
-        assert configs[name].attention == name and configs[name].n_head == configs["mha"].n_head  # same layer
-        assert configs[name].d_model == configs["mha"].d_model and configs[name].n_layer == configs["mha"].n_layer
-    finally:
-        del registry[name]
-    assert name not in available()

@@ -48,30 +48,6 @@ def compose(config_name: str, overrides: list[str] | tuple[str, ...] = (), runti
     return cfg
 
 
-def attention_params(cfg: ModelConfig) -> int:
-    """Parameters of one attention layer (built on the meta device, nothing allocated)."""
-    with torch.device("meta"):
-        module = get_attention_class(cfg.attention)(cfg)
-    return sum(p.numel() for p in module.parameters())
-
-
-def matched_heads(base: ModelConfig) -> int:
-    """The head count whose attention layer (base's mechanism and options) has the parameter count
-    closest to MHA's at base's width (h = d_model / d_h)."""
-    mha = dataclasses.replace(base, attention="mha", attention_options={}, n_head=base.d_model // base.head_dim)
-    target = attention_params(mha)
-    best = None
-    for h in range(1, 4 * base.d_model // base.head_dim + 1):
-        try:
-            cfg = dataclasses.replace(base, n_head=h)
-        except ValueError:  # e.g. h not divisible by the KV groups
-            continue
-        gap = abs(attention_params(cfg) - target)
-        if best is None or gap < best[0]:
-            best = (gap, h)
-    return best[1]
-
-
 def check_size(size: str) -> None:
     sizes = sorted(p.stem for p in (conf_dir() / "size").glob("*.yaml"))
     if size not in sizes:
@@ -82,10 +58,6 @@ def model_config_of(name: str, size: str, overrides: list[str] | tuple[str, ...]
     """The ModelConfig of mechanism `name` at `size` (Hydra overrides such as size.n_layer=2 apply)."""
     check_size(size)
     get_attention_class(name)  # KeyError naming the registered mechanisms
-    if not (conf_dir() / "attention" / f"{name}.yaml").exists():  # registered, no YAML: default options
-        width = model_config(compose("summary", ["attention=mha", f"size={size}", *overrides]))
-        base = dataclasses.replace(width, attention=name, attention_options={})
-        return dataclasses.replace(base, n_head=matched_heads(base))
     return model_config(compose("summary", [f"attention={name}", f"size={size}", *overrides]))
 
 

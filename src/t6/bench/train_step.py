@@ -43,9 +43,7 @@ def bench_one(mcfg: ModelConfig, args: argparse.Namespace, device: str) -> tuple
     for _ in range(args.warmup):
         step()
     times = [time_call(step, 1, device) for _ in range(args.steps)]
-    params = model.num_params()
-    del model, opt
-    return times, params
+    return times, model.num_params()
 
 
 def run(args: argparse.Namespace) -> list[dict]:

@@ -9,28 +9,17 @@ from omegaconf import OmegaConf
 
 from t6.config import model_config
 from t6.model import T6
+from t6.model.attention import PAPER as PAPER_SIX
 
 from conftest import CONF
 
 RECIPES = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 PAPER = {"paper_small": ("small", 6e-4, 3e-5), "paper_medium": ("medium", 3e-4, 3e-5),
          "paper_large": ("large", 2e-4, 1e-5), "paper_xl": ("xl", 2e-4, 1e-5), "lr_ablation_medium": ("medium", 6e-4, 3e-5)}
-SIX = ["mha", "mqa", "gqa", "mla", "tpa_kvonly", "tpa"]
-
-
-def recipe_options(name: str) -> list[str]:
-    """The group options a recipe's defaults list names ("data/fineweb_edu", ...)."""
-    defaults = OmegaConf.load(CONF / "experiment" / f"{name}.yaml").defaults
-    return [f"{k.split('/')[-1]}/{v}" for entry in defaults for k, v in entry.items()]
+SIX = list(PAPER_SIX)
 
 
 def compose_recipe(name: str, *overrides: str):
-    chosen = {o.split("=")[0] for o in overrides}
-    lacking = [o for o in recipe_options(name) if o.split("/")[0] not in chosen and not (CONF / f"{o}.yaml").is_file()]
-    lacking += [f"attention/{o.split('=')[1]}" for o in overrides
-                if o.startswith("attention=") and not (CONF / "attention" / f"{o.split('=')[1]}.yaml").is_file()]
-    if lacking:
-        pytest.skip(f"experiment={name} needs conf/{', conf/'.join(lacking)}.yaml, not in this checkout")
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return compose("train", overrides=[f"experiment={name}", *overrides], return_hydra_config=True)
@@ -45,8 +34,10 @@ def test_recipe_documents_itself(name):
     assert text.startswith("# @package _global_\n")
     for word in ("Reproduces:", "Hardware:", "Expected duration:"):
         assert word in text, f"conf/experiment/{name}.yaml lacks a '{word}' comment"
-    if name not in SINGLE_RUN:  # the paper's studies sweep the six attentions
-        assert OmegaConf.load(CONF / "experiment" / f"{name}.yaml").hydra.sweeper.params.attention.split(",") == SIX
+    if name not in SINGLE_RUN:  # the paper's studies sweep the six attentions, and others join by an override
+        assert compose_recipe(name).hydra.sweeper.params.attention.split(",") == SIX
+        joined = compose_recipe(name, "compare=[paper,tpa_nc_a]").hydra.sweeper.params.attention
+        assert joined.split(",") == [*SIX, "tpa_nc_a"]
 
 
 @pytest.mark.parametrize("name", sorted(PAPER))
@@ -84,14 +75,12 @@ def test_last_link_points_at_the_newest_checkpoint_and_resumes(make_cfg, tmp_pat
 
 def test_cpu_comparison_sweeps_six_attentions_and_three_seeds_at_one_budget():
     spec = OmegaConf.load(CONF / "experiment" / "cpu_comparison.yaml")
-    assert spec.hydra.sweeper.params.attention.split(",") == SIX
+    assert compose_recipe("cpu_comparison").hydra.sweeper.params.attention.split(",") == SIX
     assert len(str(spec.hydra.sweeper.params.seed).split(",")) >= 3
     assert {"override /eval": "local"} in spec.defaults
-    present = [a for a in SIX if (CONF / "attention" / f"{a}.yaml").is_file()]
-    eval_ok = (CONF / "eval" / "local.yaml").is_file()
     tokens, params = {}, {}
-    for attention in present:
-        cfg = compose_recipe("cpu_comparison", f"attention={attention}", *([] if eval_ok else ["eval=none"]))
+    for attention in SIX:
+        cfg = compose_recipe("cpu_comparison", f"attention={attention}")
         assert cfg.size.name == "tiny" and cfg.data.embedded and cfg.experiment_name == "cpu_comparison"
         tokens[attention] = cfg.trainer.max_steps * cfg.data.batch_size * cfg.data.seq_len
         params[attention] = T6(model_config(cfg)).num_params(non_embedding=True)

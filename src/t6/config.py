@@ -13,7 +13,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from t6.model import ModelConfig
-from t6.model.attention import available, get_mechanism
+from t6.model.attention import available, get_mechanism, select
 
 
 def _abspath(path: str) -> str:
@@ -24,9 +24,18 @@ def _ceil_mul(value: float, factor: float) -> int:
     return math.ceil(float(value) * float(factor))
 
 
+def _attentions(*spec) -> str:
+    """${t6.attentions:${compare}} or ${t6.attentions:paper,gta}: the mechanisms a spec selects
+    (t6.model.attention.select: names, `paper`, `all`), as a sweep's comma-separated choices."""
+    items = [str(i) for s in spec for i in (s if OmegaConf.is_list(s) or isinstance(s, list) else [s])]
+    return ",".join(select(items))
+
+
 def register_resolvers() -> None:
     if not OmegaConf.has_resolver("t6.abspath"):
         OmegaConf.register_new_resolver("t6.abspath", _abspath)
+    if not OmegaConf.has_resolver("t6.attentions"):
+        OmegaConf.register_new_resolver("t6.attentions", _attentions)  # recipes' sweeps: ${t6.attentions:paper}
     if not OmegaConf.has_resolver("t6.ceil_mul"):
         OmegaConf.register_new_resolver("t6.ceil_mul", _ceil_mul)  # ${t6.ceil_mul:x,f} = ceil(x * f), e.g. warmup steps
 

@@ -10,21 +10,15 @@ import mlflow
 import pytest
 import torch
 
-from conftest import TEST_RUN
 from t6.model import T6, ModelConfig
+from t6.model.loss import mean_loss
 from t6.train import train
 from t6.uptrain.convert import convert_checkpoint, convert_state_dict, load_warm_start, pool_heads, target_config
 from t6.uptrain.recipe import source_lr, uptrain_steps
 
+from conftest import TEST_RUN
+
 SMALL = dict(vocab_size=512, block_size=32, n_layer=2, d_model=64, n_head=4, head_dim=16)
-
-
-@torch.no_grad()
-def validation_loss(model: T6, loader) -> float:
-    """The model's mean next-token loss over a loader of (input [B, T], target [B, T]) batches, per token."""
-    model.eval()
-    losses = [(model(x, targets=y).item(), y.numel()) for x, y in loader]  # (mean over the batch's B*T tokens, B*T)
-    return sum(loss * n for loss, n in losses) / sum(n for _, n in losses)
 
 
 def random_mha(seed: int = 0) -> T6:
@@ -139,7 +133,7 @@ def test_converted_model_is_close_to_its_source_and_uptrains(make_cfg, tmp_path)
     last = Path(source["trainer"].checkpoint_callback.dirpath) / "last.ckpt"
     loader = source["datamodule"].val_dataloader()
     mha = source["model"].model
-    src_loss = validation_loss(mha, loader)
+    src_loss = mean_loss(mha, loader)
 
     out = tmp_path / "gqa2.ckpt"
     ckpt = convert_checkpoint(last, "gqa", 2, out=out)
@@ -147,9 +141,9 @@ def test_converted_model_is_close_to_its_source_and_uptrains(make_cfg, tmp_path)
     assert ckpt["source"]["tokens"] == 40 * 4 * 64  # steps x batch x seq_len
     gqa = T6(ModelConfig(**ckpt["model_config"]))
     gqa.load_state_dict(ckpt["state_dict"])
-    conv_loss = validation_loss(gqa, loader)
+    conv_loss = mean_loss(gqa, loader)
     torch.manual_seed(0)
-    rand_loss = validation_loss(T6(ModelConfig(**ckpt["model_config"])), loader)
+    rand_loss = mean_loss(T6(ModelConfig(**ckpt["model_config"])), loader)
     assert math.isfinite(conv_loss)
     assert rand_loss - src_loss > 2.0  # the source learned something
     assert abs(conv_loss - src_loss) < 0.25 * (rand_loss - src_loss)  # converted: much closer to the source than random

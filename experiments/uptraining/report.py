@@ -20,6 +20,7 @@ from t6.data.datamodule import TokenDataModule
 from t6.model import T6, ModelConfig
 from t6.model.facts import kv_bytes_per_token, kv_cache_spec
 from t6.model.load import load_model, model_state, read_checkpoint
+from t6.model.loss import mean_loss
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,14 +32,6 @@ def kv_heads(cfg: ModelConfig) -> int:
         raise ValueError(f"attention={cfg.attention!r} caches {sorted(spec)}, not K/V heads; "
                          "uptraining reports cover mha / gqa / mqa runs")
     return spec["k"][0]
-
-
-@torch.no_grad()
-def validation_loss(model: T6, loader) -> float:
-    """The model's mean next-token loss over a loader of (input [B, T], target [B, T]) batches, per token."""
-    model.eval()
-    losses = [(model(x, targets=y).item(), y.numel()) for x, y in loader]  # (mean over the batch's B*T tokens, B*T)
-    return sum(loss * n for loss, n in losses) / sum(n for _, n in losses)
 
 
 def decode_speeds(configs: list[ModelConfig], contexts: list[int]) -> dict[tuple, dict[int, float]]:
@@ -90,7 +83,7 @@ def main() -> None:
     source_cfg, source_state = model_state(source_ckpt, "source checkpoint", source_path)
     mha = T6(source_cfg)
     mha.load_state_dict(source_state)
-    source_loss = validation_loss(mha, loader)
+    source_loss = mean_loss(mha, loader)
     source_tokens = source_ckpt["TokenDataModule"]["samples_seen"] * source_ckpt["run_config"]["data"]["seq_len"]
 
     rows = []
@@ -110,9 +103,9 @@ def main() -> None:
     converted = []
     for path in sorted((runs_dir / "converted").glob("*.ckpt")):
         model = load_model(path, "converted checkpoint")
-        converted.append((path.stem, model.cfg, validation_loss(model, loader)))
+        converted.append((path.stem, model.cfg, mean_loss(model, loader)))
     torch.manual_seed(0)
-    random_loss = validation_loss(T6(ModelConfig(**converted[0][1].__dict__)), loader) if converted else float("nan")
+    random_loss = mean_loss(T6(ModelConfig(**converted[0][1].__dict__)), loader) if converted else float("nan")
 
     def kv(cfg: ModelConfig) -> str:
         return f"{kv_bytes_per_token(cfg):,}"  # all layers, bf16 caches, as served

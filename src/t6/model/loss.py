@@ -109,3 +109,11 @@ def linear_cross_entropy(
         n_valid = _count(targets)  # evaluation: the loss alone, chunk by chunk
         chunks = zip(h.split(chunk_tokens), targets.split(chunk_tokens))
         return sum(_chunk_terms(hc, weight, yc, n_valid, need_grad=False)[0] for hc, yc in chunks) / n_valid
+
+
+@torch.no_grad()
+def mean_loss(model, batches) -> float:
+    """A model's mean next-token loss per token over batches of (input [B, T], target [B, T])."""
+    model.eval()
+    losses = [(model(x, targets=y).item(), y.numel()) for x, y in batches]  # (mean over the batch's B*T tokens, B*T)
+    return sum(loss * n for loss, n in losses) / sum(n for _, n in losses)

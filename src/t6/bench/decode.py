@@ -24,30 +24,8 @@ import torch
 
 from t6.bench.common import (DTYPES, common_args, environment, ints, layer_args, layer_kv_bytes_per_token, median,
                              model_configs, parse, ratios_to_mha, table, time_call, write_json)
+from t6.model.facts import decode_flops_per_cached_token
 from t6.model.t6 import Block
-
-def flops_per_cached_token(cfg) -> int:
-    """FLOPs (2 per multiply-add) one new token spends per cached token in one layer, batch row
-    and decode step: the part of decoding that grows with the context.
-
-    MHA/GQA/MQA  4 h d_h                               (q . k and p v for every query head)
-    MLA          2 h (d_c + d_rope) + 2 h d_c          (absorbed: scores on the latent, latent averaged)
-    TPA          2 (R_Q R_K d_h + R_Q R_K h + R_K h + R_V h + h R_V d_h)   (scores from the query's factors)
-    TPA-KVonly   2 (h R_K d_h + R_K h + R_V h + h R_V d_h)                 (full query against B_K)
-    """
-    h, d, o = cfg.n_head, cfg.head_dim, cfg.attention_options or {}
-    if cfg.attention in ("mha", "gqa", "mqa"):
-        return 4 * h * d
-    if cfg.attention == "mla":
-        d_c, d_r = o.get("kv_lora_rank", 256), o.get("rope_dim", 32)
-        return 2 * h * (d_c + d_r) + 2 * h * d_c
-    r_q, r_k, r_v = o.get("q_rank", 6), o.get("k_rank", 2), o.get("v_rank", 2)
-    if cfg.attention == "tpa_kvonly":
-        return 2 * (h * r_k * d + r_k * h + r_v * h + h * r_v * d)
-    if cfg.attention in ("tpa", "tpa_sigmoid", "tpa_softmax"):
-        return 2 * (r_q * r_k * d + r_q * r_k * h + r_k * h + r_v * h + h * r_v * d)
-    return None
-
 
 def machine_limits(seconds: float = 0.5) -> tuple[float, float]:
     """(copy bandwidth GB/s, fp32 matmul GFLOP/s) of this CPU with the current thread count,
@@ -64,8 +42,6 @@ def add_roofline(records: list[dict], bandwidth_gbs: float, peak_gflops: float) 
     """Per record: the time the bytes and FLOPs per cached token allow at this machine's limits
     (max of the two), and the fraction of it reached."""
     for r in records:
-        if r.get("flops_per_cached_token") is None:
-            continue
         tokens = r["context"] * r["batch"]
         bound = max(tokens * r["kv_cache_bytes_per_token"] / (bandwidth_gbs * 1e9),
                     tokens * r["flops_per_cached_token"] / (peak_gflops * 1e9))
@@ -106,7 +82,7 @@ def measure(configs: dict, contexts: list[int], *, batch: int = 1, scope: str = 
             "options": cfg.attention_options,
             "layer_params": sum(p.numel() for p in attn.parameters()),
             "kv_cache_bytes_per_token": layer_kv_bytes_per_token(cfg, dtype),
-            "flops_per_cached_token": flops_per_cached_token(cfg),
+            "flops_per_cached_token": round(decode_flops_per_cached_token(cfg)),
         }
     records = []
     for context in contexts:

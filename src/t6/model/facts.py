@@ -8,6 +8,7 @@ on the meta device: shapes only, no memory, no compute.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
@@ -53,6 +54,28 @@ def flops_per_token(cfg: ModelConfig | T6, seq_len: int | None = None, training:
     model = cfg if isinstance(cfg, T6) else meta_model(cfg)
     seq_len = seq_len or model.cfg.block_size
     return train_flops(model, seq_len) if training else forward_flops_per_token(model, seq_len)
+
+
+def decode_flops_per_cached_token(cfg: ModelConfig | T6) -> float:
+    """FLOPs one new token spends per cached token in one layer and batch row (the part of a decode
+    step that grows with the context), counted by torch.utils.flop_counter as the difference of two
+    cached decode steps (64 and 128 cached tokens) through the mechanism's own decode path, on one
+    attention layer built on the CPU (matmuls and attention; elementwise work is not counted)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from t6.model.attention import get_attention_class
+
+    model_cfg = replace(cfg.cfg if isinstance(cfg, T6) else cfg, n_layer=1, block_size=129)
+    attn = get_attention_class(model_cfg.attention)(model_cfg)
+    counts = []
+    for context in (64, 128):
+        cache = attn.build_kv_cache(1, context + 1)
+        counter = FlopCounterMode(display=False)
+        with counter, sdpa_kernel(SDPBackend.MATH):  # (no no_grad: the counter's module hooks reject it)
+            attn(torch.zeros(1, 1, model_cfg.d_model), torch.tensor([context]), cache)  # one new token
+        counts.append(counter.get_total_flops())
+    return (counts[1] - counts[0]) / 64
 
 
 def model_facts(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:

@@ -12,7 +12,7 @@ import torch
 from t6.config import model_config
 from t6.model import T6
 from t6.model.attention import available, get_attention_class
-from t6.model.facts import kv_elements_per_token, meta_model
+from t6.model.facts import decode_flops_per_cached_token, kv_elements_per_token, meta_model
 from t6.summary import summarize
 from t6.train import train
 
@@ -152,3 +152,13 @@ def test_every_option_trains(attention, make_cfg):
     loss = [m.value for m in client.get_metric_history(objects["mlflow"].run_id, "train/loss")]
     assert len(loss) == 12 and all(math.isfinite(v) for v in loss)
     assert sum(loss[-3:]) / 3 < sum(loss[:3]) / 3 - 0.5, loss
+
+
+@pytest.mark.parametrize("attention", ["mha", "gqa", "mla"])
+def test_decode_flops_per_cached_token_are_the_attention_formulas(attention, tmp_path):
+    """Counted on the mechanism's decode path: q.k and p.v per query head (4 h d_h), or MLA's absorbed
+    scores over the latent and its RoPE key plus the averaged latent (2h(d_c + d_rope) + 2h d_c)."""
+    cfg = model_config(compose_config([f"attention={attention}", "size=medium"], tmp_path))
+    h, d, o = cfg.n_head, cfg.head_dim, cfg.options()
+    expected = 2 * h * (o.kv_lora_rank + o.rope_dim) + 2 * h * o.kv_lora_rank if attention == "mla" else 4 * h * d
+    assert decode_flops_per_cached_token(cfg) == expected

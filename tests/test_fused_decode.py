@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_inference import NAMES, tiny
 
 from t6.model.attention import fused_decode
-from t6.model.attention.fused_decode import (latent_decode, reference_latent_decode, reference_tpa_decode,
-                                             tpa_decode)
+from t6.model.attention.fused_decode import latent_decode, reference_latent_decode, reference_tpa_decode, tpa_decode
 from t6.model.t6 import left_pad
-
-from test_inference import NAMES, recompute_greedy, tiny
 
 LENGTHS = [2, 31, 32, 33, 100, 257]  # around the C++ kernel's 32-token blocks and its thread split
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
@@ -95,7 +93,7 @@ def test_operators_are_registered_with_schema_and_fake_implementations():
     assert meta.shape == (2, 7, 16)
 
 
-FUSED = [n for n in NAMES if n in ("tpa", "tpa_kvonly", "tpa_sigmoid", "tpa_softmax", "mla")]
+FUSED = ["tpa", "tpa_kvonly", "tpa_sigmoid", "tpa_softmax", "mla"]
 
 
 @pytest.mark.parametrize("name", FUSED)
@@ -115,13 +113,12 @@ def test_fused_layer_decoding_equals_the_eager_path(name):
     torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [n for n in NAMES if get_attention_class(n).supports_key_mask])
 def test_bf16_cached_decoding_of_a_padded_batch_follows_recomputation(name):
     """bf16 weights and caches, prompts of different lengths: every cached step's logits are
-    those of recomputing the row alone without a cache (within bf16 rounding)."""
+    those of recomputing the row alone without a cache (within bf16 rounding). Mechanisms without
+    padding masks refuse such batches (tests/test_inference.py)."""
     model = tiny(name).to(torch.bfloat16)
-    if not model.blocks[0].attn.supports_key_mask:
-        pytest.skip(f"{name} does not honour padding masks")
     prompts = [[5, 9, 2], [7, 1, 4, 4, 8, 3, 2], [11]]
     idx, mask = left_pad(prompts)
     out = model.generate(idx, 5, temperature=0, prompt_mask=mask)

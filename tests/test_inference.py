@@ -122,7 +122,7 @@ def test_padding_mask_must_be_left_padding_and_supported(monkeypatch):
 
 
 def test_sampling_settings_and_stop_tokens():
-    model = tiny("tpa" if "tpa" in NAMES else NAMES[0])
+    model = tiny("tpa")
     prompt = torch.randint(0, 256, (3, 4))
     greedy = model.generate(prompt, 8, temperature=0)
     gen = torch.Generator().manual_seed(0)

@@ -18,20 +18,12 @@ import torch
 from t6.bench.decode import measure
 from t6.data.datamodule import TokenDataModule
 from t6.model import T6, ModelConfig
-from t6.model.facts import kv_bytes_per_token, kv_cache_spec
+from t6.model.facts import kv_bytes_per_token
 from t6.model.load import load_model, model_state, read_checkpoint
 from t6.model.loss import mean_loss
+from t6.uptrain.convert import kv_head_count
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def kv_heads(cfg: ModelConfig) -> int:
-    """KV heads of an MHA / GQA / MQA model: the heads of the K it caches per token."""
-    spec = kv_cache_spec(cfg)  # {"k": (n_kv_head, head_dim), "v": (n_kv_head, head_dim)}
-    if "k" not in spec:
-        raise ValueError(f"attention={cfg.attention!r} caches {sorted(spec)}, not K/V heads; "
-                         "uptraining reports cover mha / gqa / mqa runs")
-    return spec["k"][0]
 
 
 def decode_speeds(configs: list[ModelConfig], contexts: list[int]) -> dict[tuple, dict[int, float]]:
@@ -39,7 +31,7 @@ def decode_speeds(configs: list[ModelConfig], contexts: list[int]) -> dict[tuple
     among `configs` (keyed by attention, query heads, KV heads), timed interleaved in one run."""
     shapes = {}
     for cfg in configs:
-        key = (cfg.attention, cfg.n_head, kv_heads(cfg))
+        key = (cfg.attention, cfg.n_head, kv_head_count(cfg))
         shapes.setdefault(key, cfg)
     named = {("mha" if key[0] == "mha" else f"{key[0]}{key[2]}"): (key, cfg) for key, cfg in shapes.items()}
     records = measure({name: cfg for name, (_, cfg) in named.items()}, contexts, steps=50, rounds=7, warmup=20, verbose=False)
@@ -114,7 +106,7 @@ def main() -> None:
     speeds = decode_speeds([r[1] for r in rows] + [c[1] for c in converted], contexts)
 
     def decode(cfg: ModelConfig) -> list[str]:
-        return [f"{speeds[(cfg.attention, cfg.n_head, kv_heads(cfg))][c]:,.0f}" for c in contexts]
+        return [f"{speeds[(cfg.attention, cfg.n_head, kv_head_count(cfg))][c]:,.0f}" for c in contexts]
 
     def number(value: float | None, fmt: str) -> str:
         return "-" if value is None else format(value, fmt)
@@ -140,7 +132,7 @@ def main() -> None:
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(contexts) + "---|",
     ]
     for name, cfg, steps, tokens, total, (val, zero, two), run_id in rows:
-        lines.append(f"| {name} | {cfg.attention} | {kv_heads(cfg)} | {steps} | {tokens:,} | {total:,} | {number(val, '.4f')} | "
+        lines.append(f"| {name} | {cfg.attention} | {kv_head_count(cfg)} | {steps} | {tokens:,} | {total:,} | {number(val, '.4f')} | "
                      f"{number(zero, '.3f')} | {number(two, '.3f')} | {kv(cfg)} | {' | '.join(decode(cfg))} | `{run_id}` |")
     lines += [
         "",
@@ -152,7 +144,7 @@ def main() -> None:
         "|---|---|---:|---:|---:|---:|",
     ]
     for name, cfg, loss in converted:
-        lines.append(f"| {name} | {cfg.attention} | {kv_heads(cfg)} | {loss:.4f} | {loss - source_loss:+.4f} | {kv(cfg)} |")
+        lines.append(f"| {name} | {cfg.attention} | {kv_head_count(cfg)} | {loss:.4f} | {loss - source_loss:+.4f} | {kv(cfg)} |")
     lines.append("")
     Path(args.out).write_text("\n".join(lines))
     print("\n".join(lines))

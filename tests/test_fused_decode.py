@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_inference import NAMES, tiny
 
-from t6.model.attention import fused_decode
+from t6.model.attention import fused_decode, get_attention_class
 from t6.model.attention.fused_decode import latent_decode, reference_latent_decode, reference_tpa_decode, tpa_decode
 from t6.model.t6 import left_pad
 

@@ -93,7 +93,7 @@ def test_operators_are_registered_with_schema_and_fake_implementations():
     assert meta.shape == (2, 7, 16)
 
 
-FUSED = ["tpa", "tpa_kvonly", "tpa_sigmoid", "tpa_softmax", "mla"]
+FUSED = [n for n in NAMES if hasattr(get_attention_class(n), "fused_decode")]  # mechanisms with a fused decode path
 
 
 @pytest.mark.parametrize("name", FUSED)

@@ -16,7 +16,8 @@ Cached per token and layer: the n normalized latent heads and the rotated shared
 n d_c + d_rope numbers. The paper's GLA-2 takes d_c = 2 d_h per latent head against MLA's
 4 d_h, so both cache the same amount; a device holding one group's heads reads only its latent
 head (d_c + d_rope), which is what makes GLA shard under tensor parallelism where MLA duplicates
-its one latent on every device. With n = 1 GLA is exactly MLA (same weights, same outputs).
+its one latent on every device. With n = 1 GLA is exactly MLA: the same weights (MLA's kv_norm is
+kv_norm.0 here) give the same outputs, cached and uncached.
 
 Decoding with a cache uses MLA's absorbed form per latent head: head i folds its W_UK^(i) into
 its query (a d_c-wide query that scores c_j directly), attention averages c_j, and W_UV^(i)

@@ -1,0 +1,151 @@
+"""Grouped Latent Attention (GLA, Zadouri, Strauss & Dao 2025, arXiv 2505.21487).
+
+MLA (mla.py) whose KV latent is split into n latent heads, each of width d_c, and whose h query
+heads are split into n contiguous groups of g = h / n: group j's keys and values are expanded
+from latent head j only (GLA-2: n = 2). Queries and the decoupled RoPE key are MLA's:
+
+    c_q  = RMSNorm(W_DQ x)                            [d_cq]
+    q    = W_UQ c_q  -> per head [q_nope (d_nope) | q_rope (d_rope)]
+    c_1 .. c_n, k_rope = split(W_DKV x)               n x [d_c], [d_rope]  (k_rope shared by all heads)
+    c_j  = RMSNorm_j(c_j)                             one norm per latent head
+    head i in group j = i // g:
+        k_nope_i, v_i = split(W_UKV^(i) c_j)          [d_nope], [d_v]   (W_UKV^(i): [d_nope + d_v, d_c])
+        softmax([q_nope_i | R_t q_rope_i] . [k_nope_i | R_s k_rope] / sqrt(d_nope + d_rope)) v_i
+
+Cached per token and layer: the n normalized latent heads and the rotated shared key,
+n d_c + d_rope numbers. The paper's GLA-2 takes d_c = 2 d_h per latent head against MLA's
+4 d_h, so both cache the same amount; a device holding one group's heads reads only its latent
+head (d_c + d_rope), which is what makes GLA shard under tensor parallelism where MLA duplicates
+its one latent on every device. With n = 1 GLA is exactly MLA: the same weights (MLA's kv_norm is
+kv_norm.0 here) give the same outputs, cached and uncached.
+
+Decoding with a cache uses MLA's absorbed form per latent head: head i folds its W_UK^(i) into
+its query (a d_c-wide query that scores c_j directly), attention averages c_j, and W_UV^(i)
+expands the result, so per-head keys and values are never materialized. Training (no cache)
+uses the explicit up-projections. Both are the same function (tests/test_model.py checks it).
+
+Initialization: N(0, init_std) on every projection, ones on the norms, zero W_O (`Attention.init_weights`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from t6.model.attention.base import Attention, KVCache, register
+from t6.model.attention.fused_decode import latent_decode
+from t6.model.attention.mla import MLAOptions
+from t6.model.config import ModelConfig
+from t6.model.layers import Rotary
+
+
+@dataclass
+class GLAOptions(MLAOptions):
+    kv_lora_rank: int = 128  # d_c, the width of each cached latent head
+    n_latent_heads: int = 2  # n, latent heads; must divide size.n_head (1: MLA)
+
+    def problems(self, cfg: ModelConfig) -> list[str]:
+        problems = super().problems(cfg)
+        if not problems and cfg.n_head % self.n_latent_heads:
+            problems.append(f"size.n_head={cfg.n_head} must be divisible by "
+                            f"attention.options.n_latent_heads={self.n_latent_heads}")
+        return problems
+
+
+@register("gla")
+class GroupedLatentAttention(Attention):
+    Options = GLAOptions
+    supports_key_mask = True
+    # Latent heads cached [B, n, max_len, d_c]: each latent head's tokens contiguous, so a group
+    # reads its own latent as one block (and the fused operator takes it as a strided view).
+    head_major_cache = ("c_kv",)
+    # As MultiHeadLatentAttention.fused_decode: True runs t6::latent_decode once per latent head on
+    # single-token cached steps, False the eager absorbed form, None fused on CUDA only.
+    fused_decode: bool | None = None
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        o, h = self.opts, cfg.n_head
+        self.n_lat, self.d_cq, self.d_c, self.d_rope = o.n_latent_heads, o.q_lora_rank, o.kv_lora_rank, o.rope_dim
+        self.group = h // self.n_lat  # g, query heads per latent head
+        self.d_nope = o.nope_dim or cfg.head_dim  # per-head no-RoPE query/key width
+        self.d_v = o.v_dim or cfg.head_dim
+        self.q_down = nn.Linear(cfg.d_model, self.d_cq, bias=False)  # W_DQ
+        self.q_norm = nn.RMSNorm(self.d_cq, eps=cfg.norm_eps)
+        self.q_up = nn.Linear(self.d_cq, h * (self.d_nope + self.d_rope), bias=False)  # W_UQ and W_QR
+        self.kv_down = nn.Linear(cfg.d_model, self.n_lat * self.d_c + self.d_rope, bias=False)  # W_DKV and W_KR
+        self.kv_norm = nn.ModuleList(nn.RMSNorm(self.d_c, eps=cfg.norm_eps) for _ in range(self.n_lat))
+        # W_UK and W_UV of every head, each reading d_c numbers: rows of head i apply to latent head i // g.
+        self.kv_up = nn.Linear(self.d_c, h * (self.d_nope + self.d_v), bias=False)
+        self.out = nn.Linear(h * self.d_v, cfg.d_model, bias=False)
+        self.rope = Rotary(self.d_rope, cfg.block_size, cfg.rope_theta)
+        self.scale = (self.d_nope + self.d_rope) ** -0.5
+
+    def cache_spec(self) -> dict[str, tuple[int, ...]]:
+        return {"c_kv": (self.n_lat, self.d_c), "k_rope": (self.d_rope,)}
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        h = self.cfg.n_head
+        q = self.q_up(self.q_norm(self.q_down(x))).view(B, T, h, self.d_nope + self.d_rope)  # [B, T, h, nope+rope]
+        q_nope, q_rope = q.split([self.d_nope, self.d_rope], dim=-1)  # [B, T, h, nope], [B, T, h, rope]
+        q_rope = self.rope(q_rope, pos)  # [B, T, h, rope]
+        c_kv, k_rope = self.kv_down(x).split([self.n_lat * self.d_c, self.d_rope], dim=-1)  # [B,T,n*d_c], [B,T,rope]
+        c_kv = c_kv.view(B, T, self.n_lat, self.d_c)  # [B, T, n, d_c]
+        c_kv = torch.stack([norm(c) for norm, c in zip(self.kv_norm, c_kv.unbind(2))], dim=2)  # [B, T, n, d_c]
+        k_rope = self.rope(k_rope[:, :, None], pos)[:, :, 0]  # [B, T, rope], one key shared by all heads
+        if cache is None:
+            y = self._explicit(q_nope, q_rope, c_kv, k_rope)  # [B, T, h, d_v]
+        else:
+            c_kv, k_rope = cache.update(pos, c_kv=c_kv, k_rope=k_rope)  # [B, n, S, d_c], [B, S, rope]
+            y = self._absorbed(q_nope, q_rope, c_kv, k_rope, cache.attn_mask(pos))  # [B, T, h, d_v]
+        return self.out(y.reshape(B, T, h * self.d_v))  # [B, T, d_model]
+
+    def _explicit(self, q_nope, q_rope, c_kv, k_rope) -> torch.Tensor:
+        """Training path: expand each latent head into its group's keys and values, then SDPA.
+        c_kv: [B, S, n, d_c]."""
+        B, S = c_kv.shape[:2]
+        h = self.cfg.n_head
+        n, g = self.n_lat, self.group
+        w = self.kv_up.weight.view(n, g * (self.d_nope + self.d_v), self.d_c)  # [n, g*(nope+d_v), d_c]
+        kv = torch.einsum("bsjc,jmc->bsjm", c_kv, w).reshape(B, S, h, self.d_nope + self.d_v)  # [B, S, h, nope+d_v]
+        k_nope, v = kv.split([self.d_nope, self.d_v], dim=-1)  # [B, S, h, nope], [B, S, h, d_v]
+        q = torch.cat([q_nope, q_rope], dim=-1)  # [B, T, h, nope+rope]
+        k = torch.cat([k_nope, k_rope[:, :, None].expand(B, S, h, self.d_rope)], dim=-1)  # [B, S, h, nope+rope]
+        d_qk = self.d_nope + self.d_rope
+        if self.d_v < d_qk:  # flash kernels need one head width: pad V with zeros, slice the output
+            v = F.pad(v, (0, d_qk - self.d_v))  # [B, S, h, nope+rope]
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=q.shape[1] > 1, scale=self.scale
+        )  # [B, h, T, max(d_v, nope+rope)]
+        return y[..., : self.d_v].transpose(1, 2)  # [B, T, h, d_v]
+
+    def _absorbed(self, q_nope, q_rope, c_kv, k_rope, mask: torch.Tensor | None) -> torch.Tensor:
+        """Decoding path: each group attends over its cached latent head with W_UK and W_UV absorbed.
+        c_kv: [B, n, S, d_c]; mask: None (every query sees every cached token) or bool [B or 1, T, S]."""
+        B, T, h = q_nope.shape[:3]
+        n, g, S = self.n_lat, self.group, c_kv.shape[2]
+        w = self.kv_up.weight.view(h, self.d_nope + self.d_v, self.d_c)  # [h, nope+d_v, d_c]
+        w_uk, w_uv = w.split([self.d_nope, self.d_v], dim=1)  # [h, nope, d_c], [h, d_v, d_c]
+        q_lat = torch.einsum("bthn,hnc->bhtc", q_nope, w_uk)  # [B, h, T, d_c]: q_nope^T W_UK, per head
+        fused = self.fused_decode if self.fused_decode is not None else c_kv.is_cuda
+        if T == 1 and fused and S > 1:
+            key_mask = None if mask is None else mask[:, 0].expand(B, -1)  # [B, S]
+            q_lat = (q_lat * self.scale).reshape(B, n, g, self.d_c)  # [B, n, g, d_c]
+            q_rope = (q_rope * self.scale).reshape(B, n, g, self.d_rope)  # [B, n, g, rope]
+            o = torch.cat([latent_decode(q_lat[:, j], q_rope[:, j], c_kv[:, j], k_rope, key_mask) for j in range(n)],
+                          dim=1)  # [B, h, d_c]: group j against latent head j
+            return torch.einsum("bhc,hvc->bhv", o, w_uv)[:, None]  # [B, 1, h, d_v]: W_UV applied after attention
+        # The g heads of a group share one key/value (their latent head), so they become extra query
+        # rows of one batched matmul per latent head: the cache is read once, never copied per head.
+        scores = q_lat.reshape(B, n, g * T, self.d_c) @ c_kv.transpose(2, 3)  # [B, n, g*T, S]: latent part
+        rope = q_rope.transpose(1, 2).reshape(B, h * T, self.d_rope) @ k_rope.transpose(1, 2)  # [B, h*T, S]
+        scores = (scores.view(B, h, T, S) + rope.view(B, h, T, S)) * self.scale  # [B, h, T, S]
+        if mask is not None:  # causal among the new tokens, blind to padding
+            scores = scores.masked_fill(~mask[:, None], float("-inf"))  # [B, h, T, S]
+        probs = scores.float().softmax(dim=-1).to(c_kv.dtype)  # [B, h, T, S]
+        o = (probs.view(B, n, g * T, S) @ c_kv).view(B, h, T, self.d_c)  # [B, h, T, d_c]: weighted latents
+        return torch.einsum("bhtc,hvc->bthv", o, w_uv)  # [B, T, h, d_v]: W_UV applied after attention

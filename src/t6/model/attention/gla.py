@@ -32,12 +32,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from t6.model.attention.base import Attention, KVCache, register
 from t6.model.attention.fused_decode import latent_decode
-from t6.model.attention.mla import MLAOptions
+from t6.model.attention.mla import MLAOptions, explicit_attention
 from t6.model.config import ModelConfig
 from t6.model.layers import Rotary
 
@@ -113,15 +112,7 @@ class GroupedLatentAttention(Attention):
         w = self.kv_up.weight.view(n, g * (self.d_nope + self.d_v), self.d_c)  # [n, g*(nope+d_v), d_c]
         kv = torch.einsum("bsjc,jmc->bsjm", c_kv, w).reshape(B, S, h, self.d_nope + self.d_v)  # [B, S, h, nope+d_v]
         k_nope, v = kv.split([self.d_nope, self.d_v], dim=-1)  # [B, S, h, nope], [B, S, h, d_v]
-        q = torch.cat([q_nope, q_rope], dim=-1)  # [B, T, h, nope+rope]
-        k = torch.cat([k_nope, k_rope[:, :, None].expand(B, S, h, self.d_rope)], dim=-1)  # [B, S, h, nope+rope]
-        d_qk = self.d_nope + self.d_rope
-        if self.d_v < d_qk:  # flash kernels need one head width: pad V with zeros, slice the output
-            v = F.pad(v, (0, d_qk - self.d_v))  # [B, S, h, nope+rope]
-        y = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=q.shape[1] > 1, scale=self.scale
-        )  # [B, h, T, max(d_v, nope+rope)]
-        return y[..., : self.d_v].transpose(1, 2)  # [B, T, h, d_v]
+        return explicit_attention(q_nope, q_rope, k_nope, v, k_rope, self.scale)  # [B, T, h, d_v]
 
     def _absorbed(self, q_nope, q_rope, c_kv, k_rope, mask: torch.Tensor | None) -> torch.Tensor:
         """Decoding path: each group attends over its cached latent head with W_UK and W_UV absorbed.

@@ -34,6 +34,22 @@ from t6.model.attention.fused_decode import latent_decode
 from t6.model.config import ModelConfig
 from t6.model.layers import Rotary
 
+
+def explicit_attention(q_nope, q_rope, k_nope, v, k_rope, scale: float) -> torch.Tensor:
+    """Causal SDPA of per-head queries [q_nope | q_rope] [B, T, h, *] against per-head keys
+    [k_nope | k_rope] (k_rope [B, S, d_rope] shared by all heads) and values v [B, S, h, d_v]
+    -> [B, T, h, d_v]: the training path of the latent attentions (MLA, GLA)."""
+    B, S, h, d_v = v.shape
+    q = torch.cat([q_nope, q_rope], dim=-1)  # [B, T, h, nope+rope]
+    k = torch.cat([k_nope, k_rope[:, :, None].expand(B, S, h, k_rope.shape[-1])], dim=-1)  # [B, S, h, nope+rope]
+    if d_v < q.shape[-1]:  # flash kernels need one head width: pad V with zeros, slice the output
+        v = F.pad(v, (0, q.shape[-1] - d_v))  # [B, S, h, nope+rope]
+    y = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=q.shape[1] > 1, scale=scale
+    )  # [B, h, T, max(d_v, nope+rope)]
+    return y[..., :d_v].transpose(1, 2)  # [B, T, h, d_v]
+
+
 @dataclass
 class MLAOptions(Options):
     q_lora_rank: int = 512  # d_cq, the query latent
@@ -99,15 +115,7 @@ class MultiHeadLatentAttention(Attention):
         h = self.cfg.n_head
         kv = self.kv_up(c_kv).view(B, S, h, self.d_nope + self.d_v)  # [B, S, h, nope+d_v]
         k_nope, v = kv.split([self.d_nope, self.d_v], dim=-1)  # [B, S, h, nope], [B, S, h, d_v]
-        q = torch.cat([q_nope, q_rope], dim=-1)  # [B, T, h, nope+rope]
-        k = torch.cat([k_nope, k_rope[:, :, None].expand(B, S, h, self.d_rope)], dim=-1)  # [B, S, h, nope+rope]
-        d_qk = self.d_nope + self.d_rope
-        if self.d_v < d_qk:  # flash kernels need one head width: pad V with zeros, slice the output
-            v = F.pad(v, (0, d_qk - self.d_v))  # [B, S, h, nope+rope]
-        y = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=q.shape[1] > 1, scale=self.scale
-        )  # [B, h, T, max(d_v, nope+rope)]
-        return y[..., : self.d_v].transpose(1, 2)  # [B, T, h, d_v]
+        return explicit_attention(q_nope, q_rope, k_nope, v, k_rope, self.scale)  # [B, T, h, d_v]
 
     def _absorbed(self, q_nope, q_rope, c_kv, k_rope, mask: torch.Tensor | None) -> torch.Tensor:
         """Decoding path: attend over the cached latents with W_UK and W_UV absorbed (one shared KV 'head').

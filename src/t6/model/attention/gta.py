@@ -1,0 +1,86 @@
+"""Grouped-Tied Attention (GTA; Zadouri, Strauss & Dao, "Hardware-Efficient Attention for Fast
+Decoding", arXiv 2505.21487).
+
+Keys and values are tied into ONE state per KV group; a second, single-head projection carries
+the positional (RoPE) half of the key, shared by every head (as MLA's decoupled RoPE key):
+
+    kv     = W_KV x                               [G, d_h]   the tied state, no RoPE
+    k_rope = R_t W_KR x                           [d_h/2]    one RoPE key shared by all heads
+    q_i    = [q_nope_i | R_t q_rope_i] = W_Q x    [d_h]      per query head, last half rotated
+    key of group g:   k_g = [kv_g[:d_h/2] | k_rope]          [d_h]   (first half of the tie, no RoPE)
+    value of group g: v_g = kv_g                             [d_h]   (the whole tied state)
+    head i in group g = i // (h / G):  softmax(q_i . k_g / sqrt(d_h)) v_g
+
+Cached per token and layer: the tied state and the rotated shared RoPE key,
+G d_h + d_h/2 numbers (GQA with the same G caches 2 G d_h: GTA about halves it).
+
+Parameters per layer: W_Q and W_O (2 h d_h d_model), W_KV (G d_h d_model), W_KR (d_h/2 d_model).
+
+Initialization: N(0, init_std) on every projection, zero W_O (`Attention.init_weights`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from t6.model.attention.base import Attention, KVCache, Options, register
+from t6.model.config import ModelConfig
+from t6.model.layers import Rotary
+
+
+@dataclass
+class GTAOptions(Options):
+    n_kv_head: int = 2  # G, tied KV states; must divide size.n_head
+
+    def problems(self, cfg: ModelConfig) -> list[str]:
+        problems = super().problems(cfg)
+        if not problems and cfg.n_head % self.n_kv_head:
+            problems.append(f"size.n_head={cfg.n_head} must be divisible by "
+                            f"attention.options.n_kv_head={self.n_kv_head}")
+        if isinstance(cfg.head_dim, int) and cfg.head_dim % 4:
+            problems.append(f"size.head_dim={cfg.head_dim} must be divisible by 4 for attention=gta "
+                            "(RoPE rotates pairs in the key's second half, d_h/2 wide)")
+        return problems
+
+
+@register("gta")
+class GroupedTiedAttention(Attention):
+    Options = GTAOptions
+    supports_key_mask = True
+    # The tied state cached [B, G, max_len, d_h]: each group's keys/values one contiguous block
+    # (as GQA's K and V). The shared RoPE key is one head, so token-major is already contiguous.
+    head_major_cache = ("kv",)
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        h, d = cfg.n_head, cfg.head_dim
+        self.n_kv = self.opts.n_kv_head  # G
+        self.d_rope = d // 2  # RoPE half of queries and keys
+        self.q = nn.Linear(cfg.d_model, h * d, bias=False)  # W_Q
+        self.kv = nn.Linear(cfg.d_model, self.n_kv * d, bias=False)  # W_KV, the tied state
+        self.k_rope = nn.Linear(cfg.d_model, self.d_rope, bias=False)  # W_KR, one head
+        self.out = nn.Linear(h * d, cfg.d_model, bias=False)
+        self.rope = Rotary(self.d_rope, cfg.block_size, cfg.rope_theta)
+
+    def cache_spec(self) -> dict[str, tuple[int, ...]]:
+        return {"kv": (self.n_kv, self.cfg.head_dim), "k_rope": (self.d_rope,)}
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        h, d, r = self.cfg.n_head, self.cfg.head_dim, self.d_rope
+        q_nope, q_rope = self.q(x).view(B, T, h, d).split([d - r, r], dim=-1)  # [B, T, h, d/2] each
+        q = torch.cat([q_nope, self.rope(q_rope, pos)], dim=-1)  # [B, T, h, d]: [nope | rotated]
+        kv = self.kv(x).view(B, T, self.n_kv, d)  # [B, T, G, d]
+        k_rope = self.rope(self.k_rope(x)[:, :, None], pos)[:, :, 0]  # [B, T, d/2], shared by all heads
+        if cache is not None:
+            kv, k_rope = cache.update(pos, kv=kv, k_rope=k_rope)  # [B, G, S, d] (head-major), [B, S, d/2]
+        else:
+            kv = kv.transpose(1, 2)  # [B, G, T, d]
+        S = kv.shape[2]
+        k_shared = k_rope[:, None].expand(B, self.n_kv, S, r)  # [B, G, S, d/2], broadcast to every group
+        k = torch.cat([kv[..., : d - r], k_shared], dim=-1)  # [B, G, S, d]: [first half of the tie | RoPE key]
+        y = self.attend(q.transpose(1, 2), k, kv, pos, cache)  # [B, h, T, d], values = the whole tied state
+        return self.out(y.transpose(1, 2).reshape(B, T, h * d))  # [B, T, d_model]

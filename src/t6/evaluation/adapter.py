@@ -92,6 +92,16 @@ class T6LM(TemplateLM):
             x = block(x, pos, None if caches is None else caches[i])  # [B, T, d]
         return m.norm(x)  # [B, T, d]
 
+    def _prefill(self, idx: torch.Tensor, caches: list) -> None:
+        """Write idx [G, P] (positions 0..P-1) into the KV caches. Nothing reads the last block's
+        output at these positions, so that block runs its attention only, which fills its cache."""
+        m = self.model
+        pos = torch.arange(idx.shape[1], device=idx.device)  # [P]
+        x = m.embed(idx)  # [G, P, d]
+        for block, cache in zip(m.blocks[:-1], caches[:-1]):
+            x = block(x, pos, cache)  # [G, P, d]
+        m.blocks[-1].attn(m.blocks[-1].attn_norm(x), pos, caches[-1])
+
     def _split(self, ctx: list[int], cont: list[int]) -> tuple[tuple[int, ...], list[int]]:
         """A request's model input, left-truncated to block_size: (prefix, tail). The model reads
         prefix + tail; its outputs at the len(cont) tail positions score the continuation."""
@@ -197,7 +207,7 @@ class T6LM(TemplateLM):
             idx = torch.full((len(batch), P), EOT, dtype=torch.long, device=self._device)  # [G, P], left-padded
             for i, prefix in enumerate(prefixes):
                 idx[i, P - len(prefix):] = torch.tensor(prefix, dtype=torch.long)
-            self._hidden(idx, 0, caches)  # fills the caches up to position P - 1
+            self._prefill(idx, caches)
         owner = torch.tensor([g for g, group in enumerate(batch) for _ in group], device=self._device)  # [R]
         caches = [cache.select(owner) for cache in caches]  # each prefix's rows once per continuation
         idx = torch.full((len(tails), T), EOT, dtype=torch.long, device=self._device)  # [R, T], right-padded

@@ -122,7 +122,8 @@ def test_shared_prefix_batches():
     """Batches hold at most batch_size continuations, fit the block when left-padded, and mix prefix
     lengths only for attentions with padding masks."""
     requests = ([(None, [1] * 40, [2] * 4)] * 3  # 0-2: one prefix of 39 tokens, a 4-token tail
-                + [(None, [3] * 20, [2]), (None, [1] * 10, [2] * 30), (None, [3] * 10, [2])]  # 3: 19 + 1; 4: 9 + 30; 5: 9 + 1
+                + [(None, [3] * 20, [2])]  # 3: prefix 19, tail 1
+                + [(None, [1] * 10, [2] * 30), (None, [3] * 10, [2])]  # 4: prefix 9, tail 30; 5: prefix 9, tail 1
                 + [(None, [4, 4], [5])] * 6)  # 6-11: one prefix, more continuations than batch_size
     masked = T6LM(model=random_model(block_size=64), batch_size=5)
     # 4 joins 0-3 in rows but 39 + 30 tokens exceed the block

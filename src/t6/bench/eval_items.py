@@ -49,13 +49,16 @@ def mean_tokens(lm: T6LM, reqs: list) -> tuple[float, float]:
     return sum(len(c) for c, _ in pairs) / len(pairs), sum(len(k) for _, k in pairs) / len(pairs)
 
 
-def measure(lm: T6LM, reqs: list, n_items: int, repeats: int) -> float:
-    best = float("inf")
+def measure(lms: list[T6LM], reqs: list, n_items: int, repeats: int) -> list[float]:
+    """Items/s of each adapter: the best of `repeats` runs, taken in turns so that a busy spell
+    of a shared machine slows every adapter alike."""
+    best = [float("inf")] * len(lms)
     for _ in range(repeats):
-        start = time.perf_counter()
-        lm.loglikelihood(reqs, disable_tqdm=True)
-        best = min(best, time.perf_counter() - start)
-    return n_items / best
+        for i, lm in enumerate(lms):
+            start = time.perf_counter()
+            lm.loglikelihood(reqs, disable_tqdm=True)
+            best[i] = min(best[i], time.perf_counter() - start)
+    return [n_items / b for b in best]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -84,8 +87,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for task, folder, shots in (("next_line", task_dir, 0), ("next_line", task_dir, 2), ("long", long_dir, 0)):
         reqs = requests(folder, args.items, shots)
         ctx, cont = mean_tokens(shared, reqs)
-        before = measure(per_choice, reqs, args.items, args.repeats)
-        after = measure(shared, reqs, args.items, args.repeats)
+        before, after = measure([per_choice, shared], reqs, args.items, args.repeats)
         rows.append({
             "size": args.size, "attention": args.attention, "task": task, "shots": shots, "items": args.items,
             "context_tokens": round(ctx, 1), "continuation_tokens": round(cont, 1),

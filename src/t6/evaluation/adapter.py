@@ -60,7 +60,8 @@ class T6LM(TemplateLM):
         self.batch_size = 16 if batch_size in (None, "auto") else int(str(batch_size).split(":")[0])
         self.max_gen_toks = int(max_gen_toks)
         if not isinstance(share_prefix, bool):
-            raise ValueError(f"share_prefix={share_prefix!r} must be true or false (e.g. --model_args share_prefix=false)")
+            raise ValueError(f"share_prefix={share_prefix!r} must be true or false "
+                             "(e.g. --model_args share_prefix=false)")
         self.share_prefix = share_prefix
         self.padding_masks = all(block.attn.supports_key_mask for block in model.blocks)
         self.block_size = model.cfg.block_size
@@ -110,7 +111,8 @@ class T6LM(TemplateLM):
 
     def _scores(self, hidden: torch.Tensor, starts: list[int], conts: list[list[int]]) -> list[tuple[float, bool]]:
         """hidden [B, T, d]; row i scores conts[i] from its positions starts[i].. -> [(logprob, is_greedy)]."""
-        rows = torch.cat([torch.full((len(c),), i) for i, c in enumerate(conts)]).to(self._device)  # [N] (N = all continuation tokens)
+        # N = all continuation tokens of the batch
+        rows = torch.cat([torch.full((len(c),), i) for i, c in enumerate(conts)]).to(self._device)  # [N]
         cols = torch.cat([torch.arange(s, s + len(c)) for s, c in zip(starts, conts)]).to(self._device)  # [N]
         logprobs = F.log_softmax(self.model.lm_head(hidden[rows, cols]).float(), dim=-1)  # [N, vocab]
         targets = torch.tensor([t for c in conts for t in c], device=self._device)  # [N]

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from t6.evaluation.adapter import T6LM
 from t6.evaluation.harness import EvalSpec, resolve_tasks, run_harness
 from t6.evaluation.next_line import TASK, build_next_line_task
+from t6.model.attention import available
 from t6.model import T6, ModelConfig
 from t6.train import summary, train
 
@@ -23,9 +24,10 @@ from conftest import ROOT
 SMALL_TASK = [f"eval.local_tasks.{t}.{k}={v}" for t in ("t6_next_line", "t6_cloze") for k, v in (("n_test", 12), ("n_fewshot", 4))]
 
 
-def random_model(block_size: int = 64, seed: int = 0) -> T6:
+def random_model(block_size: int = 64, seed: int = 0, attention: str = "mha") -> T6:
     torch.manual_seed(seed)
-    model = T6(ModelConfig(vocab_size=50304, block_size=block_size, n_layer=2, d_model=64, n_head=4, head_dim=16, attention="mha"))
+    model = T6(ModelConfig(vocab_size=50304, block_size=block_size, n_layer=2, d_model=64, n_head=4, head_dim=16,
+                           attention=attention))
     with torch.no_grad():
         for p in model.parameters():  # leave the zero-initialized branches non-trivial
             p.add_(0.05 * torch.randn_like(p))
@@ -70,6 +72,69 @@ def test_loglikelihood_equals_model_logprob_including_long_contexts():
     with torch.no_grad():
         assert lp_str[0][0] == pytest.approx(direct_logprob(model, ctx, whole[len(ctx):])[0], abs=1e-3)
         assert lp_str[1][0] == pytest.approx(direct_logprob(model, [50256], enc.encode("Hello world"))[0], abs=1e-3)
+
+
+class RecordingCacheHook:
+    """Stands in for lm-eval's CacheHook: what the adapter hands it, in order."""
+
+    def __init__(self):
+        self.calls = []
+
+    def add_partial(self, kind, key, value):
+        self.calls.append((kind, key, value))
+
+
+@pytest.mark.parametrize("attention", available())
+def test_shared_prefix_scores_equal_per_choice_scores(attention):
+    """Prefilling a context once for all its continuations gives the per-choice path's answers, in the
+    requests' order, for contexts of different lengths batched together (left-padded, or batched by
+    length for attentions without padding masks) and contexts truncated differently per continuation."""
+    model = random_model(block_size=64, attention=attention)
+    g = torch.Generator().manual_seed(2)
+    requests = []
+    for n, ctx_len in enumerate([9, 20, 20, 3, 47, 80, 1]):  # 80: each continuation truncates it differently
+        ctx = torch.randint(0, 50257, (ctx_len,), generator=g).tolist()
+        for k in range(4):
+            cont = torch.randint(0, 50257, (1 + (n + k) % 5,), generator=g).tolist()
+            requests.append(((f"item {n}", f"choice {k}"), ctx, cont))
+    ctx = requests[4][1]
+    with torch.no_grad():  # one continuation that is the model's own greedy choice: is_greedy is True for it
+        greedy = model.generate(torch.tensor([ctx]), 3, temperature=0.0)[0, len(ctx):].tolist()
+    requests.insert(6, (("item 4", "greedy"), ctx, greedy))
+    requests.append((None, [5, 6, 7], [8, 9]))  # no key: not handed to the cache hook (rolling windows)
+    order = torch.randperm(len(requests), generator=g).tolist()  # interleave the items' choices
+    requests = [requests[i] for i in order]
+
+    answers = {}
+    for share_prefix in (True, False):
+        lm = T6LM(model=model, batch_size=6, share_prefix=share_prefix)
+        lm.cache_hook = RecordingCacheHook()
+        answers[share_prefix] = lm._loglikelihood_tokens(requests, disable_tqdm=True)
+        keyed = [(key, answer) for (key, _, _), answer in zip(requests, answers[share_prefix]) if key is not None]
+        assert sorted(lm.cache_hook.calls) == sorted(("loglikelihood", key, answer) for key, answer in keyed)
+    for (lp, is_greedy), (lp_ref, greedy_ref) in zip(answers[True], answers[False], strict=True):
+        assert lp == pytest.approx(lp_ref, abs=1e-4)
+        assert is_greedy == greedy_ref
+    assert answers[True][order.index(6)][1] is True
+
+
+def test_shared_prefix_batches():
+    """Batches hold at most batch_size continuations, fit the block when left-padded, and mix prefix
+    lengths only for attentions with padding masks."""
+    requests = ([(None, [1] * 40, [2] * 4)] * 3  # 0-2: one prefix of 39 tokens, a 4-token tail
+                + [(None, [3] * 20, [2])]  # 3: prefix 19, tail 1
+                + [(None, [1] * 10, [2] * 30), (None, [3] * 10, [2])]  # 4: prefix 9, tail 30; 5: prefix 9, tail 1
+                + [(None, [4, 4], [5])] * 6)  # 6-11: one prefix, more continuations than batch_size
+    masked = T6LM(model=random_model(block_size=64), batch_size=5)
+    # 4 joins 0-3 in rows but 39 + 30 tokens exceed the block
+    assert masked._prefix_batches(requests) == [[[0, 1, 2], [3]], [[4], [5]], [[6, 7, 8, 9, 10]], [[11]]]
+    unmasked = T6LM(model=random_model(block_size=64, attention="tpa_shared_b"), batch_size=5)
+    assert masked.padding_masks and not unmasked.padding_masks
+    assert unmasked._prefix_batches(requests) == [[[0, 1, 2]], [[3]], [[4], [5]], [[6, 7, 8, 9, 10]], [[11]]]
+    with pytest.raises(ValueError, match="share_prefix='no' must be true or false"):
+        T6LM(model=masked.model, share_prefix="no")
+    with pytest.raises(ValueError, match="at least one context token"):
+        masked._loglikelihood_tokens([(None, [], [1])])
 
 
 def test_rolling_and_generate():

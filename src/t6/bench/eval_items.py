@@ -1,7 +1,12 @@
-"""Throughput of the lm-eval adapter on the embedded next-line task: items/s, batched vs one
-request at a time, measured side by side on the same model and items.
+"""Throughput of the lm-eval adapter on multiple-choice items: items/s with each choice's context
+run again (share_prefix=False, the per-choice path) and with one prefill of the context shared by
+the four choices (the default), measured side by side on the same model and items.
 
-    python -m t6.bench.eval_items [--size tiny] [--attention tpa] [--items 40] [--json PATH]
+Two tasks, both built from the embedded corpus (nothing downloaded): the local next-line task
+(3 lines of context, 0 and 2 shots), and a HellaSwag-shaped one with long contexts (the same
+items with `--long-context-lines` lines of context, 0 shots: a long passage, four one-line endings).
+
+    python -m t6.bench.eval_items [--size tiny] [--attention tpa] [--items 40] [--threads N] [--json PATH]
 """
 
 from __future__ import annotations
@@ -38,13 +43,22 @@ def requests(task_dir: Path, n_items: int, shots: int) -> list[SimpleNamespace]:
     return [SimpleNamespace(args=(prefix + it["passage"], "\n" + c)) for it in items for c in it["choices"]]
 
 
-def measure(lm: T6LM, reqs: list, n_items: int, repeats: int) -> float:
-    best = float("inf")
+def mean_tokens(lm: T6LM, reqs: list) -> tuple[float, float]:
+    """Mean (context, continuation) tokens of the requests, as the adapter encodes them."""
+    pairs = [lm._encode_pair(*r.args) for r in reqs]
+    return sum(len(c) for c, _ in pairs) / len(pairs), sum(len(k) for _, k in pairs) / len(pairs)
+
+
+def measure(lms: list[T6LM], reqs: list, n_items: int, repeats: int) -> list[float]:
+    """Items/s of each adapter: the best of `repeats` runs, taken in turns so that a busy spell
+    of a shared machine slows every adapter alike."""
+    best = [float("inf")] * len(lms)
     for _ in range(repeats):
-        start = time.perf_counter()
-        lm.loglikelihood(reqs, disable_tqdm=True)
-        best = min(best, time.perf_counter() - start)
-    return n_items / best
+        for i, lm in enumerate(lms):
+            start = time.perf_counter()
+            lm.loglikelihood(reqs, disable_tqdm=True)
+            best[i] = min(best[i], time.perf_counter() - start)
+    return [n_items / b for b in best]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -55,26 +69,38 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--task-dir", default="data/eval/t6_next_line")
+    parser.add_argument("--long-task-dir", default="data/eval/t6_next_line_long")
+    parser.add_argument("--long-context-lines", type=int, default=12)
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--json", dest="json_path")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     task_dir = build_next_line_task(args.task_dir)
+    long_dir = build_next_line_task(args.long_task_dir, context_lines=args.long_context_lines)
     model = model_for(args.size, args.attention)
+    device = str(next(model.parameters()).device)
+    per_choice = T6LM(model=model, batch_size=args.batch_size, share_prefix=False)
+    shared = T6LM(model=model, batch_size=args.batch_size)
     rows = []
-    for shots in (0, 2):
-        reqs = requests(task_dir, args.items, shots)
-        one = measure(T6LM(model=model, batch_size=1), reqs, args.items, args.repeats)
-        batched = measure(T6LM(model=model, batch_size=args.batch_size), reqs, args.items, args.repeats)
+    for task, folder, shots in (("next_line", task_dir, 0), ("next_line", task_dir, 2), ("long", long_dir, 0)):
+        reqs = requests(folder, args.items, shots)
+        ctx, cont = mean_tokens(shared, reqs)
+        before, after = measure([per_choice, shared], reqs, args.items, args.repeats)
         rows.append({
-            "size": args.size, "attention": args.attention, "shots": shots, "items": args.items,
-            "device": "cpu", "threads": torch.get_num_threads(), "batch_size": args.batch_size,
-            "items_per_s_one_at_a_time": round(one, 2), "items_per_s_batched": round(batched, 2),
-            "speedup": round(batched / one, 2),
+            "size": args.size, "attention": args.attention, "task": task, "shots": shots, "items": args.items,
+            "context_tokens": round(ctx, 1), "continuation_tokens": round(cont, 1),
+            "device": device, "threads": torch.get_num_threads(), "batch_size": args.batch_size,
+            "items_per_s_per_choice": round(before, 2), "items_per_s_shared_prefix": round(after, 2),
+            "speedup": round(after / before, 2),
         })
-    print(f"{'size':6s} {'attention':9s} {'shots':>5s} {'one-at-a-time items/s':>22s} {'batched items/s':>16s} {'ratio':>6s}")
+    print(f"{'size':6s} {'attention':10s} {'task':9s} {'shots':>5s} {'ctx tok':>7s} {'cont tok':>8s} "
+          f"{'per-choice items/s':>18s} {'shared-prefix items/s':>21s} {'ratio':>6s}")
     for r in rows:
-        print(f"{r['size']:6s} {r['attention']:9s} {r['shots']:5d} {r['items_per_s_one_at_a_time']:22.2f} "
-              f"{r['items_per_s_batched']:16.2f} {r['speedup']:6.2f}")
+        print(f"{r['size']:6s} {r['attention']:10s} {r['task']:9s} {r['shots']:5d} {r['context_tokens']:7.1f} "
+              f"{r['continuation_tokens']:8.1f} {r['items_per_s_per_choice']:18.2f} "
+              f"{r['items_per_s_shared_prefix']:21.2f} {r['speedup']:6.2f}")
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(rows, indent=2))
     return rows

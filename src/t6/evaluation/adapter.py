@@ -3,10 +3,16 @@
     lm = T6LM(model=t6)                      # a live model (the training callback)
     lm = T6LM(checkpoint="last.ckpt")        # a Lightning checkpoint (eval.py, the lm_eval CLI)
 
-Log-likelihood requests are sorted by length (longest first), padded on the right into
-batches, and left-truncated to the model's block size; the LM head is applied only at the
-positions that score a continuation token, which is most of the saving on a small model
-with a 50k vocabulary. Generation is greedy through `T6.generate` (KV cache).
+Log-likelihood requests are left-truncated to the model's block size and split into the
+prefix the model reads before the continuation and the continuation's own positions. Requests
+with the same prefix (the choices of a multiple-choice item) share one prefill: the prefixes of
+a batch go through the model once, left-padded, filling KV caches whose rows are then repeated
+for each continuation (`KVCache.select`), and only the continuations run on top. Attentions
+without padding masks batch prefixes of one length only. With share_prefix=False each request
+runs whole, right-padded, sorted longest first (the per-choice path, kept as the reference).
+Either way the LM head is applied only at the positions that score a continuation token, which
+is most of the saving on a small model with a 50k vocabulary. Generation is greedy through
+`T6.generate` (KV cache).
 """
 
 from __future__ import annotations
@@ -17,7 +23,6 @@ import torch
 import torch.nn.functional as F
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
-from lm_eval.models.utils import Collator
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
@@ -35,10 +40,13 @@ class T6LM(TemplateLM):
         batch_size: int | str | None = 16,
         device: str | None = None,
         max_gen_toks: int = 64,
+        share_prefix: bool = True,
         **kwargs,
     ):
         """model: a T6 to evaluate as it is, or checkpoint: a training checkpoint to load.
-        batch_size: sequences per forward pass ("auto" and None mean 16)."""
+        batch_size: sequences per forward pass ("auto" and None mean 16): requests, or with
+        share_prefix the continuations that run together on their prefilled contexts.
+        share_prefix: prefill a context once for all its continuations (False: once per request)."""
         super().__init__()
         if device is not None and str(device).startswith("cuda") and not torch.cuda.is_available():
             device = "cpu"  # lm_eval's CLI passes --device cuda by default
@@ -51,6 +59,11 @@ class T6LM(TemplateLM):
         self.model.to(self._device)
         self.batch_size = 16 if batch_size in (None, "auto") else int(str(batch_size).split(":")[0])
         self.max_gen_toks = int(max_gen_toks)
+        if not isinstance(share_prefix, bool):
+            raise ValueError(f"share_prefix={share_prefix!r} must be true or false "
+                             "(e.g. --model_args share_prefix=false)")
+        self.share_prefix = share_prefix
+        self.padding_masks = all(block.attn.supports_key_mask for block in model.blocks)
         self.block_size = model.cfg.block_size
         self.enc = gpt2_encoding()
 
@@ -70,57 +83,139 @@ class T6LM(TemplateLM):
         return self.enc.decode(tokens)
 
     # -- scoring --------------------------------------------------------------------
-    def _hidden(self, idx: torch.Tensor) -> torch.Tensor:
-        """idx [B, T] -> final-norm hidden states [B, T, d]: T6.forward without the LM head."""
+    def _hidden(self, idx: torch.Tensor, start_pos: int = 0, caches: list | None = None) -> torch.Tensor:
+        """idx [B, T] at positions start_pos.. -> final-norm hidden states [B, T, d]: T6.forward
+        without the LM head (caches: the model's KV caches, read and extended)."""
         m = self.model
-        pos = torch.arange(idx.shape[1], device=idx.device)  # [T]
+        pos = torch.arange(start_pos, start_pos + idx.shape[1], device=idx.device)  # [T]
         x = m.embed(idx)  # [B, T, d]
-        for block in m.blocks:
-            x = block(x, pos)  # [B, T, d]
+        for i, block in enumerate(m.blocks):
+            x = block(x, pos, None if caches is None else caches[i])  # [B, T, d]
         return m.norm(x)  # [B, T, d]
+
+    def _prefill(self, idx: torch.Tensor, caches: list) -> None:
+        """Write idx [G, P] (positions 0..P-1) into the KV caches. Nothing reads the last block's
+        output at these positions, so that block runs its attention only, which fills its cache."""
+        m = self.model
+        pos = torch.arange(idx.shape[1], device=idx.device)  # [P]
+        x = m.embed(idx)  # [G, P, d]
+        for block, cache in zip(m.blocks[:-1], caches[:-1]):
+            x = block(x, pos, cache)  # [G, P, d]
+        m.blocks[-1].attn(m.blocks[-1].attn_norm(x), pos, caches[-1])
+
+    def _split(self, ctx: list[int], cont: list[int]) -> tuple[tuple[int, ...], list[int]]:
+        """A request's model input, left-truncated to block_size: (prefix, tail). The model reads
+        prefix + tail; its outputs at the len(cont) tail positions score the continuation."""
+        inputs = (ctx + cont)[-(self.block_size + 1):-1]  # every token but the last
+        return tuple(inputs[: len(inputs) - len(cont)]), inputs[len(inputs) - len(cont):]
+
+    def _scores(self, hidden: torch.Tensor, starts: list[int], conts: list[list[int]]) -> list[tuple[float, bool]]:
+        """hidden [B, T, d]; row i scores conts[i] from its positions starts[i].. -> [(logprob, is_greedy)]."""
+        # N = all continuation tokens of the batch
+        rows = torch.cat([torch.full((len(c),), i) for i, c in enumerate(conts)]).to(self._device)  # [N]
+        cols = torch.cat([torch.arange(s, s + len(c)) for s, c in zip(starts, conts)]).to(self._device)  # [N]
+        logprobs = F.log_softmax(self.model.lm_head(hidden[rows, cols]).float(), dim=-1)  # [N, vocab]
+        targets = torch.tensor([t for c in conts for t in c], device=self._device)  # [N]
+        token_lp = logprobs.gather(-1, targets[:, None]).squeeze(-1)  # [N]
+        greedy = logprobs.argmax(-1) == targets  # [N]
+        ends = torch.tensor([len(c) for c in conts]).cumsum(0).tolist()
+        return [(float(token_lp[e - len(c):e].sum()), bool(greedy[e - len(c):e].all())) for e, c in zip(ends, conts)]
 
     @torch.no_grad()
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
-        """requests: [((context, continuation), context_tokens, continuation_tokens)] -> [(logprob, is_greedy)]."""
-        for _, _, cont in requests:
+        """requests: [((context, continuation), context_tokens, continuation_tokens)] -> [(logprob, is_greedy)],
+        in the order of the requests; each answer also goes to lm-eval's cache hook under its request key."""
+        for _, ctx, cont in requests:
+            if not ctx:
+                raise ValueError("a log-likelihood request needs at least one context token (lm-eval gives an empty "
+                                 "context the end-of-text token)")
             if not 0 < len(cont) <= self.block_size:
                 raise ValueError(f"a continuation of {len(cont)} tokens cannot be scored with block_size {self.block_size}")
+        batches = self._prefix_batches(requests) if self.share_prefix else self._request_batches(requests)
+        score = self._score_shared if self.share_prefix else self._score_each
+        results = [None] * len(requests)
+        progress = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0, desc="t6 loglikelihood")
+        for batch in batches:  # a batch: lists of request indices (one list per prefix, or one index each)
+            members = [i for group in batch for i in group]
+            for i, answer in zip(members, score([[requests[i] for i in group] for group in batch])):
+                results[i] = answer
+                if requests[i][0] is not None:
+                    self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
+            progress.update(len(members))
+        progress.close()
+        return results
 
-        def sort_key(req):
-            tokens = req[1] + req[2]
+    # the per-choice path: each request whole -------------------------------------------
+    def _request_batches(self, requests) -> list[list[list[int]]]:
+        """Batches of batch_size requests (a group of one each), longest first."""
+
+        def longest_first(i: int):
+            tokens = requests[i][1] + requests[i][2]
             return -len(tokens), tuple(tokens)
 
-        collator = Collator(requests, sort_fn=sort_key)
-        results = []
-        progress = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0, desc="t6 loglikelihood")
-        for batch in collator.get_batched(n=self.batch_size):
-            inputs, conts = [], []
-            for _, ctx, cont in batch:
-                full = (ctx + cont)[-(self.block_size + 1):]  # left-truncate the context to fit
-                inputs.append(full[:-1])  # the model reads every token but the last
-                conts.append(cont)
-            T = max(len(x) for x in inputs)
-            idx = torch.full((len(inputs), T), EOT, dtype=torch.long, device=self._device)  # [B, T], right-padded
-            for i, x in enumerate(inputs):
-                idx[i, : len(x)] = torch.tensor(x, dtype=torch.long)
-            hidden = self._hidden(idx)  # [B, T, d]
-            rows = torch.cat([torch.full((len(c),), i) for i, c in enumerate(conts)]).to(self._device)  # [N] (N = all continuation tokens)
-            cols = torch.cat([torch.arange(len(x) - len(c), len(x)) for x, c in zip(inputs, conts)]).to(self._device)  # [N]
-            logprobs = F.log_softmax(self.model.lm_head(hidden[rows, cols]).float(), dim=-1)  # [N, vocab]
-            targets = torch.tensor([t for c in conts for t in c], device=self._device)  # [N]
-            token_lp = logprobs.gather(-1, targets[:, None]).squeeze(-1)  # [N]
-            greedy = logprobs.argmax(-1) == targets  # [N]
-            start = 0
-            for (key, _, _), cont in zip(batch, conts):
-                end = start + len(cont)
-                answer = (float(token_lp[start:end].sum()), bool(greedy[start:end].all()))
-                results.append(answer)
-                if key is not None:
-                    self.cache_hook.add_partial("loglikelihood", key, answer)
-                start = end
-            progress.update(len(batch))
-        progress.close()
-        return collator.get_original(results)
+        order = sorted(range(len(requests)), key=longest_first)
+        return [[[i] for i in order[k: k + self.batch_size]] for k in range(0, len(order), self.batch_size)]
+
+    def _score_each(self, batch) -> list[tuple[float, bool]]:
+        """batch: groups of one request each -> their answers; every request runs whole, right-padded."""
+        requests = [request for (request,) in batch]
+        inputs = [list(prefix) + tail for prefix, tail in (self._split(ctx, cont) for _, ctx, cont in requests)]
+        conts = [cont for _, _, cont in requests]
+        idx = torch.full((len(inputs), max(map(len, inputs))), EOT, dtype=torch.long, device=self._device)  # [B, T]
+        for i, x in enumerate(inputs):
+            idx[i, : len(x)] = torch.tensor(x, dtype=torch.long)
+        return self._scores(self._hidden(idx), [len(x) - len(c) for x, c in zip(inputs, conts)], conts)
+
+    # the shared-prefix path: one prefill per context -------------------------------------
+    def _prefix_batches(self, requests) -> list[list[list[int]]]:
+        """Requests grouped by prefix (at most batch_size in a group), longest prefix first, in batches
+        of at most batch_size requests that fit the block when left-padded (longest prefix + longest
+        continuation) and, for an attention without padding masks, have one prefix length."""
+        by_prefix: dict[tuple[int, ...], list[int]] = {}
+        for i, (_, ctx, cont) in enumerate(requests):
+            by_prefix.setdefault(self._split(ctx, cont)[0], []).append(i)
+        groups = sorted(((prefix, members[k: k + self.batch_size]) for prefix, members in by_prefix.items()
+                         for k in range(0, len(members), self.batch_size)), key=lambda g: (-len(g[0]), g[0]))
+        batches, rows, longest_prefix, longest_tail = [], 0, 0, 0
+        for prefix, members in groups:
+            tail = max(len(requests[i][2]) for i in members)
+            joins = (bool(batches) and rows + len(members) <= self.batch_size
+                     and longest_prefix + max(longest_tail, tail) <= self.block_size
+                     and (self.padding_masks or len(prefix) == longest_prefix))
+            if joins:
+                batches[-1].append(members)
+                rows, longest_tail = rows + len(members), max(longest_tail, tail)
+            else:
+                batches.append([members])
+                rows, longest_prefix, longest_tail = len(members), len(prefix), tail
+        return batches
+
+    def _score_shared(self, batch) -> list[tuple[float, bool]]:
+        """batch: groups of requests with one prefix each -> their answers, group by group. The G prefixes
+        run once, left-padded to the longest (the padding masked out), filling the KV caches; each cache
+        row is then repeated for its group's continuations, which run right-padded after the prefixes."""
+        prefixes = [self._split(group[0][1], group[0][2])[0] for group in batch]
+        tails = [self._split(ctx, cont)[1] for group in batch for _, ctx, cont in group]
+        conts = [cont for group in batch for _, _, cont in group]
+        P, T = max(map(len, prefixes)), max(map(len, tails))
+        caches = self.model.build_kv_caches(len(batch), P + T)
+        if any(len(prefix) < P for prefix in prefixes):
+            key_mask = torch.ones(len(batch), P + T, dtype=torch.bool, device=self._device)  # [G, P + T]
+            for i, prefix in enumerate(prefixes):
+                key_mask[i, : P - len(prefix)] = False  # the left padding
+            for cache in caches:
+                cache.key_mask = key_mask
+        if P > 0:
+            idx = torch.full((len(batch), P), EOT, dtype=torch.long, device=self._device)  # [G, P], left-padded
+            for i, prefix in enumerate(prefixes):
+                idx[i, P - len(prefix):] = torch.tensor(prefix, dtype=torch.long)
+            self._prefill(idx, caches)
+        owner = torch.tensor([g for g, group in enumerate(batch) for _ in group], device=self._device)  # [R]
+        caches = [cache.select(owner) for cache in caches]  # each prefix's rows once per continuation
+        idx = torch.full((len(tails), T), EOT, dtype=torch.long, device=self._device)  # [R, T], right-padded
+        for i, tail in enumerate(tails):
+            idx[i, : len(tail)] = torch.tensor(tail, dtype=torch.long)
+        return self._scores(self._hidden(idx, P, caches), [0] * len(tails), conts)
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Whole-string log-likelihood in disjoint windows of block_size tokens (perplexity tasks)."""

@@ -5,7 +5,7 @@
 - decode: tokens/s of single-token decoding against a cache filled to each context length;
 - prefill: tokens/s of processing a prompt of each length;
 - loader: training-data loader tokens/s alone vs what a training step consumes;
-- eval_items: items/s of the lm-eval adapter on the local task, batched vs one request at a time.
+- eval_items: items/s of the lm-eval adapter, per-choice vs one shared prefill per item (local and long-context tasks).
 
 Mechanisms are measured side by side in one run and reported as ratios to MHA.
 """

@@ -1,7 +1,7 @@
 # Two commands set everything up on a fresh Linux machine (Python >= 3.10):
 #   make run    install into .venv, then train the default T6 on the embedded corpus
 #   make test   install with test dependencies into .venv (and, as root, Debian's chromium and
-#               chromium-driver for the MLflow UI browser test), then run the test suite
+#               chromium-driver for the MLflow UI browser test), lint (ruff), then run the test suite
 # torch is installed first and pinned (a CPU build where the machine provides one); every
 # other package is pinned in constraints.txt so a fresh machine resolves the same stack.
 
@@ -43,6 +43,8 @@ browser:
 	fi
 
 test: install-test browser
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest $(ARGS)
 
 clean:

@@ -12,7 +12,8 @@ def main(cfg: DictConfig) -> None:
     ckpt = convert_checkpoint(cfg.ckpt_path, cfg.target, cfg.target_kv_heads, cfg.method, cfg.out)
     conv, src = ckpt["conversion"], ckpt["source"]
     print(
-        f"wrote {cfg.out}: {src['attention']} (h={src['n_head']}) -> {conv['target']} with {conv['kv_heads']} KV head{'s' if conv['kv_heads'] > 1 else ''} "
+        f"wrote {cfg.out}: {src['attention']} (h={src['n_head']}) -> {conv['target']} "
+        f"with {conv['kv_heads']} KV head{'s' if conv['kv_heads'] > 1 else ''} "
         f"({conv['method']}); source run {src['mlflow_run_id']}, {src['tokens']} tokens in {src['steps']} steps\n"
         f"uptrain with: python train.py experiment=uptrain init_from={cfg.out} uptrain_fraction=0.05"
     )

@@ -1,4 +1,5 @@
-"""Evaluate a checkpoint downstream: `python eval.py ckpt_path=PATH [eval=paper] [run_id=train]` (conf/evaluate.yaml)."""
+"""Evaluate a checkpoint downstream (conf/evaluate.yaml):
+`python eval.py ckpt_path=PATH [eval=paper] [run_id=train]`."""
 
 import os
 from pathlib import Path

@@ -16,8 +16,15 @@ from t6.data.prepare import prepare_dataset  # noqa: E402
 def main(cfg: DictConfig) -> None:
     d = cfg.dataset
     manifest = prepare_dataset(
-        d.out_dir, path=d.path, config=d.config, split=d.split, data_files=d.data_files, text_field=d.text_field,
-        shard_tokens=d.shard_tokens, max_tokens=d.max_tokens, num_proc=d.num_proc,
+        d.out_dir,
+        path=d.path,
+        config=d.config,
+        split=d.split,
+        data_files=d.data_files,
+        text_field=d.text_field,
+        shard_tokens=d.shard_tokens,
+        max_tokens=d.max_tokens,
+        num_proc=d.num_proc,
     )
     tokens = sum(s["tokens"] for s in manifest.shards)
     print(f"{d.out_dir}: {len(manifest.shards)} shards, {tokens:,} tokens (shard 0 is validation)")

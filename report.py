@@ -23,7 +23,8 @@ ROOT = Path(os.environ.get("T6_ROOT") or Path(__file__).resolve().parent)  # as 
 
 
 def folder_name(name: str) -> str:
-    """A run or experiment name as one path component without spaces: "sweep 2026-01-02_03-04" -> "sweep-2026-01-02_03-04"."""
+    """A run or experiment name as one path component without spaces:
+    "sweep 2026-01-02_03-04" -> "sweep-2026-01-02_03-04"."""
     return re.sub(r"[^\w.+-]+", "-", name).strip("-") or "report"
 
 
@@ -32,12 +33,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--experiment", help="MLflow experiment name")
     parser.add_argument("--parent", help="a sweep's parent run id, or `latest` (the newest sweep of --experiment)")
     parser.add_argument("--sweep", help="a sweep's directory (hydra.sweep.dir): its store and parent run")
-    parser.add_argument("--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI", f"sqlite:///{ROOT / 'mlruns' / 'mlflow.db'}"),
-                        help="MLflow store (default: $MLFLOW_TRACKING_URI, else the project's mlruns/mlflow.db)")
+    parser.add_argument(
+        "--tracking-uri",
+        default=os.environ.get("MLFLOW_TRACKING_URI", f"sqlite:///{ROOT / 'mlruns' / 'mlflow.db'}"),
+        help="MLflow store (default: $MLFLOW_TRACKING_URI, else the project's mlruns/mlflow.db)",
+    )
     parser.add_argument("--out", help="output folder (default: reports/<experiment or parent run>)")
-    parser.add_argument("--decode-json", help="records of `python -m t6.bench.decode --json PATH` for the tokens/s column")
-    parser.add_argument("--group-by", default="attention.name",
-                        help="comma-separated run params that make a table row (default: attention.name)")
+    parser.add_argument(
+        "--decode-json", help="records of `python -m t6.bench.decode --json PATH` for the tokens/s column"
+    )
+    parser.add_argument(
+        "--group-by",
+        default="attention.name",
+        help="comma-separated run params that make a table row (default: attention.name)",
+    )
     parser.add_argument("--title", help="report title")
     parser.add_argument("--no-log", action="store_true", help="write the files only, log nothing to MLflow")
     args = parser.parse_args(argv)
@@ -67,8 +76,9 @@ def main(argv: list[str] | None = None) -> Path:
     name = args.experiment or client.get_experiment(experiment_id).name
     out = Path(args.out or ROOT / "reports" / folder_name(parent.info.run_name if parent else name))
     title = args.title or (f"{name}: {parent.info.run_name} ({parent.info.run_id[:8]})" if parent else name)
-    report = build_report(load_runs(client, runs), out, title, tuple(args.group_by.split(",")),
-                          decode, args.decode_json)
+    report = build_report(
+        load_runs(client, runs), out, title, tuple(args.group_by.split(",")), decode, args.decode_json
+    )
     print(report.markdown)
     print(f"\nwritten to {out}")
     if not args.no_log:

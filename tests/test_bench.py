@@ -12,8 +12,7 @@ import pytest
 
 from t6.bench import common, kv_memory, prefill
 from t6.config import conf_dir
-from t6.model.attention import PAPER, available, get_attention_class, register
-from t6.model.attention.base import registry
+from t6.model.attention import PAPER, available
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,5 +53,3 @@ def test_all_covers_every_registered_mechanism_and_its_cache_fact_holds(kv_all, 
     r = kv_all[name]
     assert r["kv_cache_bytes_per_token"] == r["allocated_bytes_per_token"] > 0
     assert r["kv_cache_bytes_per_token"] == 4 * r["n_layer"] * r["elements_per_token_layer"]  # fp32
-
-

@@ -9,16 +9,21 @@ import subprocess
 import time
 
 import pytest
-
 from test_distributed import ROOT, all_runs, client, command, run, step_of
 
 pytestmark = pytest.mark.slow
-LINE = re.compile(r"^step (\d+)/(\d+) \((\d+)%\) \| loss (\d+\.\d{4}) \| lr (\S+) \| ([\d,]+) tok/s \| elapsed \S+ \| ETA \S+$")
+LINE = re.compile(
+    r"^step (\d+)/(\d+) \((\d+)%\) \| loss (\d+\.\d{4}) \| lr (\S+) \| ([\d,]+) tok/s \| elapsed \S+ \| ETA \S+$"
+)
 
 
 def test_ctrl_c_saves_last_ckpt_and_progress_lines_go_to_a_pipe(tmp_path, shared_data_dir):
     run_dir = tmp_path / "job"
-    overrides = ["trainer.max_steps=100000", "callbacks.model_checkpoint.every_n_train_steps=1000", f"hydra.run.dir={run_dir}"]
+    overrides = [
+        "trainer.max_steps=100000",
+        "callbacks.model_checkpoint.every_n_train_steps=1000",
+        f"hydra.run.dir={run_dir}",
+    ]
     args, env = command(tmp_path, shared_data_dir, *overrides)
     with open(tmp_path / "stderr.txt", "w") as err:
         proc = subprocess.Popen(args, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True)
@@ -26,7 +31,9 @@ def test_ctrl_c_saves_last_ckpt_and_progress_lines_go_to_a_pipe(tmp_path, shared
             lines, deadline = [], time.time() + 300
             while len([line for line in lines if line.startswith("step ")]) < 3:
                 line = proc.stdout.readline()
-                assert line and time.time() < deadline, "\n".join(lines[-5:]) + (tmp_path / "stderr.txt").read_text()[-3000:]
+                assert line and time.time() < deadline, (
+                    "\n".join(lines[-5:]) + (tmp_path / "stderr.txt").read_text()[-3000:]
+                )
                 lines.append(line.rstrip("\n"))
             proc.send_signal(signal.SIGINT)  # Ctrl-C
             rest, _ = proc.communicate(timeout=120)
@@ -60,15 +67,26 @@ def test_summary_multirun_prints_one_comparison_table(tmp_path):
     import sys
 
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "TMPDIR": str(tmp_path)}
-    proc = subprocess.run([sys.executable, str(ROOT / "summary.py"), "-m", "attention=mha,tpa", "size=tiny,small"],
-                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "summary.py"), "-m", "attention=mha,tpa", "size=tiny,small"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     assert lines[0].startswith("| attention | size | layers x d_model | heads | params |") and len(lines) == 6
-    assert [line.split(" | ")[:2] for line in lines[2:]] == [["| mha", "tiny"], ["| mha", "small"], ["| tpa", "tiny"],
-                                                            ["| tpa", "small"]]
-    single = subprocess.run([sys.executable, str(ROOT / "summary.py")], env=env, cwd=ROOT, capture_output=True,
-                            text=True, timeout=300)
+    assert [line.split(" | ")[:2] for line in lines[2:]] == [
+        ["| mha", "tiny"],
+        ["| mha", "small"],
+        ["| tpa", "tiny"],
+        ["| tpa", "small"],
+    ]
+    single = subprocess.run(
+        [sys.executable, str(ROOT / "summary.py")], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert single.stdout.startswith("attention / size") and "tpa / tiny" in single.stdout  # train.py's default size
 
 

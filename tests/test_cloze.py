@@ -43,13 +43,16 @@ def test_items_are_well_formed_held_out_and_deterministic(task_dir, tmp_path):
     assert min(labels.values()) > 300  # the answer's position carries no information
 
 
-@pytest.mark.parametrize("line,expected", [
-    ("I hold you a penny,", ("I hold you a", "penny")),
-    ("Nay, by Saint Jamy!", ("Nay, by Saint", "Jamy")),
-    ("and so it is o'er", None),  # an apostrophe word is not cut
-    ("Go, a", None),  # a one-letter word is not an item
-    ("Farewell", None),  # nothing before the blank
-])
+@pytest.mark.parametrize(
+    "line,expected",
+    [
+        ("I hold you a penny,", ("I hold you a", "penny")),
+        ("Nay, by Saint Jamy!", ("Nay, by Saint", "Jamy")),
+        ("and so it is o'er", None),  # an apostrophe word is not cut
+        ("Go, a", None),  # a one-letter word is not an item
+        ("Farewell", None),  # nothing before the blank
+    ],
+)
 def test_last_word(line, expected):
     assert last_word(line) == expected
 

@@ -14,15 +14,30 @@ from t6.model import T6, ModelConfig
 
 from conftest import CONF, compose_config
 
-TRAIN_GROUPS = {next(iter(d)) for d in yaml.safe_load((CONF / "train.yaml").read_text())["defaults"] if isinstance(d, dict)}
+TRAIN_GROUPS = {
+    next(iter(d)) for d in yaml.safe_load((CONF / "train.yaml").read_text())["defaults"] if isinstance(d, dict)
+}
 # `dataset` is prepare.py's group; train.yaml lists it (null) only so that `train.py dataset=...` gets a clear error
-GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name not in ("hydra", "dataset") and p.name in TRAIN_GROUPS)
+GROUPS = sorted(
+    p.name for p in CONF.iterdir() if p.is_dir() and p.name not in ("hydra", "dataset") and p.name in TRAIN_GROUPS
+)
 # experiment recipes compose in tests/test_experiments.py, with the checks of what each reproduces
 OPTIONS = [(g, f.stem) for g in GROUPS if g != "experiment" for f in sorted((CONF / g).glob("*.yaml"))]
 
 
 def test_every_group_has_options():
-    assert {"attention", "size", "optimizer", "lr_ablation", "data", "trainer", "logger", "callbacks", "eval", "paths"} <= set(GROUPS)
+    assert {
+        "attention",
+        "size",
+        "optimizer",
+        "lr_ablation",
+        "data",
+        "trainer",
+        "logger",
+        "callbacks",
+        "eval",
+        "paths",
+    } <= set(GROUPS)
     assert all(any(g == group for g, _ in OPTIONS) for group in GROUPS if group != "experiment")
 
 
@@ -52,7 +67,9 @@ def test_user_head_override_wins(tmp_path):
 
 
 def test_cross_field_errors_name_every_field(tmp_path):
-    cfg = compose_config(["attention=tpa", "attention.options.k_rank=0", "size.head_dim=63", "size.n_layer=-1"], tmp_path)
+    cfg = compose_config(
+        ["attention=tpa", "attention.options.k_rank=0", "size.head_dim=63", "size.n_layer=-1"], tmp_path
+    )
     with pytest.raises(ValueError) as err:
         model_config(cfg)
     msg = str(err.value)

@@ -18,10 +18,11 @@ import mlflow
 import pytest
 import torch
 
-from conftest import ROOT, TEST_RUN, TEST_SIZE
-from t6.model.load import load_model
 from t6.evaluation.callback import build_eval_callback
 from t6.evaluation.harness import flat_metrics, run_harness
+from t6.model.load import load_model
+
+from conftest import ROOT, TEST_RUN, TEST_SIZE
 
 pytestmark = pytest.mark.slow
 DDP = ["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=32-true"]
@@ -47,8 +48,11 @@ class NaNOnRank(L.Callback):
 
 def command(tmp_path: Path, data_dir: Path, *overrides: str) -> tuple[list[str], dict]:
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    env.update(T6_ROOT=str(tmp_path), PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests")]),
-               MLFLOW_ENABLE_ASYNC_LOGGING="false")
+    env.update(
+        T6_ROOT=str(tmp_path),
+        PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests")]),
+        MLFLOW_ENABLE_ASYNC_LOGGING="false",
+    )
     flags = [o for o in overrides if o.startswith("-")]  # -m goes before the overrides
     rest = [o for o in overrides if not o.startswith("-")]
     if not any(o.startswith("eval") for o in rest):
@@ -78,13 +82,27 @@ def step_of(path: Path) -> int:
 
 def test_ddp_two_processes_run_and_resume_exactly(tmp_path, shared_data_dir):
     first = tmp_path / "first"
-    run(tmp_path, shared_data_dir, *DDP, "data.batch_size=2", "data.global_batch_size=8",  # 2 ranks x 2 x accumulate 2
-        "callbacks.model_checkpoint.save_top_k=-1", f"hydra.run.dir={first}")
+    run(
+        tmp_path,
+        shared_data_dir,
+        *DDP,
+        "data.batch_size=2",
+        "data.global_batch_size=8",  # 2 ranks x 2 x accumulate 2
+        "callbacks.model_checkpoint.save_top_k=-1",
+        f"hydra.run.dir={first}",
+    )
     assert step_of(first / "checkpoints" / "last.ckpt") == 8
     (run_,) = all_runs(client(tmp_path))  # ranks 1.. log nothing of their own
     resumed = tmp_path / "resumed"
-    run(tmp_path, shared_data_dir, *DDP, "data.batch_size=2", "data.global_batch_size=8",
-        f"ckpt_path={first / 'checkpoints' / 'step000004.ckpt'}", f"hydra.run.dir={resumed}")
+    run(
+        tmp_path,
+        shared_data_dir,
+        *DDP,
+        "data.batch_size=2",
+        "data.global_batch_size=8",
+        f"ckpt_path={first / 'checkpoints' / 'step000004.ckpt'}",
+        f"hydra.run.dir={resumed}",
+    )
     assert step_of(resumed / "checkpoints" / "last.ckpt") == 8
     assert len(all_runs(client(tmp_path))) == 1  # the resumed run logged into the same MLflow run
     history: dict[int, list[float]] = {}
@@ -106,15 +124,34 @@ def test_fsdp_trains_clips_skips_evaluates_and_resumes_like_ddp(tmp_path, shared
     """The same 6 steps under DDP and FSDP (2 CPU processes each): clipping by the global norm, a
     NaN loss on rank 1 at step 4 skipped on both ranks, weight decay on the matrices and the
     embedding only, a downstream evaluation at the end; then FSDP resumed from step 3."""
-    common = ["data.batch_size=2", "data.global_batch_size=8", "trainer.max_steps=6", "trainer.val_check_interval=3",
-              "trainer.gradient_clip_val=0.5", "callbacks.model_checkpoint.every_n_train_steps=3",
-              "callbacks.model_checkpoint.save_top_k=-1", "nonfinite_loss=skip", "+callbacks.nan._target_=test_distributed.NaNOnRank",
-              "+callbacks.nan.step=4", "+callbacks.nan.rank=1", "eval=local", "eval.limit=8", "eval.num_fewshot=[0]"]
+    common = [
+        "data.batch_size=2",
+        "data.global_batch_size=8",
+        "trainer.max_steps=6",
+        "trainer.val_check_interval=3",
+        "trainer.gradient_clip_val=0.5",
+        "callbacks.model_checkpoint.every_n_train_steps=3",
+        "callbacks.model_checkpoint.save_top_k=-1",
+        "nonfinite_loss=skip",
+        "+callbacks.nan._target_=test_distributed.NaNOnRank",
+        "+callbacks.nan.step=4",
+        "+callbacks.nan.rank=1",
+        "eval=local",
+        "eval.limit=8",
+        "eval.num_fewshot=[0]",
+    ]
     dirs = {name: tmp_path / name for name in ("ddp", "fsdp", "resumed")}
     run(tmp_path, shared_data_dir, *DDP, *common, "experiment_name=ddp", f"hydra.run.dir={dirs['ddp']}")
     run(tmp_path, shared_data_dir, *FSDP, *common, "experiment_name=fsdp", f"hydra.run.dir={dirs['fsdp']}")
-    run(tmp_path, shared_data_dir, *FSDP, *common, "experiment_name=fsdp", f"hydra.run.dir={dirs['resumed']}",
-        f"ckpt_path={dirs['fsdp'] / 'checkpoints' / 'step000003.ckpt'}")
+    run(
+        tmp_path,
+        shared_data_dir,
+        *FSDP,
+        *common,
+        "experiment_name=fsdp",
+        f"hydra.run.dir={dirs['resumed']}",
+        f"ckpt_path={dirs['fsdp'] / 'checkpoints' / 'step000003.ckpt'}",
+    )
 
     c = client(tmp_path)
     (ddp,) = c.search_runs([c.get_experiment_by_name("ddp").experiment_id])
@@ -125,9 +162,14 @@ def test_fsdp_trains_clips_skips_evaluates_and_resumes_like_ddp(tmp_path, shared
         assert fsdp_loss[step][0] == pytest.approx(ddp_loss[step][0], rel=1e-5), step
     for step in range(3, 6):  # uninterrupted, then resumed from step 3: the same losses
         assert len(fsdp_loss[step]) == 2 and fsdp_loss[step][1] == pytest.approx(fsdp_loss[step][0], abs=1e-6), step
-    ddp_norm, fsdp_norm = history(c, ddp.info.run_id, "train/grad_norm"), history(c, fsdp.info.run_id, "train/grad_norm")
+    ddp_norm, fsdp_norm = (
+        history(c, ddp.info.run_id, "train/grad_norm"),
+        history(c, fsdp.info.run_id, "train/grad_norm"),
+    )
     assert sorted(ddp_norm) == sorted(fsdp_norm) == list(range(6))
-    assert math.isnan(ddp_norm[4][0]) and all(math.isnan(v) for v in fsdp_norm[4])  # step 4: NaN on rank 1 only, skipped
+    assert math.isnan(ddp_norm[4][0]) and all(
+        math.isnan(v) for v in fsdp_norm[4]
+    )  # step 4: NaN on rank 1 only, skipped
     assert max(v[0] for v in fsdp_norm.values()) > 0.5  # clipping acted
     for step in (0, 1, 2, 3, 5):  # the global norm, not one shard's
         assert fsdp_norm[step][0] == pytest.approx(ddp_norm[step][0], rel=1e-3), step  # a shard's would be ~30% off
@@ -137,8 +179,10 @@ def test_fsdp_trains_clips_skips_evaluates_and_resumes_like_ddp(tmp_path, shared
 
     last = {name: torch.load(d / "checkpoints" / "last.ckpt", weights_only=True) for name, d in dirs.items()}
     assert all(ck["global_step"] == 6 for ck in last.values())
-    groups = {name: [(g["kind"], g["weight_decay"], len(g["params"])) for g in ck["optimizer_states"][0]["param_groups"]]
-              for name, ck in last.items()}
+    groups = {
+        name: [(g["kind"], g["weight_decay"], len(g["params"])) for g in ck["optimizer_states"][0]["param_groups"]]
+        for name, ck in last.items()
+    }
     assert groups["fsdp"] == groups["ddp"] == groups["resumed"]
     assert [(kind, wd) for kind, wd, _ in groups["fsdp"]] == [("matrix", 0.1), ("embedding", 0.1), ("norm", 0.0)]
     for name in ("fsdp", "resumed"):  # whole tensors, the same values (up to summation order, which Adam's
@@ -147,12 +191,22 @@ def test_fsdp_trains_clips_skips_evaluates_and_resumes_like_ddp(tmp_path, shared
 
 
 def test_ddp_evaluation_splits_the_requests_and_scores_like_one_process(tmp_path, shared_data_dir, make_cfg):
-    run(tmp_path, shared_data_dir, *DDP, "eval=local", "eval.limit=9", "eval.num_fewshot=[0]", "eval.every_n_steps=4",
-        f"hydra.run.dir={tmp_path / 'run'}")
+    run(
+        tmp_path,
+        shared_data_dir,
+        *DDP,
+        "eval=local",
+        "eval.limit=9",
+        "eval.num_fewshot=[0]",
+        "eval.every_n_steps=4",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    )
     (run_,) = all_runs(client(tmp_path))
     key = "eval/0shot/t6_next_line/acc_norm"
     logged = history(client(tmp_path), run_.info.run_id, key)
-    assert sorted(logged) == [4, 8] and all(len(v) == 1 for v in logged.values())  # logged once (rank 0), not again at the end
+    assert sorted(logged) == [4, 8] and all(
+        len(v) == 1 for v in logged.values()
+    )  # logged once (rank 0), not again at the end
     last = tmp_path / "run" / "checkpoints" / "last.ckpt"
     assert step_of(last) == 8  # training went on after each evaluation
 
@@ -165,6 +219,7 @@ def test_ddp_evaluation_splits_the_requests_and_scores_like_one_process(tmp_path
 
 def test_torchrun_launched_ddp_trains_and_resumes(tmp_path, shared_data_dir):
     """torch.distributed.run starts both ranks (as on a cluster); Lightning joins its process group."""
+
     def torchrun(*overrides: str) -> None:
         args, env = command(tmp_path, shared_data_dir, *DDP, *overrides)
         args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *args[1:]]
@@ -211,7 +266,12 @@ def test_sweep_has_one_parent_and_a_child_per_job(tmp_path, shared_data_dir):
 
 def test_sigterm_saves_a_checkpoint_and_the_rerun_resumes(tmp_path, shared_data_dir):
     run_dir = tmp_path / "job"
-    overrides = ["trainer.max_steps=100000", "auto_resume=true", "callbacks.model_checkpoint.every_n_train_steps=2", f"hydra.run.dir={run_dir}"]
+    overrides = [
+        "trainer.max_steps=100000",
+        "auto_resume=true",
+        "callbacks.model_checkpoint.every_n_train_steps=2",
+        f"hydra.run.dir={run_dir}",
+    ]
     args, env = command(tmp_path, shared_data_dir, *overrides)
     proc = subprocess.Popen(args, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
@@ -227,7 +287,9 @@ def test_sigterm_saves_a_checkpoint_and_the_rerun_resumes(tmp_path, shared_data_
     (killed,) = all_runs(client(tmp_path))
     assert killed.info.status == "KILLED"
 
-    rerun = run(tmp_path, shared_data_dir, *overrides[1:], f"trainer.max_steps={saved + 2}")  # same run dir: auto-resume
+    rerun = run(
+        tmp_path, shared_data_dir, *overrides[1:], f"trainer.max_steps={saved + 2}"
+    )  # same run dir: auto-resume
     assert "Restoring states from the checkpoint path at" in rerun.stdout + rerun.stderr
     assert step_of(run_dir / "checkpoints" / "last.ckpt") == saved + 2
     (resumed,) = all_runs(client(tmp_path))

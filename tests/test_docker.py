@@ -46,7 +46,9 @@ def test_services_write_only_where_the_image_gives_their_user_ownership():
         assert service.get("user", "1000:1000") == "1000:1000", name
         for volume in service.get("volumes", []):
             target = volume.split(":")[1]
-            assert target in owned, f"service {name} mounts a volume on {target}, which the image does not create for uid 1000"
+            assert target in owned, (
+                f"service {name} mounts a volume on {target}, which the image does not create for uid 1000"
+            )
 
 
 def test_trainer_gets_time_to_save_its_checkpoint_on_stop():
@@ -57,10 +59,20 @@ def test_trainer_gets_time_to_save_its_checkpoint_on_stop():
 
 def test_trainer_command_composes_outside_the_container(tmp_path):
     args = COMPOSE["services"]["trainer"]["command"]  # ["train.py", "trainer=gpu"]
-    env = {**os.environ, "T6_ROOT": str(tmp_path), "PYTHONPATH": str(ROOT / "src"),
-           "MLFLOW_TRACKING_URI": COMPOSE["services"]["trainer"]["environment"]["MLFLOW_TRACKING_URI"]}
-    proc = subprocess.run([sys.executable, str(ROOT / args[0]), *args[1:], "--cfg", "job", "--resolve"],
-                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "T6_ROOT": str(tmp_path),
+        "PYTHONPATH": str(ROOT / "src"),
+        "MLFLOW_TRACKING_URI": COMPOSE["services"]["trainer"]["environment"]["MLFLOW_TRACKING_URI"],
+    }
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / args[0]), *args[1:], "--cfg", "job", "--resolve"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     cfg = yaml.safe_load(proc.stdout)
     assert cfg["trainer"]["accelerator"] == "gpu" and cfg["logger"]["mlflow"]["tracking_uri"] == "http://mlflow:5000"
@@ -74,12 +86,19 @@ def test_mlflow_service_starts_with_its_compose_arguments(tmp_path):
     store = tmp_path / "mlflow"
     store.mkdir()
     port = 5000 + os.getpid() % 1000
-    args = [a.replace("/mlflow/", f"{store}/").replace("0.0.0.0", "127.0.0.1").replace("5000", str(port))
-            for a in service["command"]]
+    args = [
+        a.replace("/mlflow/", f"{store}/").replace("0.0.0.0", "127.0.0.1").replace("5000", str(port))
+        for a in service["command"]
+    ]
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     with open(tmp_path / "server.log", "wb") as log:
-        proc = subprocess.Popen([str(BIN / service["entrypoint"][0]), *args, "--workers", "1"], stdout=log,
-                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            [str(BIN / service["entrypoint"][0]), *args, "--workers", "1"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
     try:
         check = service["healthcheck"]["test"][-1].replace("5000", str(port))
         deadline = time.monotonic() + 240

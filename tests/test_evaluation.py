@@ -15,19 +15,24 @@ import torch.nn.functional as F
 from t6.evaluation.adapter import T6LM
 from t6.evaluation.harness import EvalSpec, resolve_tasks, run_harness
 from t6.evaluation.next_line import TASK, build_next_line_task
-from t6.model.attention import available
 from t6.model import T6, ModelConfig
+from t6.model.attention import available
 from t6.train import summary, train
 
 from conftest import ROOT
 
-SMALL_TASK = [f"eval.local_tasks.{t}.{k}={v}" for t in ("t6_next_line", "t6_cloze") for k, v in (("n_test", 12), ("n_fewshot", 4))]
+SMALL_TASK = [
+    f"eval.local_tasks.{t}.{k}={v}" for t in ("t6_next_line", "t6_cloze") for k, v in (("n_test", 12), ("n_fewshot", 4))
+]
 
 
 def random_model(block_size: int = 64, seed: int = 0, attention: str = "mha") -> T6:
     torch.manual_seed(seed)
-    model = T6(ModelConfig(vocab_size=50304, block_size=block_size, n_layer=2, d_model=64, n_head=4, head_dim=16,
-                           attention=attention))
+    model = T6(
+        ModelConfig(
+            vocab_size=50304, block_size=block_size, n_layer=2, d_model=64, n_head=4, head_dim=16, attention=attention
+        )
+    )
     with torch.no_grad():
         for p in model.parameters():  # leave the zero-initialized branches non-trivial
             p.add_(0.05 * torch.randn_like(p))
@@ -35,9 +40,9 @@ def random_model(block_size: int = 64, seed: int = 0, attention: str = "mha") ->
 
 
 def direct_logprob(model: T6, ctx: list[int], cont: list[int]) -> tuple[float, bool]:
-    full = (ctx + cont)[-(model.cfg.block_size + 1):]
+    full = (ctx + cont)[-(model.cfg.block_size + 1) :]
     logits = model(torch.tensor([full[:-1]]))[0]  # [T, vocab]
-    lp = F.log_softmax(logits[-len(cont):].double(), dim=-1)  # [len(cont), vocab]
+    lp = F.log_softmax(logits[-len(cont) :].double(), dim=-1)  # [len(cont), vocab]
     target = torch.tensor(cont)
     return float(lp.gather(-1, target[:, None]).sum()), bool((lp.argmax(-1) == target).all())
 
@@ -70,7 +75,7 @@ def test_loglikelihood_equals_model_logprob_including_long_contexts():
     enc = lm.enc
     ctx, whole = enc.encode("To be, or not"), enc.encode("To be, or not to be")
     with torch.no_grad():
-        assert lp_str[0][0] == pytest.approx(direct_logprob(model, ctx, whole[len(ctx):])[0], abs=1e-3)
+        assert lp_str[0][0] == pytest.approx(direct_logprob(model, ctx, whole[len(ctx) :])[0], abs=1e-3)
         assert lp_str[1][0] == pytest.approx(direct_logprob(model, [50256], enc.encode("Hello world"))[0], abs=1e-3)
 
 
@@ -99,7 +104,7 @@ def test_shared_prefix_scores_equal_per_choice_scores(attention):
             requests.append(((f"item {n}", f"choice {k}"), ctx, cont))
     ctx = requests[4][1]
     with torch.no_grad():  # one continuation that is the model's own greedy choice: is_greedy is True for it
-        greedy = model.generate(torch.tensor([ctx]), 3, temperature=0.0)[0, len(ctx):].tolist()
+        greedy = model.generate(torch.tensor([ctx]), 3, temperature=0.0)[0, len(ctx) :].tolist()
     requests.insert(6, (("item 4", "greedy"), ctx, greedy))
     requests.append((None, [5, 6, 7], [8, 9]))  # no key: not handed to the cache hook (rolling windows)
     order = torch.randperm(len(requests), generator=g).tolist()  # interleave the items' choices
@@ -121,10 +126,12 @@ def test_shared_prefix_scores_equal_per_choice_scores(attention):
 def test_shared_prefix_batches():
     """Batches hold at most batch_size continuations, fit the block when left-padded, and mix prefix
     lengths only for attentions with padding masks."""
-    requests = ([(None, [1] * 40, [2] * 4)] * 3  # 0-2: one prefix of 39 tokens, a 4-token tail
-                + [(None, [3] * 20, [2])]  # 3: prefix 19, tail 1
-                + [(None, [1] * 10, [2] * 30), (None, [3] * 10, [2])]  # 4: prefix 9, tail 30; 5: prefix 9, tail 1
-                + [(None, [4, 4], [5])] * 6)  # 6-11: one prefix, more continuations than batch_size
+    requests = (
+        [(None, [1] * 40, [2] * 4)] * 3  # 0-2: one prefix of 39 tokens, a 4-token tail
+        + [(None, [3] * 20, [2])]  # 3: prefix 19, tail 1
+        + [(None, [1] * 10, [2] * 30), (None, [3] * 10, [2])]  # 4: prefix 9, tail 30; 5: prefix 9, tail 1
+        + [(None, [4, 4], [5])] * 6
+    )  # 6-11: one prefix, more continuations than batch_size
     masked = T6LM(model=random_model(block_size=64), batch_size=5)
     # 4 joins 0-3 in rows but 39 + 30 tokens exceed the block
     assert masked._prefix_batches(requests) == [[[0, 1, 2], [3]], [[4], [5]], [[6, 7, 8, 9, 10]], [[11]]]
@@ -148,11 +155,15 @@ def test_rolling_and_generate():
     total = lm.loglikelihood_rolling([SimpleNamespace(args=(text,))], disable_tqdm=True)[0]
     assert len(tokens) > 32 and total < first < 0
 
-    out = lm.generate_until([SimpleNamespace(args=("Now is the", {"until": ["\n"], "max_gen_toks": 5}))], disable_tqdm=True)
+    out = lm.generate_until(
+        [SimpleNamespace(args=("Now is the", {"until": ["\n"], "max_gen_toks": 5}))], disable_tqdm=True
+    )
     ctx = lm.tok_encode("Now is the")
     with torch.no_grad():
-        ref = model.generate(torch.tensor([ctx]), 5, temperature=0.0)[0, len(ctx):].tolist()
-    expected = lm.tok_decode(ref).split("\n")[0] if 50256 not in ref else lm.tok_decode(ref[: ref.index(50256)]).split("\n")[0]
+        ref = model.generate(torch.tensor([ctx]), 5, temperature=0.0)[0, len(ctx) :].tolist()
+    expected = (
+        lm.tok_decode(ref).split("\n")[0] if 50256 not in ref else lm.tok_decode(ref[: ref.index(50256)]).split("\n")[0]
+    )
     assert out == [expected]
 
 
@@ -165,7 +176,9 @@ def test_next_line_task_is_built_deterministically(tmp_path):
     test = [json.loads(x) for x in (a / "test.jsonl").read_text().splitlines()]
     few = [json.loads(x) for x in (a / "fewshot.jsonl").read_text().splitlines()]
     assert len(test) == 30 and len(few) == 6
-    assert {it["passage"] for it in test}.isdisjoint(it["passage"] for it in few)  # few-shot examples are not test items
+    assert {it["passage"] for it in test}.isdisjoint(
+        it["passage"] for it in few
+    )  # few-shot examples are not test items
     for it in test:
         assert len(it["choices"]) == 4 and len(set(it["choices"])) == 4 and 0 <= it["label"] < 4
     assert str(a / "test.jsonl") in (a / f"{TASK}.yaml").read_text()  # absolute data_files
@@ -209,7 +222,9 @@ def test_callback_logs_to_mlflow_and_leaves_training_unchanged(make_cfg):
     artifacts = {a.path for a in client.list_artifacts(run_id, "eval/step000008")}
     assert {"eval/step000008/results.json", "eval/step000008/table.md"} <= artifacts
     assert obj["model"].training  # back in train mode
-    assert metrics["eval/2shot/avg"] == avg[-1].value and "eval/2shot/avg" in summary(metrics, obj)  # the run's closing lines
+    assert metrics["eval/2shot/avg"] == avg[-1].value and "eval/2shot/avg" in summary(
+        metrics, obj
+    )  # the run's closing lines
 
     without = make_cfg("eval=none")
     _, obj2 = train(without)
@@ -249,7 +264,9 @@ def test_eval_py_logs_into_training_run_and_lm_eval_cli_runs(make_cfg, tmp_path)
 
     from t6.evaluation.checkpoint import evaluate_checkpoint
 
-    ecfg = make_cfg(*SMALL_TASK, f"ckpt_path={ckpt}", "run_id=train", "eval.num_fewshot=[0]", config_name="evaluate", small=False)
+    ecfg = make_cfg(
+        *SMALL_TASK, f"ckpt_path={ckpt}", "run_id=train", "eval.num_fewshot=[0]", config_name="evaluate", small=False
+    )
     ecfg.tracking_uri = cfg.logger.mlflow.tracking_uri
     metrics, run_id = evaluate_checkpoint(ecfg)
     assert run_id == obj["mlflow"].run_id
@@ -260,9 +277,23 @@ def test_eval_py_logs_into_training_run_and_lm_eval_cli_runs(make_cfg, tmp_path)
     # lm-eval's own command line, with the t6 model registered by `python -m t6.evaluation`; the
     # project's local task found without --include_path, the adapter's batch size by default
     proc = subprocess.run(
-        [sys.executable, "-m", "t6.evaluation", "--model", "t6", "--model_args", f"checkpoint={ckpt}",
-         "--tasks", TASK, "--limit", "4"],
-        capture_output=True, text=True, cwd=ROOT, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "t6.evaluation",
+            "--model",
+            "t6",
+            "--model_args",
+            f"checkpoint={ckpt}",
+            "--tasks",
+            TASK,
+            "--limit",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
         env={**__import__("os").environ, "PYTHONPATH": str(ROOT / "src"), "T6_ROOT": str(tmp_path)},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -277,7 +308,15 @@ def test_lm_eval_cli_defaults_and_entry_point(tmp_path):
 
     include = str(tmp_path / "data" / "eval")
     assert cli_args(["--model", "t6", "--tasks", f"{TASK},t6_cloze"], tmp_path) == [
-        "--model", "t6", "--tasks", f"{TASK},t6_cloze", "--include_path", include, "--batch_size", "16"]
+        "--model",
+        "t6",
+        "--tasks",
+        f"{TASK},t6_cloze",
+        "--include_path",
+        include,
+        "--batch_size",
+        "16",
+    ]
     assert (tmp_path / "data" / "eval" / "t6_cloze" / "t6_cloze.yaml").is_file()  # each named local task is built
     given = ["--tasks=hellaswag", "-b", "8", "--include_path", "/x"]
     assert cli_args(given, tmp_path) == given  # the user's choices stay; other tasks need no local build
@@ -287,8 +326,13 @@ def test_lm_eval_cli_defaults_and_entry_point(tmp_path):
 
 @pytest.mark.slow  # trains a small model for ~150 steps
 def test_trained_model_beats_chance_on_local_task_and_fresh_model_does_not(make_cfg, tmp_path):
-    cfg = make_cfg("trainer.max_steps=150", "data.batch_size=8", "lr_ablation.by_size.tiny.warmup_steps=10",
-                   "trainer.val_check_interval=150", "callbacks.model_checkpoint=null")
+    cfg = make_cfg(
+        "trainer.max_steps=150",
+        "data.batch_size=8",
+        "lr_ablation.by_size.tiny.warmup_steps=10",
+        "trainer.val_check_interval=150",
+        "callbacks.model_checkpoint=null",
+    )
     _, objects = train(cfg)
     trained = objects["model"].model
     torch.manual_seed(0)
@@ -296,7 +340,10 @@ def test_trained_model_beats_chance_on_local_task_and_fresh_model_does_not(make_
     include = build_next_line_task(tmp_path / "task", n_test=100, n_fewshot=4)
     spec = EvalSpec(tasks=[TASK], num_fewshot=[0], metrics={TASK: "acc_norm"}, include_path=[str(include)])
     tm = resolve_tasks(spec)
-    acc = {name: run_harness(m, spec, tm)[0]["results"][TASK]["acc_norm,none"] for name, m in [("trained", trained), ("fresh", fresh)]}
+    acc = {
+        name: run_harness(m, spec, tm)[0]["results"][TASK]["acc_norm,none"]
+        for name, m in [("trained", trained), ("fresh", fresh)]
+    }
     # 100 items, chance 0.25 (binomial sd 0.043): trained far above, fresh within chance
     assert acc["trained"] > 0.5, acc
     assert acc["fresh"] < 0.4, acc

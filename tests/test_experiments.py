@@ -14,8 +14,13 @@ from t6.model.attention import PAPER as PAPER_SIX
 from conftest import CONF
 
 RECIPES = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
-PAPER = {"paper_small": ("small", 6e-4, 3e-5), "paper_medium": ("medium", 3e-4, 3e-5),
-         "paper_large": ("large", 2e-4, 1e-5), "paper_xl": ("xl", 2e-4, 1e-5), "lr_ablation_medium": ("medium", 6e-4, 3e-5)}
+PAPER = {
+    "paper_small": ("small", 6e-4, 3e-5),
+    "paper_medium": ("medium", 3e-4, 3e-5),
+    "paper_large": ("large", 2e-4, 1e-5),
+    "paper_xl": ("xl", 2e-4, 1e-5),
+    "lr_ablation_medium": ("medium", 6e-4, 3e-5),
+}
 SIX = list(PAPER_SIX)
 
 
@@ -63,13 +68,24 @@ def test_paper_recipes_checkpoint_at_recipe_scale(name):
 def test_last_link_points_at_the_newest_checkpoint_and_resumes(make_cfg, tmp_path):
     from t6.train import train
 
-    overrides = ["callbacks.model_checkpoint.save_last=link", "trainer.max_steps=4", "callbacks.model_checkpoint.every_n_train_steps=2"]
+    overrides = [
+        "callbacks.model_checkpoint.save_last=link",
+        "trainer.max_steps=4",
+        "callbacks.model_checkpoint.every_n_train_steps=2",
+    ]
     train(make_cfg(*overrides))
     ckpts = tmp_path / "run" / "checkpoints"
     last = ckpts / "last.ckpt"
     assert last.is_symlink() and last.resolve() == (ckpts / "step000004.ckpt").resolve()
     assert sorted(p.name for p in ckpts.iterdir()) == ["last.ckpt", "step000004.ckpt"]  # one full copy on disk
-    _, objects = train(make_cfg(*overrides[:1], "trainer.max_steps=6", "auto_resume=true", "callbacks.model_checkpoint.every_n_train_steps=2"))
+    _, objects = train(
+        make_cfg(
+            *overrides[:1],
+            "trainer.max_steps=6",
+            "auto_resume=true",
+            "callbacks.model_checkpoint.every_n_train_steps=2",
+        )
+    )
     assert objects["trainer"].global_step == 6 and last.resolve() == (ckpts / "step000006.ckpt").resolve()
 
 

@@ -26,8 +26,10 @@ def padding_mask(B: int, S: int, gen: torch.Generator) -> torch.Tensor:
 def tpa_inputs(B, S, factored, dtype, gen, h=7, d=16, R_Q=3, R_K=2, R_V=3, max_len=None):
     """A factor cache [B, max_len, R, n] viewed up to S (as KVCache.update returns it) and a query."""
     max_len = max_len or S + 5
+
     def cache(R, n):
         return torch.randn(B, max_len, R, n, generator=gen).to(dtype)[:, :S]  # [B, S, R, n] (a view)
+
     q_a = (torch.randn(B, R_Q, h, generator=gen) * 0.3).to(dtype) if factored else None
     q_b = torch.randn(B, R_Q if factored else h, d, generator=gen).to(dtype) * 0.3
     return q_a, q_b, cache(R_K, h), cache(R_K, d), cache(R_V, h), cache(R_V, d)
@@ -103,7 +105,9 @@ def test_fused_layer_decoding_equals_the_eager_path(name):
     attn = model.blocks[0].attn
     x = torch.randn(3, 40, model.cfg.d_model)
     cache = attn.build_kv_cache(3, 48)
-    cache.key_mask = torch.cat([padding_mask(3, 39, torch.Generator().manual_seed(4)), torch.ones(3, 9, dtype=torch.bool)], 1)
+    cache.key_mask = torch.cat(
+        [padding_mask(3, 39, torch.Generator().manual_seed(4)), torch.ones(3, 9, dtype=torch.bool)], 1
+    )
     attn(x[:, :39], torch.arange(39), cache)
     pos = torch.tensor([39])
     attn.fused_decode = True
@@ -149,7 +153,9 @@ def test_mla_training_attention_with_padded_values_is_unchanged():
     k_nope, v = kv.split([attn.d_nope, attn.d_v], dim=-1)
     q = torch.cat([q_nope, q_rope], -1).transpose(1, 2)  # [B, h, T, nope+rope]
     k = torch.cat([k_nope, k_rope[:, :, None].expand(B, T, h, -1)], -1).transpose(1, 2)
-    scores = (q @ k.transpose(-1, -2) * attn.scale).masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    scores = (q @ k.transpose(-1, -2) * attn.scale).masked_fill(
+        ~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf")
+    )
     ref = (scores.softmax(-1) @ v.transpose(1, 2)).transpose(1, 2)  # [B, T, h, d_v]
     assert y.shape == (B, T, h, attn.d_v)
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)

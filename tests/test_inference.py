@@ -3,7 +3,6 @@ padded, sampled), the checkpoint-to-text path, and the benchmarks' config buildi
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -16,8 +15,6 @@ from t6.model.facts import kv_elements_per_token
 from t6.model.load import load_model
 from t6.model.t6 import left_pad
 from t6.summary import summarize
-
-
 
 NAMES = available()  # every registered mechanism
 TPA = ["tpa", "tpa_kvonly"]
@@ -156,8 +153,13 @@ def write_checkpoint(model: T6, path) -> None:
     """The layout a T6LitModule checkpoint has (hyper_parameters.model_config, state_dict keys model.*)."""
     from dataclasses import asdict
 
-    torch.save({"hyper_parameters": {"model_config": asdict(model.cfg), "compile": False},
-                "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}}, path)
+    torch.save(
+        {
+            "hyper_parameters": {"model_config": asdict(model.cfg), "compile": False},
+            "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
+        },
+        path,
+    )
 
 
 def test_generate_entry_loads_a_checkpoint_and_prints_text(tmp_path):
@@ -170,8 +172,10 @@ def test_generate_entry_loads_a_checkpoint_and_prints_text(tmp_path):
         assert k == k2 and torch.equal(v, v2)
     texts = generate_text(loaded, ["ROMEO:", "First Citizen:\nWe are"], 5, temperature=0)
     assert texts[0].startswith("ROMEO:") and texts[1].startswith("First Citizen:\nWe are") and len(texts) == 2
-    gen_cfg = compose("generate", [f"ckpt_path={tmp_path / 'last.ckpt'}", "max_new_tokens=4", "temperature=0",
-                                   "prompt=[ROMEO:,JULIET:]"])
+    gen_cfg = compose(
+        "generate",
+        [f"ckpt_path={tmp_path / 'last.ckpt'}", "max_new_tokens=4", "temperature=0", "prompt=[ROMEO:,JULIET:]"],
+    )
     assert run(gen_cfg)[:1] == generate_text(loaded, ["ROMEO:"], 4, temperature=0)
     with pytest.raises(FileNotFoundError, match="ckpt_path="):
         load_model(tmp_path / "missing.ckpt")
@@ -194,11 +198,39 @@ def test_benchmarks_run_and_write_their_records(tmp_path):
     from t6.bench import decode, kv_memory, prefill
 
     names = "mha,tpa"
-    decode.main(["--attentions", names, "--size", "tiny", "--contexts", "32,64", "--steps", "1", "--rounds", "1",
-                 "--warmup", "1", "--json", str(tmp_path / "decode.json")])
+    decode.main(
+        [
+            "--attentions",
+            names,
+            "--size",
+            "tiny",
+            "--contexts",
+            "32,64",
+            "--steps",
+            "1",
+            "--rounds",
+            "1",
+            "--warmup",
+            "1",
+            "--json",
+            str(tmp_path / "decode.json"),
+        ]
+    )
     kv_memory.main(["--attentions", names, "--sizes", "tiny", "--json", str(tmp_path / "kv.json")])
-    prefill.main(["--attentions", names, "--size", "tiny", "--contexts", "32", "--rounds", "1",
-                  "--json", str(tmp_path / "prefill.json")])
+    prefill.main(
+        [
+            "--attentions",
+            names,
+            "--size",
+            "tiny",
+            "--contexts",
+            "32",
+            "--rounds",
+            "1",
+            "--json",
+            str(tmp_path / "prefill.json"),
+        ]
+    )
     records = json.loads((tmp_path / "decode.json").read_text())["records"]
     assert {(r["attention"], r["context"]) for r in records} >= {("mha", 32), ("tpa", 64)}
     for r in records:
@@ -207,7 +239,9 @@ def test_benchmarks_run_and_write_their_records(tmp_path):
     assert tpa["kv_cache_bytes_per_token"] == 4 * (2 + 2) * (tpa["n_head"] + 64)  # fp32 factors, one layer
     kv = {r["attention"]: r for r in json.loads((tmp_path / "kv.json").read_text())["records"]}
     assert kv["mha"]["kv_cache_bytes_per_token"] == 4 * 2 * 2 * 4 * 64  # bf16, 4 layers, 2 h d_h
-    assert kv["tpa"]["smaller_than_mha"] == kv["mha"]["kv_cache_bytes_per_token"] / kv["tpa"]["kv_cache_bytes_per_token"]
+    assert (
+        kv["tpa"]["smaller_than_mha"] == kv["mha"]["kv_cache_bytes_per_token"] / kv["tpa"]["kv_cache_bytes_per_token"]
+    )
     assert {r["attention"] for r in json.loads((tmp_path / "prefill.json").read_text())["records"]} == {"mha", "tpa"}
 
 
@@ -215,8 +249,10 @@ def test_decode_measure_times_given_shapes_past_their_block_size():
     from t6.bench.decode import measure
 
     base = dict(n_layer=1, d_model=64, head_dim=16, vocab_size=128, block_size=16, n_head=4)
-    configs = {"mha": ModelConfig(attention="mha", **base),
-               "gqa2": ModelConfig(attention="gqa", attention_options={"n_kv_head": 2}, **base)}
+    configs = {
+        "mha": ModelConfig(attention="mha", **base),
+        "gqa2": ModelConfig(attention="gqa", attention_options={"n_kv_head": 2}, **base),
+    }
     records = measure(configs, [40], steps=1, rounds=1, warmup=1, verbose=False)  # context 40 > block 16
     by_name = {r["attention"]: r for r in records}
     assert set(by_name) == {"mha", "gqa2"} and by_name["mha"]["speed_vs_mha"] == 1.0

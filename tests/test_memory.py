@@ -16,7 +16,6 @@ from t6.train import summary, train
 
 from conftest import compose_config
 
-
 # ------------------------------------------------------------------------ device and precision
 
 
@@ -73,7 +72,9 @@ def test_estimate_adds_up_and_scales_as_the_memory_does():
 
     n = sum(p.numel() for p in T6(mcfg).parameters())  # the tied head counted once
     assert one.params == one.grads == 4 * n and one.optimizer == 2 * one.params  # fp32, AdamW's two moments
-    assert one.loss_transient == 64 * 50304 * 8 and two.loss_transient == 2 * one.loss_transient  # [tokens, vocab] fp32 x 2
+    assert (
+        one.loss_transient == 64 * 50304 * 8 and two.loss_transient == 2 * one.loss_transient
+    )  # [tokens, vocab] fp32 x 2
     assert one.activations > 64 * 50304 * 4  # the saved log-softmax at least
     assert two.activations - one.activations == pytest.approx(one.activations, rel=0.05)  # linear in the batch
     # The chunked loss (loss_chunk_tokens): one chunk of logits at a time, fp32; it saves the gradients of the
@@ -132,8 +133,11 @@ def test_auto_micro_batch_keeps_the_global_batch_and_the_optimization(make_cfg, 
 
 
 def test_auto_picks_the_whole_share_when_it_fits(make_cfg):
-    _, objects = train(make_cfg("data.batch_size=auto", "data.global_batch_size=8", "trainer.max_steps=1",
-                                "callbacks.model_checkpoint=null"))
+    _, objects = train(
+        make_cfg(
+            "data.batch_size=auto", "data.global_batch_size=8", "trainer.max_steps=1", "callbacks.model_checkpoint=null"
+        )
+    )
     assert objects["datamodule"].batch_size == 8 and objects["trainer"].accumulate_grad_batches == 1
 
 
@@ -142,8 +146,14 @@ def test_a_micro_batch_that_cannot_fit_fails_before_training(make_cfg, monkeypat
     with pytest.raises(MemoryError) as err:
         train(make_cfg("data.batch_size=4"))
     text = str(err.value)
-    for part in ("data.batch_size=4 does not fit", "GiB", "test cap", "data.batch_size=auto",
-                 "trainer.strategy.activation_checkpointing=true", "trainer=fsdp"):
+    for part in (
+        "data.batch_size=4 does not fit",
+        "GiB",
+        "test cap",
+        "data.batch_size=auto",
+        "trainer.strategy.activation_checkpointing=true",
+        "trainer=fsdp",
+    ):
         assert part in text, text
     assert not (tmp_path / "run" / "checkpoints").exists()
     with pytest.raises(MemoryError, match="data.batch_size=auto: even a micro-batch of 1 needs"):
@@ -176,7 +186,9 @@ def corrupted(tmp_path) -> Path:
     from t6.module import T6LitModule
 
     path = tmp_path / "broken.ckpt"
-    module = T6LitModule(model_config=dict(attention="mha", n_layer=1, d_model=64, n_head=2, vocab_size=128, block_size=16))
+    module = T6LitModule(
+        model_config=dict(attention="mha", n_layer=1, d_model=64, n_head=2, vocab_size=128, block_size=16)
+    )
     torch.save({"state_dict": module.state_dict(), "hyper_parameters": {"model_config": {}}}, path)
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     return path
@@ -231,7 +243,9 @@ def test_warmup_that_outlasts_the_run_is_reported(make_cfg, caplog):
 
 
 def test_experiment_opens_as_model_training_and_runs_log_system_metrics(make_cfg):
-    cfg = make_cfg("trainer.max_steps=20", "logger.mlflow.system_metrics_interval_s=0.5", "callbacks.model_checkpoint=null")
+    cfg = make_cfg(
+        "trainer.max_steps=20", "logger.mlflow.system_metrics_interval_s=0.5", "callbacks.model_checkpoint=null"
+    )
     _, objects = train(cfg)
     client = mlflow.MlflowClient(tracking_uri=cfg.logger.mlflow.tracking_uri)
     experiment = client.get_experiment(objects["mlflow"].experiment_id)

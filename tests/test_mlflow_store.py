@@ -28,8 +28,16 @@ def test_three_processes_start_on_a_fresh_sqlite_store(tmp_path):
     uri = f"sqlite:///{tmp_path}/mlruns/mlflow.db"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "MLFLOW_ENABLE_ASYNC_LOGGING": "false"}
     start = time.time() + 15  # past the imports of all three (mlflow only)
-    procs = [subprocess.Popen([sys.executable, "-c", STARTER, uri, str(start), f"job{i}"], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(3)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", STARTER, uri, str(start), f"job{i}"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(3)
+    ]
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0], "\n".join(err[-2000:] for _, err in outs)
     runs = mlflow.MlflowClient(uri).search_runs(["0"])

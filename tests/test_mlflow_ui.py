@@ -30,7 +30,12 @@ pytestmark = pytest.mark.slow
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
 ARTIFACTS = ROOT / "tests" / "artifacts"
 # logged by the real evaluation callback (the embedded next-line task, a few items)
-EVAL_METRICS = ["eval/0shot/t6_next_line/acc_norm", "eval/2shot/t6_next_line/acc_norm", "eval/0shot/avg", "eval/2shot/avg"]
+EVAL_METRICS = [
+    "eval/0shot/t6_next_line/acc_norm",
+    "eval/2shot/t6_next_line/acc_norm",
+    "eval/0shot/avg",
+    "eval/2shot/avg",
+]
 
 
 @pytest.fixture(scope="session")
@@ -40,14 +45,19 @@ def chromium() -> Path:
     CI=true, where it fails: CI must open the browser, not pass without it."""
     if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
         if os.geteuid() != 0 or not shutil.which("apt-get"):
-            message = "needs /usr/bin/chromium and /usr/bin/chromedriver: apt-get install chromium chromium-driver (as root)"
+            message = (
+                "needs /usr/bin/chromium and /usr/bin/chromedriver: apt-get install chromium chromium-driver (as root)"
+            )
             if os.environ.get("CI", "").lower() == "true":
                 pytest.fail(f"CI=true: {message}")
             pytest.skip(message)
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
         subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
-        subprocess.run(["apt-get", "install", "-y", "-qq", "-o", "DPkg::Lock::Timeout=300", "chromium", "chromium-driver"],
-                       check=True, env=env)
+        subprocess.run(
+            ["apt-get", "install", "-y", "-qq", "-o", "DPkg::Lock::Timeout=300", "chromium", "chromium-driver"],
+            check=True,
+            env=env,
+        )
     return CHROMIUM
 
 
@@ -67,16 +77,32 @@ def mlflow_server(tmp_path):
         env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
         log = open(tmp_path / "mlflow_server.log", "wb")
         proc = subprocess.Popen(
-            [str(Path(sys.executable).parent / "mlflow"), "server", "--backend-store-uri", store_uri,
-             "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            [
+                str(Path(sys.executable).parent / "mlflow"),
+                "server",
+                "--backend-store-uri",
+                store_uri,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--workers",
+                "1",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
         )
         procs.append(proc)
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                pytest.fail(f"mlflow server exited with {proc.returncode}: {(tmp_path / 'mlflow_server.log').read_text()[-2000:]}")
+                pytest.fail(
+                    f"mlflow server exited with {proc.returncode}: "
+                    f"{(tmp_path / 'mlflow_server.log').read_text()[-2000:]}"
+                )
             try:
                 urllib.request.urlopen(url + "/health", timeout=2)
                 return url
@@ -102,9 +128,18 @@ def browser(chromium):
     options = webdriver.ChromeOptions()
     options.binary_location = str(chromium)
     profile = tempfile.mkdtemp(prefix="chromium-profile-")
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 f"--user-data-dir={profile}", "--window-size=1600,1200"):
+    for flag in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={profile}",
+        "--window-size=1600,1200",
+    ):
         options.add_argument(flag)
     driver = webdriver.Chrome(options=options, service=Service(str(CHROMEDRIVER)))
     yield driver
@@ -141,8 +176,13 @@ def screenshot(driver, name: str) -> Path:
 
 
 def test_mlflow_ui_shows_the_run_its_losses_and_eval_metrics(make_cfg, mlflow_server, browser):
-    cfg = make_cfg("run_name=ui-check", "callbacks.model_checkpoint=null", "eval=local", "eval.limit=8",
-                   "logger.mlflow.system_metrics_interval_s=0.5")
+    cfg = make_cfg(
+        "run_name=ui-check",
+        "callbacks.model_checkpoint=null",
+        "eval=local",
+        "eval.limit=8",
+        "logger.mlflow.system_metrics_interval_s=0.5",
+    )
     metrics, objects = train(cfg)
     run_id, experiment_id = objects["mlflow"].run_id, objects["mlflow"].experiment_id
     client = mlflow.MlflowClient(tracking_uri=cfg.logger.mlflow.tracking_uri)

@@ -3,7 +3,6 @@ against generation and caches: tests/test_inference.py)."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -46,8 +45,10 @@ def test_causal(attention, tmp_path):
 def test_rope_dot_products_depend_only_on_relative_position():
     rope = Rotary(64, 128)
     q, k = torch.randn(1, 1, 1, 64), torch.randn(1, 1, 1, 64)
+
     def score(m, n):
         return (rope(q, torch.tensor([m])) * rope(k, torch.tensor([n]))).sum()
+
     torch.testing.assert_close(score(10, 3), score(50, 43), rtol=1e-5, atol=1e-5)
     assert not torch.allclose(score(10, 3), score(10, 4))
 

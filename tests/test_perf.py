@@ -24,8 +24,24 @@ def test_loader_benchmark_reports_both_rates(tmp_path, shared_data_dir, monkeypa
     from t6.bench import loader
 
     out = tmp_path / "loader.json"
-    result = loader.main(["--batches", "20", "--steps", "2", "--json", str(out), f"paths.root_dir={tmp_path}", f"paths.data_dir={shared_data_dir}",
-                          "size.n_layer=2", "size.d_model=64", "size.block_size=64", "data.batch_size=4"])
+    result = loader.main(
+        [
+            "--batches",
+            "20",
+            "--steps",
+            "2",
+            "--json",
+            str(out),
+            f"paths.root_dir={tmp_path}",
+            f"paths.data_dir={shared_data_dir}",
+            "size.n_layer=2",
+            "size.d_model=64",
+            "size.block_size=64",
+            "data.batch_size=4",
+        ]
+    )
     assert json.loads(out.read_text()) == result
     assert result["loader_tokens_per_s"] > 0 and result["train_step_tokens_per_s"] > 0
-    assert result["loader_over_step"] == pytest.approx(result["loader_tokens_per_s"] / result["train_step_tokens_per_s"])
+    assert result["loader_over_step"] == pytest.approx(
+        result["loader_tokens_per_s"] / result["train_step_tokens_per_s"]
+    )

@@ -33,8 +33,17 @@ def tokens_of(out_dir) -> np.ndarray:
 
 
 def run(corpus_path, out_dir, **kw):
-    return prepare.prepare_dataset(out_dir, path="json", config=None, data_files=str(corpus_path), shard_tokens=SHARD,
-                                   num_proc=2, docs_per_task=7, progress_bar=False, **kw)
+    return prepare.prepare_dataset(
+        out_dir,
+        path="json",
+        config=None,
+        data_files=str(corpus_path),
+        shard_tokens=SHARD,
+        num_proc=2,
+        docs_per_task=7,
+        progress_bar=False,
+        **kw,
+    )
 
 
 def test_prepare_writes_eot_prefixed_shards_of_fixed_size(corpus, tmp_path):
@@ -135,15 +144,31 @@ def test_a_small_local_file_prepares_and_trains_with_the_defaults(five_mb_jsonl,
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     d = compose_config(["dataset=local", f"dataset.data_files={five_mb_jsonl}"], tmp_path, "prepare").dataset
-    manifest = prepare.prepare_dataset(d.out_dir, path=d.path, config=d.config, split=d.split, data_files=d.data_files,
-                                       text_field=d.text_field, shard_tokens=d.shard_tokens, max_tokens=d.max_tokens,
-                                       num_proc=d.num_proc, progress_bar=False)
+    manifest = prepare.prepare_dataset(
+        d.out_dir,
+        path=d.path,
+        config=d.config,
+        split=d.split,
+        data_files=d.data_files,
+        text_field=d.text_field,
+        shard_tokens=d.shard_tokens,
+        max_tokens=d.max_tokens,
+        num_proc=d.num_proc,
+        progress_bar=False,
+    )
     counts = [s["tokens"] for s in manifest.shards]
     assert 8 <= len(counts) <= 12 and counts[0] < sum(counts) / 5  # ~10 shards, validation ~10%
     assert not (tmp_path / "data" / "local" / prepare.PROGRESS).exists()  # the manifest marks it done
 
-    run = ["trainer.max_steps=3", "trainer.val_check_interval=3", "logger=none", "eval=none", "print_config=false",
-           "callbacks.rich_progress_bar=null", "callbacks.rich_model_summary=null"]
+    run = [
+        "trainer.max_steps=3",
+        "trainer.val_check_interval=3",
+        "logger=none",
+        "eval=none",
+        "print_config=false",
+        "callbacks.rich_progress_bar=null",
+        "callbacks.rich_model_summary=null",
+    ]
     cfg = compose_config(["data=local", *TEST_SIZE, *run], tmp_path)
     assert cfg.data.data_dir == d.out_dir and cfg.data.global_batch_size is None
     with caplog.at_level(logging.INFO, logger="t6.train"):
@@ -176,8 +201,9 @@ def test_a_rerun_with_another_shard_size_starts_over(corpus, tmp_path, monkeypat
         run(corpus[0], out)  # 1000-token shards, interrupted: progress.json and four shards remain
     monkeypatch.setattr(prepare, "write_shard", real_write)
     assert (out / prepare.PROGRESS).is_file()
-    manifest = prepare.prepare_dataset(out, path="json", config=None, data_files=str(corpus[0]), shard_tokens=3000,
-                                       num_proc=2, progress_bar=False)
+    manifest = prepare.prepare_dataset(
+        out, path="json", config=None, data_files=str(corpus[0]), shard_tokens=3000, num_proc=2, progress_bar=False
+    )
     assert [s["tokens"] for s in manifest.shards[:-1]] == [3000] * (len(manifest.shards) - 1)
     np.testing.assert_array_equal(tokens_of(out), corpus[1])
     assert sorted(p.name for p in out.glob("*.bin*")) == sorted(s["file"] for s in manifest.shards)  # no stale shards
@@ -185,8 +211,15 @@ def test_a_rerun_with_another_shard_size_starts_over(corpus, tmp_path, monkeypat
 
 
 def test_a_corpus_smaller_than_one_shard_is_split_into_validation_and_training(corpus, tmp_path):
-    manifest = prepare.prepare_dataset(tmp_path / "one", path="json", config=None, data_files=str(corpus[0]),
-                                       shard_tokens=10**9, num_proc=2, progress_bar=False)
+    manifest = prepare.prepare_dataset(
+        tmp_path / "one",
+        path="json",
+        config=None,
+        data_files=str(corpus[0]),
+        shard_tokens=10**9,
+        num_proc=2,
+        progress_bar=False,
+    )
     counts = [s["tokens"] for s in manifest.shards]
     assert len(counts) == 2 and counts[0] == sum(counts) // 10
     np.testing.assert_array_equal(tokens_of(tmp_path / "one"), corpus[1])

@@ -63,7 +63,12 @@ def test_task_columns_follow_the_eval_configs(tmp_path):
     assert eval_config_metrics() == {**paper["metrics"], **local["metrics"]}
     assert paper_tasks() == tuple(paper["tasks"])
     assert task_order(["t6_local", "mmlu", "social_iqa", "arc_easy", "winogrande"]) == [
-        "arc_easy", "winogrande", "mmlu", "social_iqa", "t6_local"]  # paper.yaml's order, then by name
+        "arc_easy",
+        "winogrande",
+        "mmlu",
+        "social_iqa",
+        "t6_local",
+    ]  # paper.yaml's order, then by name
 
     (tmp_path / "paper.yaml").write_text("tasks: [boolq]\nmetrics: {boolq: acc}\n")
     (tmp_path / "mine.yaml").write_text("metrics: {boolq: acc_norm}\n")
@@ -74,10 +79,24 @@ def test_task_columns_follow_the_eval_configs(tmp_path):
 
 
 def test_tokens_per_step_from_params():
-    assert tokens_per_step({"data.global_batch_size": "480", "data.batch_size": "20", "data.seq_len": "1024",
-                            "trainer.devices": "8"}) == 480 * 1024
-    assert tokens_per_step({"data.global_batch_size": "None", "data.batch_size": "8", "data.seq_len": "256",
-                            "trainer.devices": "2", "trainer.num_nodes": "2"}) == 8 * 2 * 2 * 256
+    assert (
+        tokens_per_step(
+            {"data.global_batch_size": "480", "data.batch_size": "20", "data.seq_len": "1024", "trainer.devices": "8"}
+        )
+        == 480 * 1024
+    )
+    assert (
+        tokens_per_step(
+            {
+                "data.global_batch_size": "None",
+                "data.batch_size": "8",
+                "data.seq_len": "256",
+                "trainer.devices": "2",
+                "trainer.num_nodes": "2",
+            }
+        )
+        == 8 * 2 * 2 * 256
+    )
     with pytest.raises(KeyError, match="data.seq_len"):
         tokens_per_step({"data.batch_size": "8", "trainer.devices": "1"})
     with pytest.raises(KeyError, match="trainer.devices=auto or -1"):
@@ -104,30 +123,44 @@ def test_curve_places_step_s_at_s_plus_one_steps_of_tokens():
 # --------------------------------------------------------------------------- from a real store
 
 EVALS = {  # run -> {shots: {task: {metric: value}}}: downstream results logged as test data
-    "mha-1": {0: {"arc_easy": {"acc": 0.35, "acc_norm": 0.30}, "boolq": {"acc": 0.60}, "t6_local": {"acc": 0.25}},
-              2: {"arc_easy": {"acc_norm": 0.32}, "boolq": {"acc": 0.62}, "t6_local": {"acc": 0.27}}},
-    "mha-2": {0: {"arc_easy": {"acc_norm": 0.40}, "boolq": {"acc": 0.50}, "t6_local": {"acc": 0.35}},
-              2: {"arc_easy": {"acc_norm": 0.42}, "boolq": {"acc": 0.52}, "t6_local": {"acc": 0.37}}},
-    "tpa-1": {0: {"arc_easy": {"acc_norm": 0.45}, "boolq": {"acc": 0.54}, "t6_local": {"acc": 0.40}},
-              2: {"arc_easy": {"acc_norm": 0.46}, "boolq": {"acc": 0.56}, "t6_local": {"acc": 0.41}}},
-    "tpa-2": {0: {"arc_easy": {"acc_norm": 0.47}, "t6_local": {"acc": 0.38}},  # no boolq: a missing metric
-              2: {"arc_easy": {"acc_norm": 0.48}, "boolq": {"acc": 0.58}, "t6_local": {"acc": 0.39}}},
+    "mha-1": {
+        0: {"arc_easy": {"acc": 0.35, "acc_norm": 0.30}, "boolq": {"acc": 0.60}, "t6_local": {"acc": 0.25}},
+        2: {"arc_easy": {"acc_norm": 0.32}, "boolq": {"acc": 0.62}, "t6_local": {"acc": 0.27}},
+    },
+    "mha-2": {
+        0: {"arc_easy": {"acc_norm": 0.40}, "boolq": {"acc": 0.50}, "t6_local": {"acc": 0.35}},
+        2: {"arc_easy": {"acc_norm": 0.42}, "boolq": {"acc": 0.52}, "t6_local": {"acc": 0.37}},
+    },
+    "tpa-1": {
+        0: {"arc_easy": {"acc_norm": 0.45}, "boolq": {"acc": 0.54}, "t6_local": {"acc": 0.40}},
+        2: {"arc_easy": {"acc_norm": 0.46}, "boolq": {"acc": 0.56}, "t6_local": {"acc": 0.41}},
+    },
+    "tpa-2": {
+        0: {"arc_easy": {"acc_norm": 0.47}, "t6_local": {"acc": 0.38}},  # no boolq: a missing metric
+        2: {"arc_easy": {"acc_norm": 0.48}, "boolq": {"acc": 0.58}, "t6_local": {"acc": 0.39}},
+    },
 }
 
 
 def log_evals(client, run_id, results):
     now = int(time.time() * 1000)
-    metrics = [Metric(f"eval/{shots}shot/{task}/{metric}", value, now, 7)
-               for shots, tasks in results.items() for task, ms in tasks.items() for metric, value in ms.items()]
+    metrics = [
+        Metric(f"eval/{shots}shot/{task}/{metric}", value, now, 7)
+        for shots, tasks in results.items()
+        for task, ms in tasks.items()
+        for metric, value in ms.items()
+    ]
     client.log_batch(run_id, metrics=metrics)
 
 
 def copy_as_seed(client, source, experiment_id, name, seed, offset):
     """A finished second-seed run: the source run's params with another seed, and its curves shifted by offset."""
-    run_id = client.create_run(experiment_id, run_name=name, tags={k: v for k, v in source.data.tags.items() if not k.startswith("mlflow.")}).info.run_id
+    run_id = client.create_run(
+        experiment_id, run_name=name, tags={k: v for k, v in source.data.tags.items() if not k.startswith("mlflow.")}
+    ).info.run_id
     params = [Param(k, str(seed) if k in ("seed", "data.seed") else v) for k, v in source.data.params.items()]
     for i in range(0, len(params), 100):
-        client.log_batch(run_id, params=params[i:i + 100])
+        client.log_batch(run_id, params=params[i : i + 100])
     for key in ("train/loss", "val/loss", "val/ppl"):
         history = client.get_metric_history(source.info.run_id, key)
         client.log_batch(run_id, metrics=[Metric(key, m.value + offset, m.timestamp, m.step) for m in history])
@@ -140,8 +173,13 @@ def store(make_cfg):
     """Real mha and tpa runs + a second seed of each, a failed run, and eval results, in one SQLite store."""
     trained = {}
     for attention in ("mha", "tpa"):
-        cfg = make_cfg(f"attention={attention}", "run_name=" + attention + "-1", "experiment_name=cmp",
-                       "callbacks.model_checkpoint=null", "seed=1")
+        cfg = make_cfg(
+            f"attention={attention}",
+            "run_name=" + attention + "-1",
+            "experiment_name=cmp",
+            "callbacks.model_checkpoint=null",
+            "seed=1",
+        )
         _, objects = train(cfg)
         trained[attention] = objects
     uri = cfg.logger.mlflow.tracking_uri
@@ -149,8 +187,9 @@ def store(make_cfg):
     experiment_id = trained["mha"]["mlflow"].experiment_id
     ids = {f"{a}-1": trained[a]["mlflow"].run_id for a in trained}
     for attention, offset in (("mha", 0.5), ("tpa", 0.25)):
-        ids[f"{attention}-2"] = copy_as_seed(client, client.get_run(ids[f"{attention}-1"]), experiment_id,
-                                             f"{attention}-2", 2, offset)
+        ids[f"{attention}-2"] = copy_as_seed(
+            client, client.get_run(ids[f"{attention}-1"]), experiment_id, f"{attention}-2", 2, offset
+        )
     for name, results in EVALS.items():
         log_evals(client, ids[name], results)
     failed = client.create_run(experiment_id, run_name="tpa-3", tags={"attention": "tpa"}).info.run_id
@@ -164,11 +203,27 @@ def store(make_cfg):
 def test_report_from_real_runs(store, tmp_path):
     client, ids, trained = store["client"], store["ids"], store["trained"]
     decode = tmp_path / "decode.json"
-    decode.write_text(json.dumps([{"attention": "mha", "context": 64, "tokens_per_s": 100.0, "kv_cache_bytes_per_token": 1},
-                                  {"attention": "mha", "context": 64, "tokens_per_s": 120.0, "kv_cache_bytes_per_token": 1},
-                                  {"attention": "tpa", "context": 64, "tokens_per_s": 150.0, "kv_cache_bytes_per_token": 1}]))
-    out = load_cli().main(["--experiment", "cmp", "--tracking-uri", store["uri"], "--out", str(tmp_path / "rep"),
-                           "--decode-json", str(decode)])
+    decode.write_text(
+        json.dumps(
+            [
+                {"attention": "mha", "context": 64, "tokens_per_s": 100.0, "kv_cache_bytes_per_token": 1},
+                {"attention": "mha", "context": 64, "tokens_per_s": 120.0, "kv_cache_bytes_per_token": 1},
+                {"attention": "tpa", "context": 64, "tokens_per_s": 150.0, "kv_cache_bytes_per_token": 1},
+            ]
+        )
+    )
+    out = load_cli().main(
+        [
+            "--experiment",
+            "cmp",
+            "--tracking-uri",
+            store["uri"],
+            "--out",
+            str(tmp_path / "rep"),
+            "--decode-json",
+            str(decode),
+        ]
+    )
     md = (out / "report.md").read_text()
     lines = md.splitlines()
 
@@ -180,12 +235,16 @@ def test_report_from_real_runs(store, tmp_path):
     assert "| attention | arc_easy (acc_norm) | boolq (acc) | t6_local (acc) | Avg. |" in md
     avg_mha = statistics.fmean([statistics.fmean([0.30, 0.60, 0.25]), statistics.fmean([0.40, 0.50, 0.35])])
     assert row("Zero-shot", "mha") == (
-        f"| mha | 35.00 ± 7.07 | **55.00 ± 7.07** | 30.00 ± 7.07 | {avg_mha * 100:.2f} ± 2.36 |")
+        f"| mha | 35.00 ± 7.07 | **55.00 ± 7.07** | 30.00 ± 7.07 | {avg_mha * 100:.2f} ± 2.36 |"
+    )
     assert row("Zero-shot", "tpa") == (
-        f"| tpa | **46.00 ± 1.41** | 54.00 (1/2 runs) | **39.00 ± 1.41** | **{(0.45 + 0.54 + 0.40) / 3 * 100:.2f} (1/2 runs)** |")
+        "| tpa | **46.00 ± 1.41** | 54.00 (1/2 runs) | **39.00 ± 1.41** | "
+        f"**{(0.45 + 0.54 + 0.40) / 3 * 100:.2f} (1/2 runs)** |"
+    )
     two_shot = [statistics.fmean([0.46, 0.56, 0.41]), statistics.fmean([0.48, 0.58, 0.39])]
     assert row("Two-shot", "tpa").endswith(
-        f"| **{statistics.fmean(two_shot) * 100:.2f} ± {statistics.stdev(two_shot) * 100:.2f}** |")
+        f"| **{statistics.fmean(two_shot) * 100:.2f} ± {statistics.stdev(two_shot) * 100:.2f}** |"
+    )
     assert "- tpa-2 (" in md and "eval/0shot/boolq/acc" in md  # the missing metric is named
 
     # the failed run is listed and kept out of every number
@@ -193,7 +252,9 @@ def test_report_from_real_runs(store, tmp_path):
     assert row("Runs", "mha-1").split(" | ")[5] == "8"  # the last_step tag train() sets
     val = {a: trained[a]["trainer"].callback_metrics["val/loss"].item() for a in trained}
     assert row("Final losses", "mha").split(" | ")[2].strip("*") == (
-        f"{statistics.fmean([val['mha'], val['mha'] + 0.5]):.4f} ± {statistics.stdev([val['mha'], val['mha'] + 0.5]):.4f}")
+        f"{statistics.fmean([val['mha'], val['mha'] + 0.5]):.4f} ± "
+        f"{statistics.stdev([val['mha'], val['mha'] + 0.5]):.4f}"
+    )
 
     # parameters and KV logged by train() (model/...) equal the trained model's; the meta-device
     # fallback (runs without them) gives the same parameter count
@@ -201,9 +262,12 @@ def test_report_from_real_runs(store, tmp_path):
         model = trained[attention]["model"].model
         kv = sum(sum(s.numel() for s in c.tensors.values()) for c in model.build_kv_caches(1, 1)) * 2  # bf16
         assert row("Memory", attention).startswith(
-            f"| {attention} | {model.num_params() / 1e6:.2f}M | {kv / 1024:.1f} KiB | {tok_s} |")
-    assert model_stats_from_params(client.get_run(ids["tpa-1"]).data.params)["params"] == \
-        trained["tpa"]["model"].model.num_params()
+            f"| {attention} | {model.num_params() / 1e6:.2f}M | {kv / 1024:.1f} KiB | {tok_s} |"
+        )
+    assert (
+        model_stats_from_params(client.get_run(ids["tpa-1"]).data.params)["params"]
+        == trained["tpa"]["model"].model.num_params()
+    )
 
     # figures are real PNGs, and everything is logged to a new `report` run
     import matplotlib.image
@@ -216,8 +280,12 @@ def test_report_from_real_runs(store, tmp_path):
     assert logged == {"report/report.md", "report/train_loss.png", "report/val_loss.png", "report/val_ppl.png"}
 
     # a second report over the experiment ignores the first report run
-    md2 = (load_cli().main(["--experiment", "cmp", "--tracking-uri", store["uri"], "--out", str(tmp_path / "rep2"),
-                            "--no-log"]) / "report.md").read_text()
+    md2 = (
+        load_cli().main(
+            ["--experiment", "cmp", "--tracking-uri", store["uri"], "--out", str(tmp_path / "rep2"), "--no-log"]
+        )
+        / "report.md"
+    ).read_text()
     assert "| report |" not in md2 and md2.count("| yes |") == 4
 
 
@@ -238,8 +306,9 @@ def test_report_on_a_sweep_parent_logs_to_the_parent_and_bad_input_fails_clearly
     parent = client.create_run(store["experiment_id"], run_name="sweep").info.run_id
     for name in ("mha-1", "mha-2", "tpa-3"):
         client.set_tag(ids[name], "mlflow.parentRunId", parent)
-    out = cli.main(["--experiment", "cmp", "--parent", "latest", "--tracking-uri", store["uri"],
-                           "--out", str(tmp_path / "rep")])
+    out = cli.main(
+        ["--experiment", "cmp", "--parent", "latest", "--tracking-uri", store["uri"], "--out", str(tmp_path / "rep")]
+    )
     md = (out / "report.md").read_text()
     assert md.startswith(f"# cmp: sweep ({parent[:8]})")  # the parent run's name, once
     assert "| mha-1 |" in md and "| tpa-3 |" in md and "| tpa-1 |" not in md  # only this sweep's children
@@ -272,8 +341,15 @@ def test_report_on_a_sweep_directory_reads_its_store_and_parent(store, tmp_path)
 
 # --------------------------------------------------------------------------- pooling, folders, markers
 
-SETUP = {"attention.name": "tpa", "data.seq_len": "64", "data.batch_size": "4", "trainer.devices": "1",
-         "trainer.max_steps": "30", "data.data_dir": "/d/shakespeare", "paths.output_dir": "/runs/a"}
+SETUP = {
+    "attention.name": "tpa",
+    "data.seq_len": "64",
+    "data.batch_size": "4",
+    "trainer.devices": "1",
+    "trainer.max_steps": "30",
+    "data.data_dir": "/d/shakespeare",
+    "paths.output_dir": "/runs/a",
+}
 
 
 def run_with(run_id: str, seed: int, val: float, **changes: str) -> RunData:
@@ -288,10 +364,14 @@ def test_only_runs_that_differ_in_the_seed_alone_are_pooled(tmp_path):
 
     mixed = same + [run_with("c", 1, 4.0, **{"trainer.max_steps": "35", "data.data_dir": "/d/local"})]
     grouped = group_runs(mixed)
-    assert list(grouped.groups) == ["tpa (data.data_dir=/d/shakespeare, trainer.max_steps=30)",
-                                    "tpa (data.data_dir=/d/local, trainer.max_steps=35)"]
-    assert grouped.notes == ["tpa: its runs differ in more than the seed (data.data_dir, trainer.max_steps), so they "
-                             "are not averaged together: one row per setting"]
+    assert list(grouped.groups) == [
+        "tpa (data.data_dir=/d/shakespeare, trainer.max_steps=30)",
+        "tpa (data.data_dir=/d/local, trainer.max_steps=35)",
+    ]
+    assert grouped.notes == [
+        "tpa: its runs differ in more than the seed (data.data_dir, trainer.max_steps), so they "
+        "are not averaged together: one row per setting"
+    ]
     md = build_report(mixed, tmp_path, "t").markdown
     assert "| tpa (data.data_dir=/d/local, trainer.max_steps=35) | **4.0000** |" in md  # alone: no ±, not pooled
     assert "| tpa (data.data_dir=/d/shakespeare, trainer.max_steps=30) | 5.5000 ± 0.7071 |" in md
@@ -337,8 +417,14 @@ def test_every_mechanism_in_the_runs_has_a_row_in_every_table_paper_order_first(
         cfg = make_cfg(f"attention={attention}")
         model = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("size", "attention")}
         params = {**SETUP, **{k: str(v) for k, v in flatten(model).items()}, "seed": "1"}
-        metrics = {"val/loss": 5.0 - i, "train/loss": 5.0, "val/ppl": 2.0, "eval/0shot/arc_easy/acc_norm": 0.3 + i / 10,
-                   "eval/0shot/t6_cloze/acc": 0.5, "eval/0shot/t6_cloze/acc_norm": 0.6}
+        metrics = {
+            "val/loss": 5.0 - i,
+            "train/loss": 5.0,
+            "val/ppl": 2.0,
+            "eval/0shot/arc_easy/acc_norm": 0.3 + i / 10,
+            "eval/0shot/t6_cloze/acc": 0.5,
+            "eval/0shot/t6_cloze/acc_norm": 0.6,
+        }
         runs.append(RunData(f"{attention}-run", attention, "FINISHED", params, metrics=metrics))
         facts[attention] = model_facts(model_config(cfg))
         assert model_stats_from_params(params) == facts[attention]

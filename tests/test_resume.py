@@ -62,7 +62,10 @@ def in_dir(cfg, run_dir: Path, *callbacks: str):
         cfg.paths.output_dir = str(run_dir)
         for spec in callbacks:
             name, target = spec.split("=")
-            cfg.callbacks[name] = {"_target_": target.split("(")[0], **({"step": int(target.split("(")[1][:-1])} if "(" in target else {})}
+            cfg.callbacks[name] = {
+                "_target_": target.split("(")[0],
+                **({"step": int(target.split("(")[1][:-1])} if "(" in target else {}),
+            }
     return cfg
 
 
@@ -102,7 +105,10 @@ def test_ckpt_path_last_needs_a_checkpoint(make_cfg):
 
 def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(make_cfg, tmp_path):
     cfg = in_dir(make_cfg("trainer.max_steps=8"), tmp_path / "nan", "nan=test_resume.NaNAt(5)")
-    with pytest.raises(FloatingPointError, match=r"non-finite gradient norm \(nan.*at step 5.*last good checkpoint is kept: .*last.ckpt"):
+    with pytest.raises(
+        FloatingPointError,
+        match=r"non-finite gradient norm \(nan.*at step 5.*last good checkpoint is kept: .*last.ckpt",
+    ):
         train(cfg)
     ckpt = torch.load(tmp_path / "nan" / "checkpoints" / "last.ckpt", weights_only=True)
     assert ckpt["global_step"] == 4
@@ -120,12 +126,19 @@ class Weights(L.Callback):
 
 
 def test_nonfinite_loss_skip_makes_no_update_and_goes_on(make_cfg, tmp_path):
-    cfg = in_dir(make_cfg("nonfinite_loss=skip"), tmp_path / "skip", "nan=test_resume.NaNAt(5)", "rec=test_resume.Recorder",
-                 "w=test_resume.Weights")
+    cfg = in_dir(
+        make_cfg("nonfinite_loss=skip"),
+        tmp_path / "skip",
+        "nan=test_resume.NaNAt(5)",
+        "rec=test_resume.Recorder",
+        "w=test_resume.Weights",
+    )
     metrics, objects = train(cfg)
     assert objects["model"].skipped_steps == 1
     losses = recorder(objects).loss
-    assert sorted(losses) == list(range(1, 9)) and torch.isnan(torch.tensor(losses[6]))  # step 5's loss, recorded after it
+    assert sorted(losses) == list(range(1, 9)) and torch.isnan(
+        torch.tensor(losses[6])
+    )  # step 5's loss, recorded after it
     assert all(torch.isfinite(torch.tensor(v)) for s, v in losses.items() if s != 6)
     weights = next(cb for cb in objects["trainer"].callbacks if isinstance(cb, Weights)).after
     assert all(torch.equal(a, b) for a, b in zip(weights[5], weights[6]))  # step 5 made no update

@@ -31,7 +31,9 @@ def test_paper_medium_run_composes(make_cfg):
     assert cfg.trainer.strategy == "ddp" and cfg.trainer.devices == 8 and cfg.trainer.precision == "auto"
     assert cfg.data.global_batch_size == 480 and cfg.data.seq_len == 1024 and cfg.data.batch_size == "auto"
     dm = instantiate(cfg.data, batch_size=12)
-    assert dm.per_device_batch(cfg.trainer.devices) == 60 and dm.accumulation(cfg.trainer.devices) == 5  # 480 = 12 x 8 x 5
+    assert (
+        dm.per_device_batch(cfg.trainer.devices) == 60 and dm.accumulation(cfg.trainer.devices) == 5
+    )  # 480 = 12 x 8 x 5
     with pytest.raises(ValueError, match="global_batch_size=480 is not divisible by data.batch_size=12 x world size 7"):
         dm.accumulation(7)
 

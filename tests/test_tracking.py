@@ -50,7 +50,9 @@ def test_log_model_choices(make_cfg):
 
 
 def test_one_source_for_the_learning_rate_and_dataset_points_to_prepare(make_cfg):
-    with pytest.raises(ValueError, match=r"optimizer.lr=0.01 differs from lr_ablation.max_lr=0.003.*lr_ablation.max_lr=0.01"):
+    with pytest.raises(
+        ValueError, match=r"optimizer.lr=0.01 differs from lr_ablation.max_lr=0.003.*lr_ablation.max_lr=0.01"
+    ):
         train(make_cfg("optimizer.lr=0.01"))
     with pytest.raises(ValueError, match="dataset= chooses what prepare.py tokenizes.*data=local"):
         train(make_cfg("dataset=local"))

@@ -31,9 +31,9 @@ finally:
         os.environ["TRITON_INTERPRET"] = _before
 INTERPRETED = _fresh or _before == "1"
 
-from t6.model.attention.fused_decode import reference_latent_decode, reference_tpa_decode  # noqa: E402
-
 from test_fused_decode import TOL, padding_mask, tpa_inputs  # noqa: E402
+
+from t6.model.attention.fused_decode import reference_latent_decode, reference_tpa_decode  # noqa: E402
 
 TOL = {**TOL, torch.float16: dict(rtol=1e-2, atol=1e-2)}
 
@@ -53,8 +53,13 @@ def test_interpreter_run_in_a_fresh_process_when_triton_was_already_imported():
     if INTERPRETED:
         return  # the tests below run in this process
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__))],
-                          env=env, capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__))],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parents[1],
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 

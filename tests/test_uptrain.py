@@ -40,7 +40,9 @@ def converted(model: T6, target: str, kv_heads: int | None, method: str = "mean"
 def save_training_checkpoint(model: T6, path: Path, **extra) -> Path:
     """The parts of a train.py (Lightning) checkpoint that conversion reads."""
     state = {f"model.{k}": v for k, v in model.state_dict().items()}
-    torch.save({"state_dict": state, "hyper_parameters": {"model_config": asdict(model.cfg)}, "global_step": 10, **extra}, path)
+    torch.save(
+        {"state_dict": state, "hyper_parameters": {"model_config": asdict(model.cfg)}, "global_step": 10, **extra}, path
+    )
     return path
 
 
@@ -92,7 +94,9 @@ def test_first_keeps_each_groups_first_head():
 def test_clear_errors(tmp_path):
     mha = random_mha()
     ckpt = save_training_checkpoint(mha, tmp_path / "mha.ckpt")
-    with pytest.raises(ValueError, match=r"target_kv_heads=3 does not divide the source's n_head=4; choose one of \[1, 2, 4\]"):
+    with pytest.raises(
+        ValueError, match=r"target_kv_heads=3 does not divide the source's n_head=4; choose one of \[1, 2, 4\]"
+    ):
         convert_checkpoint(ckpt, "gqa", 3)
     with pytest.raises(ValueError, match="target=gqa needs target_kv_heads"):
         convert_checkpoint(ckpt, "gqa", None)
@@ -107,9 +111,18 @@ def test_clear_errors(tmp_path):
     torch.manual_seed(0)
     gqa_weights = T6(ModelConfig(attention="gqa", attention_options={"n_kv_head": 2}, **SMALL))
     lying = tmp_path / "lying.ckpt"  # GQA weights under an MHA model config
-    torch.save({"state_dict": {f"model.{k}": v for k, v in gqa_weights.state_dict().items()},
-                "hyper_parameters": {"model_config": asdict(mha.cfg)}}, lying)
-    with pytest.raises(ValueError, match=r"(?s)weights do not match its model config.*blocks.0.attn.k.weight: shape \(32, 64\), config says \(64, 64\)"):
+    torch.save(
+        {
+            "state_dict": {f"model.{k}": v for k, v in gqa_weights.state_dict().items()},
+            "hyper_parameters": {"model_config": asdict(mha.cfg)},
+        },
+        lying,
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)weights do not match its model config"
+        r".*blocks.0.attn.k.weight: shape \(32, 64\), config says \(64, 64\)",
+    ):
         convert_checkpoint(lying, "gqa", 2)
 
     out = tmp_path / "gqa.ckpt"
@@ -127,8 +140,13 @@ def test_clear_errors(tmp_path):
 
 def test_converted_model_is_close_to_its_source_and_uptrains(make_cfg, tmp_path):
     # A briefly trained MHA source (the shrunk test model).
-    cfg = make_cfg("attention=mha", "trainer.max_steps=40", "trainer.val_check_interval=40",
-                   "lr_ablation.by_size.tiny.warmup_steps=5", "data.val_windows=8")
+    cfg = make_cfg(
+        "attention=mha",
+        "trainer.max_steps=40",
+        "trainer.val_check_interval=40",
+        "lr_ablation.by_size.tiny.warmup_steps=5",
+        "data.val_windows=8",
+    )
     _, source = train(cfg)
     last = Path(source["trainer"].checkpoint_callback.dirpath) / "last.ckpt"
     loader = source["datamodule"].val_dataloader()
@@ -150,7 +168,9 @@ def test_converted_model_is_close_to_its_source_and_uptrains(make_cfg, tmp_path)
 
     # Uptrain 25% of the source's tokens: 10 steps from the converted weights, a new run tagged with its source.
     run_opts = [o for o in TEST_RUN if not o.startswith(("trainer.max_steps", "trainer.val_check_interval"))]
-    up_cfg = make_cfg(*run_opts, "experiment=uptrain", f"init_from={out}", "uptrain_fraction=0.25", "data.val_windows=8", small=False)
+    up_cfg = make_cfg(
+        *run_opts, "experiment=uptrain", f"init_from={out}", "uptrain_fraction=0.25", "data.val_windows=8", small=False
+    )
     # The recipe's learning rate starts where the source's schedule ended and decays to a tenth of it.
     assert up_cfg.lr_ablation.max_lr == pytest.approx(cfg.lr_ablation.min_lr)
     assert up_cfg.lr_ablation.min_lr == pytest.approx(0.1 * cfg.lr_ablation.min_lr)
@@ -178,12 +198,16 @@ def test_train_tells_warm_start_from_resume(make_cfg, tmp_path):
     odd = torch.load(out, weights_only=True)
     odd["model_config"]["rope_theta"] = 500000.0
     torch.save(odd, tmp_path / "odd.ckpt")
-    with pytest.raises(ValueError, match=r"cannot be expressed by size/attention: rope_theta=500000.0 \(the config gives 10000.0\)"):
+    with pytest.raises(
+        ValueError, match=r"cannot be expressed by size/attention: rope_theta=500000.0 \(the config gives 10000.0\)"
+    ):
         train(make_cfg(f"init_from={tmp_path / 'odd.ckpt'}"))
     lrs = ["lr_ablation.max_lr=1e-3", "lr_ablation.min_lr=1e-4"]
     with pytest.raises(ValueError, match="does not record how many tokens"):  # no run config, no data position
         train(make_cfg("experiment=uptrain", f"init_from={out}", *lrs, small=False))
-    with pytest.raises(ValueError, match="records no lr_ablation.min_lr; set lr_ablation.max_lr and lr_ablation.min_lr"):
+    with pytest.raises(
+        ValueError, match="records no lr_ablation.min_lr; set lr_ablation.max_lr and lr_ablation.min_lr"
+    ):
         train(make_cfg("experiment=uptrain", f"init_from={out}", "trainer.max_steps=2", small=False))
     with pytest.raises(FileNotFoundError, match="init_from='nope.ckpt' does not exist"):
         source_lr("nope.ckpt")

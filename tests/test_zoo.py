@@ -12,7 +12,7 @@ import torch
 
 from t6.config import model_config
 from t6.model import T6
-from t6.model.attention import available, get_attention_class
+from t6.model.attention import available
 from t6.model.facts import decode_flops_per_cached_token, kv_elements_per_token, meta_model, parameter_count
 from t6.summary import summarize
 from t6.train import train
@@ -84,7 +84,10 @@ def test_summary_reports_the_built_model(tmp_path):
     row = summarize(cfg, "tpa", "medium", cache_dtype="bfloat16", seq_len=16)
     assert row["params"] == meta_model(cfg).num_params()
     assert row["params_non_embedding"] == row["params"] - 50304 * 1024
-    assert row["params_non_embedding"] == 24 * (row["params_attention_per_block"] + row["params_ffn_per_block"] + row["params_norms_per_block"]) + 1024
+    assert (
+        row["params_non_embedding"]
+        == 24 * (row["params_attention_per_block"] + row["params_ffn_per_block"] + row["params_norms_per_block"]) + 1024
+    )
     assert row["kv_cache_elements_per_token_per_layer"] == 4 * (47 + 64)
     assert row["kv_cache_bytes_per_token"] == 4 * (47 + 64) * 2 * 24
     # every matrix is counted: forward FLOPs per token are at least 2 x (parameters outside the norms)
@@ -108,7 +111,9 @@ def test_attention_invariant_to_position_shift(attention, tmp_path):
 def copy_shared(src: T6, dst: T6) -> None:
     """Copy every parameter whose name and shape exist in both models."""
     theirs = src.state_dict()
-    dst.load_state_dict({k: theirs[k] if k in theirs and theirs[k].shape == v.shape else v for k, v in dst.state_dict().items()})
+    dst.load_state_dict(
+        {k: theirs[k] if k in theirs and theirs[k].shape == v.shape else v for k, v in dst.state_dict().items()}
+    )
 
 
 def test_mha_is_non_contextual_tpa_with_basis_head_factors(tmp_path):
@@ -153,8 +158,11 @@ def test_mla_caches_latents_not_heads(tmp_path):
 @pytest.mark.parametrize("attention", ATTENTIONS)
 def test_every_option_trains(attention, make_cfg):
     cfg = make_cfg(
-        f"attention={attention}", "trainer.max_steps=12", "trainer.val_check_interval=12",
-        "lr_ablation.by_size.tiny.warmup_steps=3", "callbacks.model_checkpoint=null",
+        f"attention={attention}",
+        "trainer.max_steps=12",
+        "trainer.val_check_interval=12",
+        "lr_ablation.by_size.tiny.warmup_steps=3",
+        "callbacks.model_checkpoint=null",
     )
     _, objects = train(cfg)
     assert objects["trainer"].global_step == 12

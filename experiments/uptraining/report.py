@@ -34,7 +34,9 @@ def decode_speeds(configs: list[ModelConfig], contexts: list[int]) -> dict[tuple
         key = (cfg.attention, cfg.n_head, kv_head_count(cfg))
         shapes.setdefault(key, cfg)
     named = {("mha" if key[0] == "mha" else f"{key[0]}{key[2]}"): (key, cfg) for key, cfg in shapes.items()}
-    records = measure({name: cfg for name, (_, cfg) in named.items()}, contexts, steps=50, rounds=7, warmup=20, verbose=False)
+    records = measure(
+        {name: cfg for name, (_, cfg) in named.items()}, contexts, steps=50, rounds=7, warmup=20, verbose=False
+    )
     speeds: dict[tuple, dict[int, float]] = {}
     for r in records:
         speeds.setdefault(named[r["attention"]][0], {})[r["context"]] = r["tokens_per_s"]
@@ -51,7 +53,9 @@ def val_loader(run_config: dict):
 
 
 def mlflow_run(client: mlflow.MlflowClient, experiment_id: str, name: str):
-    runs = client.search_runs([experiment_id], f"tags.mlflow.runName = '{name}'", order_by=["attributes.start_time DESC"], max_results=1)
+    runs = client.search_runs(
+        [experiment_id], f"tags.mlflow.runName = '{name}'", order_by=["attributes.start_time DESC"], max_results=1
+    )
     return runs[0] if runs else None
 
 
@@ -61,13 +65,17 @@ def main() -> None:
     ap.add_argument("--out", default="experiments/uptraining/REPORT.md")
     ap.add_argument("--experiment", default="uptraining")
     ap.add_argument("--contexts", default="256,4096", help="decode contexts (cached tokens) for the tokens/s columns")
-    ap.add_argument("--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI", f"sqlite:///{ROOT}/mlruns/mlflow.db"))
+    ap.add_argument(
+        "--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI", f"sqlite:///{ROOT}/mlruns/mlflow.db")
+    )
     args = ap.parse_args()
     runs_dir = Path(args.runs)
     client = mlflow.MlflowClient(tracking_uri=args.tracking_uri)
     experiment = client.get_experiment_by_name(args.experiment)
     if experiment is None:
-        raise SystemExit(f"no MLflow experiment {args.experiment!r} in {args.tracking_uri}; run experiments/uptraining/run.sh first")
+        raise SystemExit(
+            f"no MLflow experiment {args.experiment!r} in {args.tracking_uri}; run experiments/uptraining/run.sh first"
+        )
 
     source_path = runs_dir / "mha-scratch/checkpoints/last.ckpt"
     source_ckpt = read_checkpoint(source_path, "source checkpoint")
@@ -115,8 +123,10 @@ def main() -> None:
         "# Uptraining MHA → GQA / MQA at CPU scale",
         "",
         f"Embedded corpus (Tiny Shakespeare, GPT-2 BPE), `size={source_ckpt['run_config']['size']['name']}` "
-        f"(d_model={source_cfg.d_model}, {source_cfg.n_layer} layers, {source_cfg.n_head} query heads of {source_cfg.head_dim}), "
-        f"AdamW, paper LR schedule. The MHA source trained {source_ckpt['global_step']} steps = {source_tokens:,} tokens. "
+        f"(d_model={source_cfg.d_model}, {source_cfg.n_layer} layers, "
+        f"{source_cfg.n_head} query heads of {source_cfg.head_dim}), "
+        f"AdamW, paper LR schedule. "
+        f"The MHA source trained {source_ckpt['global_step']} steps = {source_tokens:,} tokens. "
         f"Validation: {len(loader.dataset)} windows of {source_ckpt['run_config']['data']['seq_len']} tokens. "
         f"KV bytes/token: all layers, bf16, from each attention's `cache_spec`. "
         f"0-/2-shot: the local lm-eval task `t6_next_line` (acc_norm, pick the true next line among four), "
@@ -127,13 +137,16 @@ def main() -> None:
         "",
         "## Runs",
         "",
-        "| run | attention | KV heads | steps | tokens (this run) | tokens incl. source | val loss | 0-shot | 2-shot | KV bytes/token | "
-        + " | ".join(f"decode tok/s @ {c}" for c in contexts) + " | MLflow run |",
+        "| run | attention | KV heads | steps | tokens (this run) | tokens incl. source | val loss | 0-shot | 2-shot "
+        "| KV bytes/token | " + " | ".join(f"decode tok/s @ {c}" for c in contexts) + " | MLflow run |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(contexts) + "---|",
     ]
     for name, cfg, steps, tokens, total, (val, zero, two), run_id in rows:
-        lines.append(f"| {name} | {cfg.attention} | {kv_head_count(cfg)} | {steps} | {tokens:,} | {total:,} | {number(val, '.4f')} | "
-                     f"{number(zero, '.3f')} | {number(two, '.3f')} | {kv(cfg)} | {' | '.join(decode(cfg))} | `{run_id}` |")
+        lines.append(
+            f"| {name} | {cfg.attention} | {kv_head_count(cfg)} | {steps} | {tokens:,} | {total:,} "
+            f"| {number(val, '.4f')} | "
+            f"{number(zero, '.3f')} | {number(two, '.3f')} | {kv(cfg)} | {' | '.join(decode(cfg))} | `{run_id}` |"
+        )
     lines += [
         "",
         "## Converted checkpoints before any uptraining",
@@ -144,7 +157,9 @@ def main() -> None:
         "|---|---|---:|---:|---:|---:|",
     ]
     for name, cfg, loss in converted:
-        lines.append(f"| {name} | {cfg.attention} | {kv_head_count(cfg)} | {loss:.4f} | {loss - source_loss:+.4f} | {kv(cfg)} |")
+        lines.append(
+            f"| {name} | {cfg.attention} | {kv_head_count(cfg)} | {loss:.4f} | {loss - source_loss:+.4f} | {kv(cfg)} |"
+        )
     lines.append("")
     Path(args.out).write_text("\n".join(lines))
     print("\n".join(lines))

@@ -18,10 +18,10 @@ import lightning as L
 import numpy as np
 import torch
 from lightning.fabric.utilities.throughput import get_available_flops
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.callbacks import ThroughputMonitor as LightningThroughputMonitor
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities import rank_zero_only
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,9 @@ class PreemptionCheckpoint(L.Callback):
         self.signum = signal.SIGINT
         trainer._signal_connector.received_sigterm = True  # the flag Lightning's loops check at batch boundaries
         if trainer.is_global_zero:
-            sys.stderr.write("\nCtrl-C: stopping after this step to save last.ckpt (press Ctrl-C again to quit without saving)\n")
+            sys.stderr.write(
+                "\nCtrl-C: stopping after this step to save last.ckpt (press Ctrl-C again to quit without saving)\n"
+            )
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         if not isinstance(exception, SIGTERMException) or trainer.checkpoint_callback is None:
@@ -62,11 +64,17 @@ class PreemptionCheckpoint(L.Callback):
         if dirpath is None:
             return
         path = str(Path(dirpath) / self.filename)
-        trainer.save_checkpoint(path, weights_only=False)  # resumable; every rank calls it (a collective), rank 0 writes
+        trainer.save_checkpoint(
+            path, weights_only=False
+        )  # resumable; every rank calls it (a collective), rank 0 writes
         self.saved_path = path
         if trainer.is_global_zero:
-            log.warning("%s: saved %s at step %d; re-run the same command to resume",
-                        signal.Signals(self.signum).name, path, trainer.global_step)
+            log.warning(
+                "%s: saved %s at step %d; re-run the same command to resume",
+                signal.Signals(self.signum).name,
+                path,
+                trainer.global_step,
+            )
 
 
 class RunCheckpoint(ModelCheckpoint):
@@ -146,7 +154,11 @@ class RNGState(L.Callback):
         if not states:
             return
         if len(states) != trainer.world_size:
-            log.warning("checkpoint has RNG states of %d ranks, this run has %d; not restoring them", len(states), trainer.world_size)
+            log.warning(
+                "checkpoint has RNG states of %d ranks, this run has %d; not restoring them",
+                len(states),
+                trainer.world_size,
+            )
             return
         self._pending = states[trainer.global_rank]
 
@@ -173,7 +185,9 @@ class ThroughputMonitor(LightningThroughputMonitor):
     """
 
     def __init__(self, peak_tflops: float | None = None):
-        super().__init__(batch_size_fn=lambda batch: batch[0].shape[0], length_fn=lambda batch: batch[0].numel(), window_size=2)
+        super().__init__(
+            batch_size_fn=lambda batch: batch[0].shape[0], length_fn=lambda batch: batch[0].numel(), window_size=2
+        )
         self.peak_tflops = peak_tflops
         self.flops_per_batch: float | None = None
         self._pending = 0  # micro-batches since the last measurement
@@ -219,8 +233,11 @@ class ThroughputMonitor(LightningThroughputMonitor):
         if trainer.strategy.root_device.type == "cuda":
             torch.cuda.synchronize()
         self._throughputs[stage].update(
-            time=time.perf_counter() - self._t0s[stage], batches=self._batches[stage], samples=self._samples[stage],
-            lengths=self._lengths[stage], flops=None if self.flops_per_batch is None else self.flops_per_batch * self._pending,
+            time=time.perf_counter() - self._t0s[stage],
+            batches=self._batches[stage],
+            samples=self._samples[stage],
+            lengths=self._lengths[stage],
+            flops=None if self.flops_per_batch is None else self.flops_per_batch * self._pending,
         )
         self._pending = 0
         self._compute(trainer)

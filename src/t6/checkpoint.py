@@ -37,7 +37,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         finally:
             tmp.unlink(missing_ok=True)
 
-    def load_checkpoint(self, path, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         return read_checkpoint(path, "ckpt_path", map_location or "cpu", mmap=True)  # weights_only=True, never False
 
 

@@ -100,5 +100,7 @@ def conf_dir() -> Path:
     here = project_root() / "conf"
     if here.is_dir():
         return here
-    raise FileNotFoundError(f"no conf/ directory at {checkout} or {here}; run from the project's checkout "
-                            "or set T6_ROOT to the directory that holds conf/")
+    raise FileNotFoundError(
+        f"no conf/ directory at {checkout} or {here}; run from the project's checkout "
+        "or set T6_ROOT to the directory that holds conf/"
+    )

@@ -8,8 +8,8 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device, _setup_activation_checkpointing
@@ -26,7 +26,8 @@ def full_state_dict_context(model: FSDP, rank0_only: bool):
     there already: torch's FSDP offloading CPU tensors to CPU frees storage the copies still use."""
     offload = model.compute_device.type != "cpu"
     return FSDP.state_dict_type(
-        model, StateDictType.FULL_STATE_DICT,
+        model,
+        StateDictType.FULL_STATE_DICT,
         FullStateDictConfig(offload_to_cpu=offload, rank0_only=rank0_only),
         FullOptimStateDictConfig(offload_to_cpu=offload, rank0_only=rank0_only),
     )
@@ -51,8 +52,14 @@ class T6FSDPStrategy(FSDPStrategy):
     def _setup_model(self, model: nn.Module) -> nn.Module:
         if self.root_device.type != "cpu" or any(isinstance(m, FSDP) for m in model.modules()):
             return super()._setup_model(model)
-        model = FSDP(module=model, cpu_offload=self.cpu_offload, mixed_precision=self.mixed_precision_config,
-                     sharding_strategy=self.sharding_strategy, device_id=torch.device("cpu"), **self.kwargs)
+        model = FSDP(
+            module=model,
+            cpu_offload=self.cpu_offload,
+            mixed_precision=self.mixed_precision_config,
+            sharding_strategy=self.sharding_strategy,
+            device_id=torch.device("cpu"),
+            **self.kwargs,
+        )
         _move_torchmetrics_to_device(model, self.root_device)
         _setup_activation_checkpointing(model, self._activation_checkpointing_kwargs)
         return model
@@ -86,18 +93,23 @@ class T6FSDPStrategy(FSDPStrategy):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         module = self.lightning_module
-        _load_raw_module_state(checkpoint.pop("state_dict"), module=self.model, world_size=self.world_size,
-                               strict=module.strict_loading)
+        _load_raw_module_state(
+            checkpoint.pop("state_dict"), module=self.model, world_size=self.world_size, strict=module.strict_loading
+        )
         states = checkpoint.get("optimizer_states")
         if states is None or module.trainer.state.fn != TrainerFn.FITTING:
             return checkpoint
         if len(self.optimizers) != len(states):
-            raise RuntimeError(f"{path} holds {len(states)} optimizer states; this run has {len(self.optimizers)} optimizers")
+            raise RuntimeError(
+                f"{path} holds {len(states)} optimizer states; this run has {len(self.optimizers)} optimizers"
+            )
         with full_state_dict_context(self.model, rank0_only=False):
             for optimizer, state in zip(self.optimizers, states):
                 if state["state"] and isinstance(next(iter(state["state"])), int):  # saved by a plain (non-FSDP) run
                     state = FSDP.rekey_optim_state_dict(state, OptimStateKeyType.PARAM_NAME, self.model)
-                optimizer.load_state_dict(FSDP.optim_state_dict_to_load(model=self.model, optim=optimizer, optim_state_dict=state))
+                optimizer.load_state_dict(
+                    FSDP.optim_state_dict_to_load(model=self.model, optim=optimizer, optim_state_dict=state)
+                )
         return checkpoint
 
 
@@ -133,5 +145,5 @@ def full_model(wrapped: FSDP, model_factory: Callable[[], nn.Module]) -> nn.Modu
     with full_state_dict_context(wrapped, rank0_only=False):
         state = wrapped.state_dict()
     model = model_factory()
-    model.load_state_dict({k[len("model."):]: v for k, v in state.items() if k.startswith("model.")})
+    model.load_state_dict({k[len("model.") :]: v for k, v in state.items() if k.startswith("model.")})
     return model.to(wrapped.compute_device)

@@ -3,8 +3,6 @@ decode with the KV caches, return the texts. `generate.py` at the repo root is t
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from omegaconf import DictConfig, OmegaConf
 
@@ -32,8 +30,14 @@ def generate_text(
     device = model.embed.weight.device
     generator = None if seed is None else torch.Generator(device).manual_seed(seed)
     out = model.generate(
-        idx.to(device), max_new_tokens, temperature, top_k, top_p,
-        stop_tokens=(EOT,) if stop_at_eot else (), generator=generator, prompt_mask=mask.to(device),
+        idx.to(device),
+        max_new_tokens,
+        temperature,
+        top_k,
+        top_p,
+        stop_tokens=(EOT,) if stop_at_eot else (),
+        generator=generator,
+        prompt_mask=mask.to(device),
     )
     texts = []
     for row, prompt in zip(out[:, idx.shape[1] :].tolist(), tokens):
@@ -51,6 +55,12 @@ def run(cfg: DictConfig) -> list[str]:
     torch.manual_seed(cfg.seed)
     model = load_model(cfg.ckpt_path, cfg.device)
     return generate_text(
-        model, [str(p) for p in prompts], cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p,
-        cfg.stop_at_eot, cfg.seed,
+        model,
+        [str(p) for p in prompts],
+        cfg.max_new_tokens,
+        cfg.temperature,
+        cfg.top_k,
+        cfg.top_p,
+        cfg.stop_at_eot,
+        cfg.seed,
     )

@@ -21,15 +21,16 @@ it decides too (and Lightning's BatchSizeFinder could confirm it).
 
 from __future__ import annotations
 
-import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 GIB = 2**30
-MARGIN = 0.20  # keep this share of the available memory free: the estimate ran up to 17% under the measured peak (README)
+MARGIN = (
+    0.20  # keep this share of the available memory free: the estimate ran up to 17% under the measured peak (README)
+)
 
 
 # ----------------------------------------------------------------------------------- precision
@@ -51,7 +52,9 @@ def choose_device(accelerator: str, cuda_available: Callable[[], bool] = torch.c
     return accelerator, f"accelerator={accelerator}"
 
 
-def choose_precision(precision, device: str, bf16_supported: Callable[[], bool] = cuda_bf16_supported) -> tuple[str, str]:
+def choose_precision(
+    precision, device: str, bf16_supported: Callable[[], bool] = cuda_bf16_supported
+) -> tuple[str, str]:
     """(precision, reason): `auto` becomes bf16-mixed on a CUDA device with bf16, else 32-true."""
     if precision is not None and str(precision) != "auto":
         return str(precision), "set explicitly (trainer.precision)"
@@ -103,12 +106,17 @@ class StepMemory:
     def loss_at(self, batch: int) -> int:
         """loss_transient at another micro-batch: linear in the tokens up to one chunk."""
         tokens = batch * self.seq_len
-        return self.loss_bytes_per_token * (tokens if self.loss_chunk_tokens is None else min(tokens, self.loss_chunk_tokens))
+        return self.loss_bytes_per_token * (
+            tokens if self.loss_chunk_tokens is None else min(tokens, self.loss_chunk_tokens)
+        )
 
     def describe(self) -> str:
         parts = [
-            ("params", self.params), ("grads", self.grads), ("optimizer", self.optimizer),
-            ("activations", self.activations), ("loss", self.loss_transient),
+            ("params", self.params),
+            ("grads", self.grads),
+            ("optimizer", self.optimizer),
+            ("activations", self.activations),
+            ("loss", self.loss_transient),
         ]
         if self.runtime:
             parts.append(("process", self.runtime))
@@ -159,8 +167,14 @@ def optimizer_state_bytes(model: torch.nn.Module, optimizer_target: str, dtype_b
     return total, largest
 
 
-def trace_saved_tensors(model: torch.nn.Module, batch: int, seq_len: int, dtype: torch.dtype, mixed: bool,
-                        loss_chunk_tokens: int | None = None):
+def trace_saved_tensors(
+    model: torch.nn.Module,
+    batch: int,
+    seq_len: int,
+    dtype: torch.dtype,
+    mixed: bool,
+    loss_chunk_tokens: int | None = None,
+):
     """Run one forward + loss (as training computes it) on fake tensors; returns (bytes saved for backward outside the
     blocks, per-block saved bytes, bytes of one block's input). Parameters are not counted
     (they are `params`); casts of them under autocast are (they are new tensors)."""
@@ -188,6 +202,7 @@ def trace_saved_tensors(model: torch.nn.Module, batch: int, seq_len: int, dtype:
     blocks = [m for m in model.modules() if isinstance(m, Block)]
     handles = []
     for i, block in enumerate(blocks):
+
         def pre(module, args, i=i):
             current[0] = i
             block_input[0] = args[0].numel() * args[0].element_size()
@@ -268,9 +283,20 @@ def estimate_step_memory(
     if activation_checkpointing:
         notes.append("activation checkpointing: block inputs kept, one block recomputed")
     return StepMemory(
-        batch=batch, params=params // shards, grads=grads, optimizer=opt_state // shards, activations=activations,
-        loss_transient=loss_transient, step_transient=step_transient, head_grad=embedding // shards, accumulate=accumulate, runtime=runtime,
-        loss_bytes_per_token=per_token, loss_chunk_tokens=loss_chunk_tokens, seq_len=seq_len, notes=notes,
+        batch=batch,
+        params=params // shards,
+        grads=grads,
+        optimizer=opt_state // shards,
+        activations=activations,
+        loss_transient=loss_transient,
+        step_transient=step_transient,
+        head_grad=embedding // shards,
+        accumulate=accumulate,
+        runtime=runtime,
+        loss_bytes_per_token=per_token,
+        loss_chunk_tokens=loss_chunk_tokens,
+        seq_len=seq_len,
+        notes=notes,
     )
 
 
@@ -341,12 +367,16 @@ class MicroBatch:
     def loss_at(self, batch: int) -> int:
         """loss_transient at another micro-batch: linear in the tokens up to one chunk."""
         tokens = batch * self.seq_len
-        return self.loss_bytes_per_token * (tokens if self.loss_chunk_tokens is None else min(tokens, self.loss_chunk_tokens))
+        return self.loss_bytes_per_token * (
+            tokens if self.loss_chunk_tokens is None else min(tokens, self.loss_chunk_tokens)
+        )
 
     def describe(self) -> str:
         how = "data.batch_size=auto chose" if self.auto else "data.batch_size"
-        return (f"{how} micro-batch {self.batch} x {self.accumulate} accumulation step(s); peak estimate "
-                f"{self.estimate.describe()}; usable {gib(self.available * (1 - MARGIN))} ({self.source})")
+        return (
+            f"{how} micro-batch {self.batch} x {self.accumulate} accumulation step(s); peak estimate "
+            f"{self.estimate.describe()}; usable {gib(self.available * (1 - MARGIN))} ({self.source})"
+        )
 
 
 def divisors_desc(n: int) -> list[int]:
@@ -370,8 +400,13 @@ def fit_micro_batch(
     slope = two.activations - one.activations
 
     def at(b: int, accumulate: int) -> StepMemory:
-        return replace(one, batch=b, accumulate=accumulate, activations=one.activations + (b - 1) * slope,
-                       loss_transient=one.loss_at(b))
+        return replace(
+            one,
+            batch=b,
+            accumulate=accumulate,
+            activations=one.activations + (b - 1) * slope,
+            loss_transient=one.loss_at(b),
+        )
 
     if requested == "auto":
         for b in divisors_desc(per_device):

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import lightning as L
 import torch
 from lightning.pytorch.loggers import MLFlowLogger
 from torchmetrics import MeanMetric
 
-from t6.model import T6, ModelConfig
 from t6.fsdp import clip_grad_norm
+from t6.model import T6, ModelConfig
 from t6.optim import MuonWithAdamW, param_groups, param_kinds
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,10 @@ class T6LitModule(L.LightningModule):
     def on_nonfinite_grad(self, norm: torch.Tensor) -> None:
         ckpt = self.trainer.checkpoint_callback
         last_good = (ckpt.last_model_path or None) if ckpt is not None else None
-        message = f"non-finite gradient norm ({norm.item()}: a NaN or inf training loss on some rank) at step {self.global_step}"
+        message = (
+            f"non-finite gradient norm ({norm.item()}: a NaN or inf training loss on some rank) "
+            f"at step {self.global_step}"
+        )
         if self.nonfinite_loss == "stop":
             raise FloatingPointError(
                 f"{message}; stopping. "

@@ -14,7 +14,6 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
-
 WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 
 
@@ -49,7 +48,10 @@ def param_groups(model: nn.Module, weight_decay: float, kinds: dict[str, str] | 
             continue
         kind = kinds.get(plain_name(name))
         if kind is None:
-            raise KeyError(f"parameter {name!r} ({plain_name(name)!r}) was not classified before wrapping; known: {sorted(kinds)[:5]}...")
+            raise KeyError(
+                f"parameter {name!r} ({plain_name(name)!r}) was not classified before wrapping; "
+                f"known: {sorted(kinds)[:5]}..."
+            )
         groups[kind].append(p)
     return [
         {"params": params, "kind": kind, "weight_decay": 0.0 if kind == "norm" else weight_decay}
@@ -80,10 +82,15 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self.n_muon = sum(g.get("kind") == "matrix" for g in self.param_groups)
         self.param_groups.sort(key=lambda g: g.get("kind") != "matrix")  # Muon groups first
         self.muon = torch.optim.Muon(
-            self.param_groups[: self.n_muon], lr=lr, weight_decay=weight_decay, momentum=momentum,
+            self.param_groups[: self.n_muon],
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
             adjust_lr_fn="match_rms_adamw",
         )
-        self.adamw = torch.optim.AdamW(self.param_groups[self.n_muon :], lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        self.adamw = torch.optim.AdamW(
+            self.param_groups[self.n_muon :], lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay
+        )
         self._share()
 
     def _share(self) -> None:
@@ -108,7 +115,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
         return loss
 
 
-def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, max_lr: float, min_lr: float) -> dict:
+def warmup_cosine(
+    optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, max_lr: float, min_lr: float
+) -> dict:
     """Linear warmup from 0 to max_lr over warmup_steps, then cosine decay to min_lr at total_steps.
 
     Returns Lightning's scheduler dict (stepped every optimizer step). The optimizer's lr

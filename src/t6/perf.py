@@ -11,14 +11,16 @@ from torch.utils.flop_counter import FlopCounterMode
 def flops_per_token(model: torch.nn.Module, seq_len: int, batch_size: int = 1, vocab_size: int | None = None) -> float:
     """FLOPs of one training step (forward + backward of next-token cross-entropy) per token, as
     counted by torch.utils.flop_counter.FlopCounterMode on a [batch_size, seq_len] batch
-    (matmuls, and attention's QK^T and AV in full, causal mask or not; elementwise ops are not counted, as in the usual 6N + attention estimate).
+    (matmuls, and attention's QK^T and AV in full, causal mask or not; elementwise ops are not counted, as in
+    the usual 6N + attention estimate).
     MFU = flops_per_token x tokens/s / peak FLOP/s. The model's gradients are left untouched."""
     vocab = vocab_size or model.cfg.vocab_size
     device = next(model.parameters()).device
     idx = torch.randint(0, vocab, (batch_size, seq_len + 1), device=device)
     saved = [p.grad for p in model.parameters()]
     counter = FlopCounterMode(display=False)
-    try:  # the math SDPA backend is made of matmuls the counter sees on every device (CPU's fused kernel is not counted)
+    # the math SDPA backend is made of matmuls the counter sees on every device (CPU's fused kernel is not counted)
+    try:
         with counter, sdpa_kernel(SDPBackend.MATH):
             logits = model(idx[:, :-1])  # [B, T, V]
             F.cross_entropy(logits.flatten(0, 1).float(), idx[:, 1:].flatten()).backward()

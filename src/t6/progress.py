@@ -52,7 +52,9 @@ class StepProgressBar(RichProgressBar):
         metrics.pop("v_num", None)  # the logger's version: an MLflow run id fragment, not a metric
         return metrics
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int
+    ) -> None:
         if self.is_disabled:
             return
         if self.train_progress_bar_id is None:
@@ -88,12 +90,16 @@ class ProgressLog(L.Callback):
         self._tokens = self._tokens_last = 0
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.active = trainer.is_global_zero and (self.when == "always" or (self.when == "no_tty" and not _is_terminal()))
+        self.active = trainer.is_global_zero and (
+            self.when == "always" or (self.when == "no_tty" and not _is_terminal())
+        )
         self._t0 = self._t_last = time.perf_counter()
         self._step0 = self._printed = trainer.global_step
         self._tokens = self._tokens_last = 0
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int
+    ) -> None:
         if not self.active:
             return
         self._tokens += batch[0].numel() * trainer.world_size  # a shape, no sync
@@ -111,8 +117,12 @@ class ProgressLog(L.Callback):
         now = time.perf_counter()
         rate = (self._tokens - self._tokens_last) / max(now - self._t_last, 1e-9)
         self._t_last, self._tokens_last = now, self._tokens
-        parts = [f"step {step}/{max_steps} ({100 * step / max_steps:.0f}%)" if max_steps and max_steps > 0 else f"step {step}",
-                 f"loss {loss_text}"]
+        parts = [
+            f"step {step}/{max_steps} ({100 * step / max_steps:.0f}%)"
+            if max_steps and max_steps > 0
+            else f"step {step}",
+            f"loss {loss_text}",
+        ]
         if trainer.optimizers:
             parts.append(f"lr {trainer.optimizers[0].param_groups[0]['lr']:.2e}")
         parts += [f"{rate:,.0f} tok/s", f"elapsed {_duration(now - self._t0)}"]
@@ -126,23 +136,36 @@ class ModelSummary(RichModelSummary):
     without an example input (FLOPs per token: `python summary.py`, counted by t6.perf)."""
 
     @staticmethod
-    def summarize(summary_data, total_parameters: int, trainable_parameters: int, model_size: float,
-                  total_training_modes: dict[str, int], total_flops: int = 0, **summarize_kwargs) -> None:
+    def summarize(
+        summary_data,
+        total_parameters: int,
+        trainable_parameters: int,
+        model_size: float,
+        total_training_modes: dict[str, int],
+        total_flops: int = 0,
+        **summarize_kwargs,
+    ) -> None:
         from rich import get_console
         from rich.table import Table
 
         columns = [(name, values) for name, values in summary_data if name != "FLOPs"]
         table = Table(header_style=summarize_kwargs.get("header_style", "bold magenta"))
         for name, _ in columns:
-            table.add_column(name, justify="right" if name in ("Params", "Params per Device") else "left",
-                             style="dim" if name == " " else None, no_wrap=name == "Name")
+            table.add_column(
+                name,
+                justify="right" if name in ("Params", "Params per Device") else "left",
+                style="dim" if name == " " else None,
+                no_wrap=name == "Name",
+            )
         for row in zip(*(values for _, values in columns)):
             table.add_row(*row)
         console = get_console()
         console.print(table)
         grid = Table.grid(expand=True)
         grid.add_row(f"[bold]Trainable params[/]: {get_human_readable_count(int(trainable_parameters))}")
-        grid.add_row(f"[bold]Non-trainable params[/]: {get_human_readable_count(int(total_parameters - trainable_parameters))}")
+        grid.add_row(
+            f"[bold]Non-trainable params[/]: {get_human_readable_count(int(total_parameters - trainable_parameters))}"
+        )
         grid.add_row(f"[bold]Total params[/]: {get_human_readable_count(int(total_parameters))}")
         grid.add_row(f"[bold]Total estimated model params size (MB)[/]: {get_formatted_model_size(model_size)}")
         grid.add_row(f"[bold]Modules in train mode[/]: {total_training_modes['train']}")

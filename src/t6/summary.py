@@ -15,7 +15,14 @@ from typing import Any
 import torch
 
 from t6.model import ModelConfig
-from t6.model.facts import flops_per_token, kv_bytes_per_token, kv_cache_spec, kv_elements_per_token, meta_model, parameter_count
+from t6.model.facts import (
+    flops_per_token,
+    kv_bytes_per_token,
+    kv_cache_spec,
+    kv_elements_per_token,
+    meta_model,
+    parameter_count,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -25,7 +32,11 @@ def count(module: torch.nn.Module) -> int:
 
 
 def summarize(
-    mcfg: ModelConfig, attention: str, size: str, cache_dtype: str = "bfloat16", seq_len: int | None = None,
+    mcfg: ModelConfig,
+    attention: str,
+    size: str,
+    cache_dtype: str = "bfloat16",
+    seq_len: int | None = None,
     flops: bool = True,
 ) -> dict[str, Any]:
     """Parameters, KV cache and FLOPs of one configuration, as a flat dict (one JSON line)."""
@@ -35,7 +46,9 @@ def summarize(
     model = meta_model(mcfg)
     block = model.blocks[0]
     seq_len = seq_len or mcfg.block_size
-    fwd, train = (flops_per_token(model, seq_len, training=False), flops_per_token(model, seq_len)) if flops else (None, None)
+    fwd, train = (
+        (flops_per_token(model, seq_len, training=False), flops_per_token(model, seq_len)) if flops else (None, None)
+    )
     return {
         "attention": attention,
         "size": size,
@@ -71,7 +84,11 @@ def format_table(row: dict[str, Any]) -> str:
     parts = ", ".join(f"{k} {human(v)}" for k, v in row["params_attention_parts"].items())
     cache = ", ".join(f"{k} {'x'.join(map(str, s))}" for k, s in row["kv_cache"].items())
     lines = [
-        ("attention / size", f"{row['attention']} / {row['size']}  ({row['n_layer']} layers, d_model {row['d_model']}, {row['n_head']} heads)"),
+        (
+            "attention / size",
+            f"{row['attention']} / {row['size']}  "
+            f"({row['n_layer']} layers, d_model {row['d_model']}, {row['n_head']} heads)",
+        ),
         ("parameters", f"{row['params']:,}  ({human(row['params'])})"),
         ("  non-embedding", f"{row['params_non_embedding']:,}"),
         ("  embedding (tied head)", f"{row['params_embedding']:,}"),
@@ -80,7 +97,10 @@ def format_table(row: dict[str, Any]) -> str:
         ("  per block: norms", f"{row['params_norms_per_block']:,}"),
         ("KV cache / token / layer", f"{row['kv_cache_elements_per_token_per_layer']:,} elements  ({cache})"),
         ("KV cache / token (model)", f"{row['kv_cache_bytes_per_token']:,} bytes at {row['kv_cache_dtype']}"),
-        (f"FLOPs / token (T={row['flops_seq_len']})", f"forward {human(row['flops_per_token_forward'])}, forward+backward {human(row['flops_per_token_train'])}"),
+        (
+            f"FLOPs / token (T={row['flops_seq_len']})",
+            f"forward {human(row['flops_per_token_forward'])}, forward+backward {human(row['flops_per_token_train'])}",
+        ),
     ]
     width = max(len(k) for k, _ in lines)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in lines)
@@ -94,8 +114,17 @@ def render(row: dict[str, Any], output: str) -> str:
     raise ValueError(f"output={output!r} must be 'table' or 'json'")
 
 
-COMPARISON = ("attention", "size", "layers x d_model", "heads", "params", "non-embedding", "KV elements / token / layer",
-              "KV bytes / token", "forward GFLOP / token")
+COMPARISON = (
+    "attention",
+    "size",
+    "layers x d_model",
+    "heads",
+    "params",
+    "non-embedding",
+    "KV elements / token / layer",
+    "KV bytes / token",
+    "forward GFLOP / token",
+)
 
 
 def comparison_table(rows: list[dict[str, Any]]) -> str:
@@ -103,10 +132,17 @@ def comparison_table(rows: list[dict[str, Any]]) -> str:
     lines = ["| " + " | ".join(COMPARISON) + " |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         fwd = r.get("flops_per_token_forward")
-        cells = [r["attention"], r["size"], f"{r['n_layer']} x {r['d_model']}", str(r["n_head"]), human(r["params"]),
-                 human(r["params_non_embedding"]), f"{r['kv_cache_elements_per_token_per_layer']:,}",
-                 f"{r['kv_cache_bytes_per_token']:,} ({r['kv_cache_dtype']})",
-                 f"{fwd / 1e9:.3f} (T={r['flops_seq_len']})" if fwd is not None else "–"]
+        cells = [
+            r["attention"],
+            r["size"],
+            f"{r['n_layer']} x {r['d_model']}",
+            str(r["n_head"]),
+            human(r["params"]),
+            human(r["params_non_embedding"]),
+            f"{r['kv_cache_elements_per_token_per_layer']:,}",
+            f"{r['kv_cache_bytes_per_token']:,} ({r['kv_cache_dtype']})",
+            f"{fwd / 1e9:.3f} (T={r['flops_seq_len']})" if fwd is not None else "–",
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -28,7 +28,9 @@ def swept_keys(overrides: list[str], sweeper_params: dict | None = None) -> list
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     declared = [f"{key}={value}" for key, value in (sweeper_params or {}).items()]
-    keys = [o.key_or_group for o in OverridesParser.create().parse_overrides(declared + overrides) if o.is_sweep_override()]
+    keys = [
+        o.key_or_group for o in OverridesParser.create().parse_overrides(declared + overrides) if o.is_sweep_override()
+    ]
     return list(dict.fromkeys(keys))
 
 
@@ -45,7 +47,13 @@ class MLflowSweepCallback(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from t6.distributed import env_rank
-        from t6.tracking import EXPERIMENT_KIND_TAG, TRAINING_KIND, check_tracking_uri, mlflow_config, tag_training_experiment
+        from t6.tracking import (
+            EXPERIMENT_KIND_TAG,
+            TRAINING_KIND,
+            check_tracking_uri,
+            mlflow_config,
+            tag_training_experiment,
+        )
 
         mlflow_cfg = mlflow_config(config)
         if mlflow_cfg is None or env_rank() != 0:
@@ -65,16 +73,25 @@ class MLflowSweepCallback(Callback):
         if experiment is None:
             local = uri.startswith("sqlite:")
             artifacts = Path(mlflow_cfg.artifact_dir).as_uri() if local and mlflow_cfg.get("artifact_dir") else None
-            experiment_id = client.create_experiment(name, artifact_location=artifacts, tags={EXPERIMENT_KIND_TAG: TRAINING_KIND})
+            experiment_id = client.create_experiment(
+                name, artifact_location=artifacts, tags={EXPERIMENT_KIND_TAG: TRAINING_KIND}
+            )
         else:
             experiment_id = experiment.experiment_id
             tag_training_experiment(client, experiment_id)
         overrides = " ".join(config.hydra.overrides.task)
         parent = client.create_run(
-            experiment_id, run_name=f"sweep {sweep_dir.name}", tags={"sweep.dir": str(sweep_dir), "sweep.overrides": overrides}
+            experiment_id,
+            run_name=f"sweep {sweep_dir.name}",
+            tags={"sweep.dir": str(sweep_dir), "sweep.overrides": overrides},
         )
-        info = {"tracking_uri": uri, "experiment_name": name, "experiment_id": experiment_id, "parent_run_id": parent.info.run_id,
-                "swept_keys": swept_keys(list(config.hydra.overrides.task), config.hydra.sweeper.get("params"))}
+        info = {
+            "tracking_uri": uri,
+            "experiment_name": name,
+            "experiment_id": experiment_id,
+            "parent_run_id": parent.info.run_id,
+            "swept_keys": swept_keys(list(config.hydra.overrides.task), config.hydra.sweeper.get("params")),
+        }
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(info, indent=2))
         tmp.replace(path)
@@ -93,8 +110,10 @@ def read_sweep_file(sweep_dir: str | Path) -> dict:
     """The MLflow store, experiment and parent run a sweep directory (hydra.sweep.dir) recorded."""
     path = Path(sweep_dir) / SWEEP_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist: {sweep_dir} is not the directory of a sweep "
-                                f"(python train.py -m ... with logger=mlflow writes it at the start)")
+        raise FileNotFoundError(
+            f"{path} does not exist: {sweep_dir} is not the directory of a sweep "
+            f"(python train.py -m ... with logger=mlflow writes it at the start)"
+        )
     return json.loads(path.read_text())
 
 

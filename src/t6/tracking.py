@@ -69,8 +69,10 @@ def log_model_choice(value: bool | str | None) -> str | None:
     if value in (False, None, "false", "none"):
         return None
     if value not in LOG_MODEL:
-        raise ValueError(f"logger.mlflow.log_model={value!r} must be final (the weights-only final model), "
-                         "last (the resumable last.ckpt) or false")
+        raise ValueError(
+            f"logger.mlflow.log_model={value!r} must be final (the weights-only final model), "
+            "last (the resumable last.ckpt) or false"
+        )
     return value
 
 
@@ -95,7 +97,7 @@ def mlflow_logger(
     run_id: str | None = None,
     system_metrics: bool = True,
     system_metrics_interval_s: float = 10.0,
-) -> "MLFlowLogger":
+) -> MLFlowLogger:
     """MLFlowLogger for tracking_uri. A local SQLite store keeps its artifacts in artifact_dir
     (MLflow would otherwise put them under the current directory). `t6.train.train` checks the
     store with `check_tracking_uri` before anything else is built; `system_metrics` (sampled every
@@ -169,14 +171,20 @@ class SystemMetrics:
     `system/system_memory_usage_megabytes`, disk and network, and `system/gpu_*` where
     nvidia-ml-py finds a GPU, sampled every `interval_s` seconds while the run is RUNNING."""
 
-    def __init__(self, run_id: str, tracking_uri: str, interval_s: float = 10.0, resume: bool = False, node_id: str | None = None):
+    def __init__(
+        self, run_id: str, tracking_uri: str, interval_s: float = 10.0, resume: bool = False, node_id: str | None = None
+    ):
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
         self.monitor = SystemMetricsMonitor(
-            run_id, sampling_interval=interval_s, resume_logging=resume, node_id=node_id, tracking_uri=tracking_uri,
+            run_id,
+            sampling_interval=interval_s,
+            resume_logging=resume,
+            node_id=node_id,
+            tracking_uri=tracking_uri,
         )
 
-    def __enter__(self) -> "SystemMetrics":
+    def __enter__(self) -> SystemMetrics:
         self.monitor.start()
         return self
 

@@ -61,8 +61,9 @@ def model_config_of(name: str, size: str, overrides: list[str] | tuple[str, ...]
     return model_config(compose("summary", [f"attention={name}", f"size={size}", *overrides]))
 
 
-def model_configs(names: list[str], size: str, block_size: int | None = None,
-                  overrides: list[str] | tuple[str, ...] = ()) -> dict[str, ModelConfig]:
+def model_configs(
+    names: list[str], size: str, block_size: int | None = None, overrides: list[str] | tuple[str, ...] = ()
+) -> dict[str, ModelConfig]:
     """name -> ModelConfig at the given size, block_size replaced when given."""
     configs = {name: model_config_of(name, size, overrides) for name in names}
     if block_size is not None:
@@ -98,7 +99,7 @@ def ratios_to_mha(records: list[dict], key: str, out: str) -> None:
 
 
 def ints(text: str) -> list[int]:
-    """"1k,2k,16384" -> [1024, 2048, 16384]."""
+    """ "1k,2k,16384" -> [1024, 2048, 16384]."""
     return [int(v[:-1]) * 1024 if v.lower().endswith("k") else int(v) for v in text.split(",") if v]
 
 
@@ -116,12 +117,17 @@ def resolve_device(name: str) -> str:
 
 
 def attention_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--attentions", type=attention_names, default="paper",
-                        help="mechanism names, `paper` (the paper's six) and `all` (every registered), comma-separated")
+    parser.add_argument(
+        "--attentions",
+        type=attention_names,
+        default="paper",
+        help="mechanism names, `paper` (the paper's six) and `all` (every registered), comma-separated",
+    )
 
 
-def common_args(parser: argparse.ArgumentParser, size: str = "medium", device: str = "cpu",
-                dtype: str = "float32") -> None:
+def common_args(
+    parser: argparse.ArgumentParser, size: str = "medium", device: str = "cpu", dtype: str = "float32"
+) -> None:
     """--attentions, --size, --device, --dtype, --threads, --json (defaults per benchmark)."""
     attention_args(parser)
     parser.add_argument("--size", default=size, help="model width from conf/size/NAME.yaml")
@@ -143,8 +149,12 @@ def layer_args(parser: argparse.ArgumentParser, contexts: str, contexts_help: st
     """The options of the one-layer inference benchmarks (decode, prefill): lengths, batch, scope."""
     parser.add_argument("--contexts", default=contexts, help=contexts_help)
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--scope", default="attention", choices=["attention", "block"],
-                        help="one attention layer, or the whole decoder block (adds the norms and SwiGLU)")
+    parser.add_argument(
+        "--scope",
+        default="attention",
+        choices=["attention", "block"],
+        help="one attention layer, or the whole decoder block (adds the norms and SwiGLU)",
+    )
 
 
 def table(records: list[dict], columns: list[tuple[str, str, str]]) -> str:

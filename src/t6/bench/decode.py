@@ -22,10 +22,24 @@ import dataclasses
 
 import torch
 
-from t6.bench.common import (DTYPES, common_args, environment, ints, layer_args, layer_kv_bytes_per_token, median,
-                             model_configs, parse, ratios_to_mha, table, time_call, write_json)
+from t6.bench.common import (
+    DTYPES,
+    common_args,
+    environment,
+    ints,
+    layer_args,
+    layer_kv_bytes_per_token,
+    median,
+    model_configs,
+    parse,
+    ratios_to_mha,
+    table,
+    time_call,
+    write_json,
+)
 from t6.model.facts import decode_flops_per_cached_token
 from t6.model.t6 import Block
+
 
 def machine_limits(seconds: float = 0.5) -> tuple[float, float]:
     """(copy bandwidth GB/s, fp32 matmul GFLOP/s) of this CPU with the current thread count,
@@ -34,7 +48,7 @@ def machine_limits(seconds: float = 0.5) -> tuple[float, float]:
     dst = torch.empty_like(src)
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
     bw = max(2 * src.numel() * 4 / time_call(lambda: dst.copy_(src), 3, "cpu") for _ in range(3)) / 1e9
-    flops = max(2 * 1024 ** 3 / time_call(lambda: a @ b, 5, "cpu") for _ in range(3)) / 1e9
+    flops = max(2 * 1024**3 / time_call(lambda: a @ b, 5, "cpu") for _ in range(3)) / 1e9
     return bw, flops
 
 
@@ -43,8 +57,10 @@ def add_roofline(records: list[dict], bandwidth_gbs: float, peak_gflops: float) 
     (max of the two), and the fraction of it reached."""
     for r in records:
         tokens = r["context"] * r["batch"]
-        bound = max(tokens * r["kv_cache_bytes_per_token"] / (bandwidth_gbs * 1e9),
-                    tokens * r["flops_per_cached_token"] / (peak_gflops * 1e9))
+        bound = max(
+            tokens * r["kv_cache_bytes_per_token"] / (bandwidth_gbs * 1e9),
+            tokens * r["flops_per_cached_token"] / (peak_gflops * 1e9),
+        )
         r["roofline_ms"] = 1e3 * bound
         r["fraction_of_roofline"] = r["roofline_ms"] / r["ms_per_token"]
 
@@ -62,9 +78,19 @@ def attention_of(layer):
     return layer.attn if isinstance(layer, Block) else layer
 
 
-def measure(configs: dict, contexts: list[int], *, batch: int = 1, scope: str = "attention", device: str = "cpu",
-            dtype: torch.dtype = torch.float32, steps: int = 10, rounds: int = 5, warmup: int = 3,
-            verbose: bool = True) -> list[dict]:
+def measure(
+    configs: dict,
+    contexts: list[int],
+    *,
+    batch: int = 1,
+    scope: str = "attention",
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    steps: int = 10,
+    rounds: int = 5,
+    warmup: int = 3,
+    verbose: bool = True,
+) -> list[dict]:
     """Decode records (one per name and context) for the given name -> ModelConfig, timed
     interleaved round by round; `speed_vs_mha` is filled where a config is named "mha"."""
     max_len = max(contexts) + 1
@@ -98,8 +124,16 @@ def measure(configs: dict, contexts: list[int], *, batch: int = 1, scope: str = 
         rows = []
         for name in layers:
             s = median(seconds[name])
-            rows.append({"attention": name, "context": context, "batch": batch, "ms_per_token": 1e3 * s,
-                         "tokens_per_s": batch / s, **info[name]})
+            rows.append(
+                {
+                    "attention": name,
+                    "context": context,
+                    "batch": batch,
+                    "ms_per_token": 1e3 * s,
+                    "tokens_per_s": batch / s,
+                    **info[name],
+                }
+            )
         ratios_to_mha(rows, "tokens_per_s", "speed_vs_mha")
         if verbose:
             print(table(rows, COLUMNS), flush=True)
@@ -116,22 +150,50 @@ def run(args) -> dict:
     elif args.device == "cpu":
         bw, peak = machine_limits()
     else:
-        raise ValueError("--bandwidth-gbs and --peak-tflops are required off the CPU "
-                         "(the device's memory bandwidth and peak)")
+        raise ValueError(
+            "--bandwidth-gbs and --peak-tflops are required off the CPU (the device's memory bandwidth and peak)"
+        )
     print(f"limits: {bw:.1f} GB/s copy bandwidth, {peak:.1f} GFLOP/s fp32 matmul")
-    records = measure(configs, contexts, batch=args.batch, scope=args.scope, device=args.device,
-                      dtype=DTYPES[args.dtype], steps=args.steps, rounds=args.rounds, warmup=args.warmup)
+    records = measure(
+        configs,
+        contexts,
+        batch=args.batch,
+        scope=args.scope,
+        device=args.device,
+        dtype=DTYPES[args.dtype],
+        steps=args.steps,
+        rounds=args.rounds,
+        warmup=args.warmup,
+    )
     add_roofline(records, bw, peak)
     print(table(records, COLUMNS + ROOFLINE))
-    return {"benchmark": "decode", "bandwidth_gbs": bw, "peak_gflops": peak, "scope": args.scope, "size": args.size,
-            "dtype": args.dtype, "environment": environment(args.device), "records": records}
+    return {
+        "benchmark": "decode",
+        "bandwidth_gbs": bw,
+        "peak_gflops": peak,
+        "scope": args.scope,
+        "size": args.size,
+        "dtype": args.dtype,
+        "environment": environment(args.device),
+        "records": records,
+    }
 
 
-COLUMNS = [("attention", "attention", ""), ("context", "context", "d"), ("n_head", "heads", "d"),
-           ("layer_params", "layer params", ","), ("kv_cache_bytes_per_token", "cache B/token", "d"),
-           ("ms_per_token", "ms/token", ".3f"), ("tokens_per_s", "tokens/s", ".1f"), ("speed_vs_mha", "vs MHA", ".2f")]
-ROOFLINE = [("flops_per_cached_token", "FLOP/cached token", "d"), ("roofline_ms", "roofline ms", ".3f"),
-            ("fraction_of_roofline", "of roofline", ".2f")]
+COLUMNS = [
+    ("attention", "attention", ""),
+    ("context", "context", "d"),
+    ("n_head", "heads", "d"),
+    ("layer_params", "layer params", ","),
+    ("kv_cache_bytes_per_token", "cache B/token", "d"),
+    ("ms_per_token", "ms/token", ".3f"),
+    ("tokens_per_s", "tokens/s", ".1f"),
+    ("speed_vs_mha", "vs MHA", ".2f"),
+]
+ROOFLINE = [
+    ("flops_per_cached_token", "FLOP/cached token", "d"),
+    ("roofline_ms", "roofline ms", ".3f"),
+    ("fraction_of_roofline", "of roofline", ".2f"),
+]
 
 
 def summary(records: list[dict]) -> str:
@@ -156,8 +218,9 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the median is reported")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--bandwidth-gbs", type=float, default=None, help="memory bandwidth (default: measured, CPU)")
-    parser.add_argument("--peak-tflops", type=float, default=None,
-                        help="peak FLOP/s in TFLOP/s (default: measured fp32, CPU)")
+    parser.add_argument(
+        "--peak-tflops", type=float, default=None, help="peak FLOP/s in TFLOP/s (default: measured fp32, CPU)"
+    )
     args = parse(parser, argv)
     result = run(args)
     print(summary(result["records"]))

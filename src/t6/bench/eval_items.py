@@ -88,19 +88,33 @@ def main(argv: list[str] | None = None) -> list[dict]:
         reqs = requests(folder, args.items, shots)
         ctx, cont = mean_tokens(shared, reqs)
         before, after = measure([per_choice, shared], reqs, args.items, args.repeats)
-        rows.append({
-            "size": args.size, "attention": args.attention, "task": task, "shots": shots, "items": args.items,
-            "context_tokens": round(ctx, 1), "continuation_tokens": round(cont, 1),
-            "device": device, "threads": torch.get_num_threads(), "batch_size": args.batch_size,
-            "items_per_s_per_choice": round(before, 2), "items_per_s_shared_prefix": round(after, 2),
-            "speedup": round(after / before, 2),
-        })
-    print(f"{'size':6s} {'attention':10s} {'task':9s} {'shots':>5s} {'ctx tok':>7s} {'cont tok':>8s} "
-          f"{'per-choice items/s':>18s} {'shared-prefix items/s':>21s} {'ratio':>6s}")
+        rows.append(
+            {
+                "size": args.size,
+                "attention": args.attention,
+                "task": task,
+                "shots": shots,
+                "items": args.items,
+                "context_tokens": round(ctx, 1),
+                "continuation_tokens": round(cont, 1),
+                "device": device,
+                "threads": torch.get_num_threads(),
+                "batch_size": args.batch_size,
+                "items_per_s_per_choice": round(before, 2),
+                "items_per_s_shared_prefix": round(after, 2),
+                "speedup": round(after / before, 2),
+            }
+        )
+    print(
+        f"{'size':6s} {'attention':10s} {'task':9s} {'shots':>5s} {'ctx tok':>7s} {'cont tok':>8s} "
+        f"{'per-choice items/s':>18s} {'shared-prefix items/s':>21s} {'ratio':>6s}"
+    )
     for r in rows:
-        print(f"{r['size']:6s} {r['attention']:10s} {r['task']:9s} {r['shots']:5d} {r['context_tokens']:7.1f} "
-              f"{r['continuation_tokens']:8.1f} {r['items_per_s_per_choice']:18.2f} "
-              f"{r['items_per_s_shared_prefix']:21.2f} {r['speedup']:6.2f}")
+        print(
+            f"{r['size']:6s} {r['attention']:10s} {r['task']:9s} {r['shots']:5d} {r['context_tokens']:7.1f} "
+            f"{r['continuation_tokens']:8.1f} {r['items_per_s_per_choice']:18.2f} "
+            f"{r['items_per_s_shared_prefix']:21.2f} {r['speedup']:6.2f}"
+        )
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(rows, indent=2))
     return rows

@@ -53,8 +53,10 @@ def run(args) -> dict:
     budget = int(args.budget_gib * 2**30)
     records = []
     for size in args.sizes.split(","):
-        rows = [{"attention": name, "size": size, **measure(cfg, dtype)}
-                for name, cfg in model_configs(args.attentions, size).items()]
+        rows = [
+            {"attention": name, "size": size, **measure(cfg, dtype)}
+            for name, cfg in model_configs(args.attentions, size).items()
+        ]
         mha = next((r for r in rows if r["attention"] == "mha"), None)
         for r in rows:
             r["max_context"] = budget // (r["kv_cache_bytes_per_token"] * args.batch)
@@ -64,18 +66,33 @@ def run(args) -> dict:
         print()
         for r in rows:
             if r["allocated_vs_fact"] != 1:
-                print(f"note: {size} {r['attention']} allocates {r['allocated_bytes_per_token']:,.0f} B/token, "
-                      f"cache_spec says {r['kv_cache_bytes_per_token']:,}")
+                print(
+                    f"note: {size} {r['attention']} allocates {r['allocated_bytes_per_token']:,.0f} B/token, "
+                    f"cache_spec says {r['kv_cache_bytes_per_token']:,}"
+                )
         records += rows
-    return {"benchmark": "kv_memory", "dtype": args.dtype, "budget_gib": args.budget_gib, "batch": args.batch,
-            "environment": environment("cpu"), "records": records}
+    return {
+        "benchmark": "kv_memory",
+        "dtype": args.dtype,
+        "budget_gib": args.budget_gib,
+        "batch": args.batch,
+        "environment": environment("cpu"),
+        "records": records,
+    }
 
 
-COLUMNS = [("size", "size", ""), ("attention", "attention", ""), ("n_head", "heads", "d"),
-           ("non_embedding_params", "params (non-emb.)", ","), ("elements_per_token_layer", "numbers/token/layer", "d"),
-           ("kv_cache_bytes_per_token", "cache B/token", ","), ("allocated_vs_fact", "allocated/fact", ".2f"),
-           ("smaller_than_mha", "x smaller than MHA", ".2f"), ("max_context", "max context", ","),
-           ("context_vs_mha", "context vs MHA", ".2f")]
+COLUMNS = [
+    ("size", "size", ""),
+    ("attention", "attention", ""),
+    ("n_head", "heads", "d"),
+    ("non_embedding_params", "params (non-emb.)", ","),
+    ("elements_per_token_layer", "numbers/token/layer", "d"),
+    ("kv_cache_bytes_per_token", "cache B/token", ","),
+    ("allocated_vs_fact", "allocated/fact", ".2f"),
+    ("smaller_than_mha", "x smaller than MHA", ".2f"),
+    ("max_context", "max context", ","),
+    ("context_vs_mha", "context vs MHA", ".2f"),
+]
 
 
 def main(argv=None) -> None:

@@ -39,8 +39,12 @@ def measure(args: argparse.Namespace, chunk: int | None) -> dict:
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     step = statistics.median(times)
-    return {"chunk_tokens": "none" if chunk is None else chunk, "step_ms": step * 1e3,
-            "tokens_per_s": args.batch_size * args.seq_len / step, "peak_mib": peak / 2**20}
+    return {
+        "chunk_tokens": "none" if chunk is None else chunk,
+        "step_ms": step * 1e3,
+        "tokens_per_s": args.batch_size * args.seq_len / step,
+        "peak_mib": peak / 2**20,
+    }
 
 
 def _child(args: argparse.Namespace, chunk: int | None, queue) -> None:
@@ -57,7 +61,9 @@ def run(args: argparse.Namespace) -> list[dict]:
         row = queue.get()
         proc.join()
         rows.append(row)
-        print(f"  chunks={row['chunk_tokens']}: {row['step_ms']:.0f} ms/step, peak {row['peak_mib']:.0f} MiB", flush=True)
+        print(
+            f"  chunks={row['chunk_tokens']}: {row['step_ms']:.0f} ms/step, peak {row['peak_mib']:.0f} MiB", flush=True
+        )
     base = rows[0]
     for r in rows:
         r["speedup_vs_first"] = base["step_ms"] / r["step_ms"]
@@ -66,13 +72,19 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--attention", default="tpa")
     p.add_argument("--size", default="tiny", help="conf/size option")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--chunks", type=lambda s: [chunk_tokens(c) for c in s.split(",")], default="none,4096,1024,256",
-                   help="comma-separated settings; the first is the reference of the ratio columns")
+    p.add_argument(
+        "--chunks",
+        type=lambda s: [chunk_tokens(c) for c in s.split(",")],
+        default="none,4096,1024,256",
+        help="comma-separated settings; the first is the reference of the ratio columns",
+    )
     p.add_argument("--steps", type=int, default=5, help="timed steps per setting")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, ...")
@@ -86,11 +98,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     rows = run(args)
-    print(table(rows, [("chunk_tokens", "chunk tokens", ""), ("step_ms", "ms/step", ".0f"),
-                       ("tokens_per_s", "tokens/s", ".0f"), ("speedup_vs_first", "speed vs first", ".2f"),
-                       ("peak_mib", "peak MiB", ".0f"), ("memory_vs_first", "memory vs first", ".2f")]))
-    write_json(args.json, {"environment": environment(resolve_device(args.device)), "args": {k: str(v) for k, v in vars(args).items()},
-                           "rows": rows})
+    print(
+        table(
+            rows,
+            [
+                ("chunk_tokens", "chunk tokens", ""),
+                ("step_ms", "ms/step", ".0f"),
+                ("tokens_per_s", "tokens/s", ".0f"),
+                ("speedup_vs_first", "speed vs first", ".2f"),
+                ("peak_mib", "peak MiB", ".0f"),
+                ("memory_vs_first", "memory vs first", ".2f"),
+            ],
+        )
+    )
+    write_json(
+        args.json,
+        {
+            "environment": environment(resolve_device(args.device)),
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "rows": rows,
+        },
+    )
     return rows
 
 

@@ -25,7 +25,6 @@ GIB = 2**30
 def measure(size: str, batch: int, attention: str = "tpa", steps: int = 2, extra: tuple[str, ...] = ()) -> dict:
     """In this process: train `steps` steps and return the estimate and the measured peak (bytes)."""
     import torch
-
     from omegaconf import open_dict
 
     from t6.bench.common import compose
@@ -33,10 +32,20 @@ def measure(size: str, batch: int, attention: str = "tpa", steps: int = 2, extra
 
     out = Path(tempfile.mkdtemp(prefix="t6-bench-memory-"))
     overrides = [
-        f"size={size}", f"attention={attention}", f"data.batch_size={batch}", f"data.global_batch_size={batch}",
-        f"trainer.max_steps={steps}", "trainer.limit_val_batches=1", "eval=none", "logger=none",
-        "callbacks.model_checkpoint=null", "callbacks.rich_progress_bar=null", "callbacks.rich_model_summary=null",
-        "print_config=false", "auto_resume=false", *extra,
+        f"size={size}",
+        f"attention={attention}",
+        f"data.batch_size={batch}",
+        f"data.global_batch_size={batch}",
+        f"trainer.max_steps={steps}",
+        "trainer.limit_val_batches=1",
+        "eval=none",
+        "logger=none",
+        "callbacks.model_checkpoint=null",
+        "callbacks.rich_progress_bar=null",
+        "callbacks.rich_model_summary=null",
+        "print_config=false",
+        "auto_resume=false",
+        *extra,
     ]
     cfg = compose("train", overrides, runtime=True)
     with open_dict(cfg):
@@ -45,9 +54,18 @@ def measure(size: str, batch: int, attention: str = "tpa", steps: int = 2, extra
         torch.cuda.reset_peak_memory_stats()
     _, objects = train(cfg)
     plan = objects["plan"]
-    result = {"size": size, "batch": batch, "attention": attention, "precision": objects["hardware"]["precision"],
-              "device": objects["hardware"]["device"], "estimate": plan.estimate.total,
-              "components": {k: getattr(plan.estimate, k) for k in ("runtime", "params", "grads", "optimizer", "activations", "loss_transient")}}
+    result = {
+        "size": size,
+        "batch": batch,
+        "attention": attention,
+        "precision": objects["hardware"]["precision"],
+        "device": objects["hardware"]["device"],
+        "estimate": plan.estimate.total,
+        "components": {
+            k: getattr(plan.estimate, k)
+            for k in ("runtime", "params", "grads", "optimizer", "activations", "loss_transient")
+        },
+    }
     if objects["hardware"]["device"] == "cuda":
         result["measured"] = torch.cuda.max_memory_allocated()
         result["measure"] = "torch.cuda.max_memory_allocated"
@@ -60,8 +78,16 @@ def measure(size: str, batch: int, attention: str = "tpa", steps: int = 2, extra
 
 def run_case(size: str, batch: int, attention: str = "tpa", extra: tuple[str, ...] = ()) -> dict:
     """measure() in a fresh Python process, so each peak is that case's alone."""
-    cmd = [sys.executable, "-m", "t6.bench.memory", "--child", f"{size}:{batch}", "--attention", attention,
-           *[f"--extra={e}" for e in extra]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "t6.bench.memory",
+        "--child",
+        f"{size}:{batch}",
+        "--attention",
+        attention,
+        *[f"--extra={e}" for e in extra],
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -79,12 +105,18 @@ def main() -> None:
         size, batch = args.child.split(":")
         print(json.dumps(measure(size, int(batch), args.attention, extra=tuple(args.extra))))
         return
-    print(f"{'size':<8}{'micro-batch':>12}{'precision':>11}{'estimate':>11}{'measured':>11}{'est/meas':>10}  measured as")
+    print(
+        f"{'size':<8}{'micro-batch':>12}{'precision':>11}{'estimate':>11}{'measured':>11}{'est/meas':>10}  measured as"
+    )
     for case in args.case or ["tiny:8"]:
         size, batch = case.split(":")
         r = run_case(size, int(batch), args.attention, tuple(args.extra))
-        print(f"{r['size']:<8}{r['batch']:>12}{r['precision']:>11}{r['estimate'] / GIB:>10.2f}G{r['measured'] / GIB:>10.2f}G"
-              f"{r['ratio']:>10.2f}  {r['measure']}", flush=True)
+        print(
+            f"{r['size']:<8}{r['batch']:>12}{r['precision']:>11}"
+            f"{r['estimate'] / GIB:>10.2f}G{r['measured'] / GIB:>10.2f}G"
+            f"{r['ratio']:>10.2f}  {r['measure']}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -16,8 +16,21 @@ import argparse
 
 import torch
 
-from t6.bench.common import (DTYPES, common_args, environment, ints, layer_args, layer_kv_bytes_per_token, median,
-                             model_configs, parse, ratios_to_mha, table, time_call, write_json)
+from t6.bench.common import (
+    DTYPES,
+    common_args,
+    environment,
+    ints,
+    layer_args,
+    layer_kv_bytes_per_token,
+    median,
+    model_configs,
+    parse,
+    ratios_to_mha,
+    table,
+    time_call,
+    write_json,
+)
 from t6.bench.decode import attention_of, build_layer
 
 
@@ -30,8 +43,10 @@ def run(args) -> dict:
     for context in contexts:
         x = torch.randn(args.batch, context, configs[next(iter(configs))].d_model, device=args.device, dtype=dtype)
         pos = torch.arange(context, device=args.device)
-        caches = {name: attention_of(layer).build_kv_cache(args.batch, context, dtype, args.device)
-                  for name, layer in layers.items()}
+        caches = {
+            name: attention_of(layer).build_kv_cache(args.batch, context, dtype, args.device)
+            for name, layer in layers.items()
+        }
         seconds = {name: [] for name in layers}
         with torch.inference_mode():
             for name, layer in layers.items():  # warm up
@@ -42,19 +57,39 @@ def run(args) -> dict:
         rows = []
         for name in layers:
             s = median(seconds[name])
-            rows.append({"attention": name, "context": context, "batch": args.batch, "n_head": configs[name].n_head,
-                         "ms": 1e3 * s, "tokens_per_s": args.batch * context / s,
-                         "kv_cache_bytes_per_token": layer_kv_bytes_per_token(configs[name], dtype)})
+            rows.append(
+                {
+                    "attention": name,
+                    "context": context,
+                    "batch": args.batch,
+                    "n_head": configs[name].n_head,
+                    "ms": 1e3 * s,
+                    "tokens_per_s": args.batch * context / s,
+                    "kv_cache_bytes_per_token": layer_kv_bytes_per_token(configs[name], dtype),
+                }
+            )
         ratios_to_mha(rows, "tokens_per_s", "speed_vs_mha")
         print(table(rows, COLUMNS), flush=True)
         print()
         records += rows
-    return {"benchmark": "prefill", "scope": args.scope, "size": args.size, "dtype": args.dtype,
-            "environment": environment(args.device), "records": records}
+    return {
+        "benchmark": "prefill",
+        "scope": args.scope,
+        "size": args.size,
+        "dtype": args.dtype,
+        "environment": environment(args.device),
+        "records": records,
+    }
 
 
-COLUMNS = [("attention", "attention", ""), ("context", "prompt", "d"), ("n_head", "heads", "d"),
-           ("ms", "ms", ".1f"), ("tokens_per_s", "tokens/s", ".0f"), ("speed_vs_mha", "vs MHA", ".2f")]
+COLUMNS = [
+    ("attention", "attention", ""),
+    ("context", "prompt", "d"),
+    ("n_head", "heads", "d"),
+    ("ms", "ms", ".1f"),
+    ("tokens_per_s", "tokens/s", ".0f"),
+    ("speed_vs_mha", "vs MHA", ".2f"),
+]
 
 
 def main(argv=None) -> None:

@@ -16,8 +16,18 @@ import argparse
 
 import torch
 
-from t6.bench.common import (DTYPES, common_args, environment, median, model_configs, parse,
-                             ratios_to_mha, table, time_call, write_json)
+from t6.bench.common import (
+    DTYPES,
+    common_args,
+    environment,
+    median,
+    model_configs,
+    parse,
+    ratios_to_mha,
+    table,
+    time_call,
+    write_json,
+)
 from t6.model import T6, ModelConfig
 from t6.model.facts import flops_per_token
 
@@ -55,13 +65,23 @@ def run(args: argparse.Namespace) -> list[dict]:
         step = median(times)
         tokens_per_s = args.batch_size * args.seq_len / step
         flops = flops_per_token(mcfg, args.seq_len)
-        rows.append({"attention": attention, "size": args.size, "n_head": mcfg.n_head, "params": params,
-                     "device": args.device, "dtype": args.dtype, "batch_size": args.batch_size, "seq_len": args.seq_len,
-                     "step_ms": step * 1e3,  # median over the timed steps
-                     "tokens_per_s": tokens_per_s,
-                     "flops_per_token_train": flops,  # forward + backward, FlopCounterMode
-                     "achieved_tflops": flops * tokens_per_s / 1e12,
-                     "mfu": flops * tokens_per_s / 1e12 / args.peak_tflops if args.peak_tflops else None})
+        rows.append(
+            {
+                "attention": attention,
+                "size": args.size,
+                "n_head": mcfg.n_head,
+                "params": params,
+                "device": args.device,
+                "dtype": args.dtype,
+                "batch_size": args.batch_size,
+                "seq_len": args.seq_len,
+                "step_ms": step * 1e3,  # median over the timed steps
+                "tokens_per_s": tokens_per_s,
+                "flops_per_token_train": flops,  # forward + backward, FlopCounterMode
+                "achieved_tflops": flops * tokens_per_s / 1e12,
+                "mfu": flops * tokens_per_s / 1e12 / args.peak_tflops if args.peak_tflops else None,
+            }
+        )
         print(f"  {attention}: {step * 1e3:.1f} ms/step", flush=True)
     ratios_to_mha(rows, "tokens_per_s", "ratio_to_mha")  # > 1: faster than MHA
     for r in rows:
@@ -69,9 +89,17 @@ def run(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-COLUMNS = [("attention", "attention", ""), ("n_head", "heads", "d"), ("params", "params", ","),
-           ("step_ms", "ms/step", ".1f"), ("tokens_per_s", "tokens/s", ".0f"), ("ratio_to_mha", "vs MHA", ".3f"),
-           ("gflops_per_token_train", "GFLOP/tok", ".3f"), ("achieved_tflops", "TFLOP/s", ".3f"), ("mfu", "MFU", ".1%")]
+COLUMNS = [
+    ("attention", "attention", ""),
+    ("n_head", "heads", "d"),
+    ("params", "params", ","),
+    ("step_ms", "ms/step", ".1f"),
+    ("tokens_per_s", "tokens/s", ".0f"),
+    ("ratio_to_mha", "vs MHA", ".3f"),
+    ("gflops_per_token_train", "GFLOP/tok", ".3f"),
+    ("achieved_tflops", "TFLOP/s", ".3f"),
+    ("mfu", "MFU", ".1%"),
+]
 
 
 def chunk_tokens(text: str) -> int | None:
@@ -79,19 +107,28 @@ def chunk_tokens(text: str) -> int | None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     common_args(p, size="small", device="auto", dtype="bfloat16")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--steps", type=int, default=10, help="timed steps per attention")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
-    p.add_argument("--loss-chunk-tokens", type=chunk_tokens, default=1024,
-                   help="tokens per chunk of the LM head + cross-entropy, as in training; none: all logits at once")
+    p.add_argument(
+        "--loss-chunk-tokens",
+        type=chunk_tokens,
+        default=1024,
+        help="tokens per chunk of the LM head + cross-entropy, as in training; none: all logits at once",
+    )
     p.add_argument("--override", action="append", default=[], help="extra Hydra override, e.g. size.n_layer=2")
-    p.add_argument("--peak-tflops", type=float, help="the device's peak TFLOP/s at --dtype, for the MFU column "
-                   "(e.g. 989 for an H100 SXM in bf16, 312 for an A100)")
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        help="the device's peak TFLOP/s at --dtype, for the MFU column "
+        "(e.g. 989 for an H100 SXM in bf16, 312 for an A100)",
+    )
     return p
 
 
@@ -99,8 +136,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse(parser(), argv)
     rows = run(args)
     print(table(rows, COLUMNS))
-    write_json(args.json, {"benchmark": "train_step", "size": args.size, "dtype": args.dtype,
-                           "environment": environment(args.device), "records": rows})
+    write_json(
+        args.json,
+        {
+            "benchmark": "train_step",
+            "size": args.size,
+            "dtype": args.dtype,
+            "environment": environment(args.device),
+            "records": rows,
+        },
+    )
     return rows
 
 

@@ -6,9 +6,9 @@ lm-eval 0.4.13 discovers models only through its built-in table (no entry points
     python -m t6.evaluation --model t6 --model_args checkpoint=PATH --tasks t6_next_line
 
 The project's local tasks (t6_next_line, t6_cloze) named in --tasks are built under
-data/eval/ and that folder is added with `--include_path` when no include path is given, and `--batch_size` defaults to the adapter's 16 (lm-eval's
-own default is 1). pyproject.toml also declares `t6` under the `lm_eval.models` entry points, for
-lm-eval versions that read them.
+data/eval/ and that folder is added with `--include_path` when no include path is given, and
+`--batch_size` defaults to the adapter's 16 (lm-eval's own default is 1). pyproject.toml also
+declares `t6` under the `lm_eval.models` entry points, for lm-eval versions that read them.
 """
 
 from __future__ import annotations
@@ -51,8 +51,9 @@ def cli_args(argv: list[str], root: Path) -> list[str]:
 
 
 if __name__ == "__main__":
-    import t6.evaluation.adapter  # noqa: F401  (registers the model "t6")
     from lm_eval.__main__ import cli_evaluate
+
+    import t6.evaluation.adapter  # noqa: F401  (registers the model "t6")
 
     sys.argv[1:] = cli_args(sys.argv[1:], Path(os.environ.get("T6_ROOT", ".")).resolve())
     cli_evaluate()

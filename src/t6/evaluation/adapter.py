@@ -17,8 +17,6 @@ is most of the saving on a small model with a 50k vocabulary. Generation is gree
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 from lm_eval.api.model import TemplateLM
@@ -51,7 +49,9 @@ class T6LM(TemplateLM):
         if device is not None and str(device).startswith("cuda") and not torch.cuda.is_available():
             device = "cpu"  # lm_eval's CLI passes --device cuda by default
         if (model is None) == (checkpoint is None):
-            raise ValueError("give the t6 model exactly one of model= or checkpoint= (e.g. --model_args checkpoint=PATH)")
+            raise ValueError(
+                "give the t6 model exactly one of model= or checkpoint= (e.g. --model_args checkpoint=PATH)"
+            )
         if model is None:
             model = load_model(checkpoint, "checkpoint", device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = model
@@ -60,8 +60,9 @@ class T6LM(TemplateLM):
         self.batch_size = 16 if batch_size in (None, "auto") else int(str(batch_size).split(":")[0])
         self.max_gen_toks = int(max_gen_toks)
         if not isinstance(share_prefix, bool):
-            raise ValueError(f"share_prefix={share_prefix!r} must be true or false "
-                             "(e.g. --model_args share_prefix=false)")
+            raise ValueError(
+                f"share_prefix={share_prefix!r} must be true or false (e.g. --model_args share_prefix=false)"
+            )
         self.share_prefix = share_prefix
         self.padding_masks = all(block.attn.supports_key_mask for block in model.blocks)
         self.block_size = model.cfg.block_size
@@ -106,8 +107,8 @@ class T6LM(TemplateLM):
     def _split(self, ctx: list[int], cont: list[int]) -> tuple[tuple[int, ...], list[int]]:
         """A request's model input, left-truncated to block_size: (prefix, tail). The model reads
         prefix + tail; its outputs at the len(cont) tail positions score the continuation."""
-        inputs = (ctx + cont)[-(self.block_size + 1):-1]  # every token but the last
-        return tuple(inputs[: len(inputs) - len(cont)]), inputs[len(inputs) - len(cont):]
+        inputs = (ctx + cont)[-(self.block_size + 1) : -1]  # every token but the last
+        return tuple(inputs[: len(inputs) - len(cont)]), inputs[len(inputs) - len(cont) :]
 
     def _scores(self, hidden: torch.Tensor, starts: list[int], conts: list[list[int]]) -> list[tuple[float, bool]]:
         """hidden [B, T, d]; row i scores conts[i] from its positions starts[i].. -> [(logprob, is_greedy)]."""
@@ -119,7 +120,9 @@ class T6LM(TemplateLM):
         token_lp = logprobs.gather(-1, targets[:, None]).squeeze(-1)  # [N]
         greedy = logprobs.argmax(-1) == targets  # [N]
         ends = torch.tensor([len(c) for c in conts]).cumsum(0).tolist()
-        return [(float(token_lp[e - len(c):e].sum()), bool(greedy[e - len(c):e].all())) for e, c in zip(ends, conts)]
+        return [
+            (float(token_lp[e - len(c) : e].sum()), bool(greedy[e - len(c) : e].all())) for e, c in zip(ends, conts)
+        ]
 
     @torch.no_grad()
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
@@ -127,10 +130,14 @@ class T6LM(TemplateLM):
         in the order of the requests; each answer also goes to lm-eval's cache hook under its request key."""
         for _, ctx, cont in requests:
             if not ctx:
-                raise ValueError("a log-likelihood request needs at least one context token (lm-eval gives an empty "
-                                 "context the end-of-text token)")
+                raise ValueError(
+                    "a log-likelihood request needs at least one context token (lm-eval gives an empty "
+                    "context the end-of-text token)"
+                )
             if not 0 < len(cont) <= self.block_size:
-                raise ValueError(f"a continuation of {len(cont)} tokens cannot be scored with block_size {self.block_size}")
+                raise ValueError(
+                    f"a continuation of {len(cont)} tokens cannot be scored with block_size {self.block_size}"
+                )
         batches = self._prefix_batches(requests) if self.share_prefix else self._request_batches(requests)
         score = self._score_shared if self.share_prefix else self._score_each
         results = [None] * len(requests)
@@ -154,7 +161,7 @@ class T6LM(TemplateLM):
             return -len(tokens), tuple(tokens)
 
         order = sorted(range(len(requests)), key=longest_first)
-        return [[[i] for i in order[k: k + self.batch_size]] for k in range(0, len(order), self.batch_size)]
+        return [[[i] for i in order[k : k + self.batch_size]] for k in range(0, len(order), self.batch_size)]
 
     def _score_each(self, batch) -> list[tuple[float, bool]]:
         """batch: groups of one request each -> their answers; every request runs whole, right-padded."""
@@ -174,14 +181,23 @@ class T6LM(TemplateLM):
         by_prefix: dict[tuple[int, ...], list[int]] = {}
         for i, (_, ctx, cont) in enumerate(requests):
             by_prefix.setdefault(self._split(ctx, cont)[0], []).append(i)
-        groups = sorted(((prefix, members[k: k + self.batch_size]) for prefix, members in by_prefix.items()
-                         for k in range(0, len(members), self.batch_size)), key=lambda g: (-len(g[0]), g[0]))
+        groups = sorted(
+            (
+                (prefix, members[k : k + self.batch_size])
+                for prefix, members in by_prefix.items()
+                for k in range(0, len(members), self.batch_size)
+            ),
+            key=lambda g: (-len(g[0]), g[0]),
+        )
         batches, rows, longest_prefix, longest_tail = [], 0, 0, 0
         for prefix, members in groups:
             tail = max(len(requests[i][2]) for i in members)
-            joins = (bool(batches) and rows + len(members) <= self.batch_size
-                     and longest_prefix + max(longest_tail, tail) <= self.block_size
-                     and (self.padding_masks or len(prefix) == longest_prefix))
+            joins = (
+                bool(batches)
+                and rows + len(members) <= self.batch_size
+                and longest_prefix + max(longest_tail, tail) <= self.block_size
+                and (self.padding_masks or len(prefix) == longest_prefix)
+            )
             if joins:
                 batches[-1].append(members)
                 rows, longest_tail = rows + len(members), max(longest_tail, tail)
@@ -208,7 +224,7 @@ class T6LM(TemplateLM):
         if P > 0:
             idx = torch.full((len(batch), P), EOT, dtype=torch.long, device=self._device)  # [G, P], left-padded
             for i, prefix in enumerate(prefixes):
-                idx[i, P - len(prefix):] = torch.tensor(prefix, dtype=torch.long)
+                idx[i, P - len(prefix) :] = torch.tensor(prefix, dtype=torch.long)
             self._prefill(idx, caches)
         owner = torch.tensor([g for g, group in enumerate(batch) for _ in group], device=self._device)  # [R]
         caches = [cache.select(owner) for cache in caches]  # each prefix's rows once per continuation
@@ -248,10 +264,10 @@ class T6LM(TemplateLM):
             max_new = min(int(gen_kwargs.pop("max_gen_toks", self.max_gen_toks)), self.block_size - 1)
             # Stop strings that are one token stop decoding early; all of them cut the text below.
             stop_tokens = {EOT} | {t[0] for t in map(self.tok_encode, until) if len(t) == 1}
-            ctx = self.tok_encode(context)[-(self.block_size - max_new):] or [EOT]
+            ctx = self.tok_encode(context)[-(self.block_size - max_new) :] or [EOT]
             idx = torch.tensor([ctx], dtype=torch.long, device=self._device)  # [1, T0]
             out = self.model.generate(idx, max_new, temperature=0.0, stop_tokens=tuple(sorted(stop_tokens)))
-            new = out[0, len(ctx):].tolist()
+            new = out[0, len(ctx) :].tolist()
             if EOT in new:
                 new = new[: new.index(EOT)]
             text = self.tok_decode(new)

@@ -21,8 +21,8 @@ import logging
 import time
 
 import lightning as L
-from lightning.pytorch.loggers import MLFlowLogger
 from hydra.utils import instantiate
+from lightning.pytorch.loggers import MLFlowLogger
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 

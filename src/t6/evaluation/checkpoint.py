@@ -8,9 +8,9 @@ import mlflow
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from t6.model.load import load_model, read_checkpoint
 from t6.evaluation.callback import build_eval_callback
 from t6.evaluation.harness import log_results, run_harness
+from t6.model.load import load_model, read_checkpoint
 from t6.tracking import check_tracking_uri
 
 
@@ -39,9 +39,15 @@ def evaluate_checkpoint(cfg: DictConfig) -> tuple[dict[str, float], str]:
         experiment = cfg.experiment_name or run_config.get("experiment_name", "t6")
         exp = client.get_experiment_by_name(experiment)
         exp_id = exp.experiment_id if exp else client.create_experiment(experiment)
-        run = client.create_run(exp_id, run_name=f"eval-{run_config.get('run_name', path.stem)}", tags={
-            "checkpoint": str(path.resolve()), "source_run_id": str(ckpt.get("mlflow_run_id")), "global_step": str(step),
-        })
+        run = client.create_run(
+            exp_id,
+            run_name=f"eval-{run_config.get('run_name', path.stem)}",
+            tags={
+                "checkpoint": str(path.resolve()),
+                "source_run_id": str(ckpt.get("mlflow_run_id")),
+                "global_step": str(step),
+            },
+        )
         run_id, new_run = run.info.run_id, True
     else:
         client.get_run(run_id)  # an unknown run id fails here
@@ -53,4 +59,3 @@ def evaluate_checkpoint(cfg: DictConfig) -> tuple[dict[str, float], str]:
     if new_run:
         client.set_terminated(run_id)
     return metrics, run_id
-

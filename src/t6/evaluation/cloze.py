@@ -77,8 +77,13 @@ def build_cloze_task(
             context = [ln for ln in lines[:i] if ln.strip()][-context_lines:]
             wrong = distractors(word, ranked, rank, rng)
             label = int(rng.integers(4))
-            out.append({"passage": "\n".join([*context, prefix]), "choices": wrong[:label] + [word] + wrong[label:],
-                        "label": label})
+            out.append(
+                {
+                    "passage": "\n".join([*context, prefix]),
+                    "choices": wrong[:label] + [word] + wrong[label:],
+                    "label": label,
+                }
+            )
         return out
 
     splits = {

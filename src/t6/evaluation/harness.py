@@ -88,8 +88,11 @@ def resolve_tasks(spec: EvalSpec):
         offline = os.environ.get("HF_DATASETS_OFFLINE") or os.environ.get("HF_HUB_OFFLINE")
         raise RuntimeError(
             f"cannot load the datasets of eval.tasks={list(spec.tasks)}: {type(err).__name__}: {err}\n"
-            + ("HF_DATASETS_OFFLINE/HF_HUB_OFFLINE is set and the cache lacks them. " if offline else
-               "This machine may have no internet access. ")
+            + (
+                "HF_DATASETS_OFFLINE/HF_HUB_OFFLINE is set and the cache lacks them. "
+                if offline
+                else "This machine may have no internet access. "
+            )
             + PREFETCH_HINT
         ) from err
     return tm
@@ -131,7 +134,6 @@ def run_harness(model: torch.nn.Module, spec: EvalSpec, tm, data_parallel: bool 
 
     from t6.evaluation.adapter import T6LM
     from t6.evaluation.parallel import DataParallelT6LM
-
     from t6.quiet import quiet_libraries
 
     quiet_libraries()
@@ -200,14 +202,15 @@ def markdown_table(results: dict[int, dict], spec: EvalSpec, run_name: str) -> s
 def log_results(client, run_id: str, results: dict[int, dict], spec: EvalSpec, step: int, run_name: str) -> dict:
     """Metrics at `step`, the full results JSON and the markdown table as artifacts under eval/step{step}/."""
     from mlflow.entities import Metric
-
     from mlflow.utils.time import get_current_time_millis
 
     metrics = flat_metrics(results, spec)
     now = get_current_time_millis()
     client.log_batch(run_id, metrics=[Metric(k, v, now, step) for k, v in metrics.items()], synchronous=True)
     folder = f"eval/step{step:06d}"
-    client.log_text(run_id, json.dumps({str(n): r for n, r in results.items()}, indent=2, default=str), f"{folder}/results.json")
+    client.log_text(
+        run_id, json.dumps({str(n): r for n, r in results.items()}, indent=2, default=str), f"{folder}/results.json"
+    )
     client.log_text(run_id, markdown_table(results, spec, run_name), f"{folder}/table.md")
     return metrics
 

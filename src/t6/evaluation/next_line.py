@@ -32,8 +32,8 @@ def held_out_text(text_file: Path, val_fraction: float) -> str:
     enc = gpt2_encoding()
     tokens = [EOT, *enc.encode_ordinary(Path(text_file).read_text(encoding="utf-8"))]
     n_val = int(len(tokens) * val_fraction)
-    text = enc.decode(tokens[len(tokens) - n_val:])
-    return text[text.index("\n") + 1:]
+    text = enc.decode(tokens[len(tokens) - n_val :])
+    return text[text.index("\n") + 1 :]
 
 
 def is_speech(line: str) -> bool:
@@ -102,19 +102,24 @@ def split_pools(lines: list[str], usable: list[int], context_lines: int, n_test:
     few_pool, test_pool = [i for i in usable if i < cut], [i for i in usable if i >= cut + context_lines]
     if len(few_pool) < n_fewshot or len(test_pool) < n_test:
         raise ValueError(
-            f"the held-out text has {len(test_pool)} test and {len(few_pool)} few-shot lines usable for {task}: too few "
+            f"the held-out text has {len(test_pool)} test and {len(few_pool)} few-shot lines usable for {task}: "
+            "too few "
             f"for eval.local_tasks.{task}.n_test={n_test} and n_fewshot={n_fewshot}"
         )
     return few_pool, test_pool
 
 
-def write_task(out_dir: str | Path, task: str, splits: dict[str, list[dict]], target_delimiter: str, builder: str) -> Path:
+def write_task(
+    out_dir: str | Path, task: str, splits: dict[str, list[dict]], target_delimiter: str, builder: str
+) -> Path:
     """Write each split as <split>.jsonl and the task YAML into out_dir; returns out_dir (an include_path)."""
     out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     for name, items in splits.items():
         write_if_changed(out_dir / f"{name}.jsonl", "".join(json.dumps(it) + "\n" for it in items))
-    write_if_changed(out_dir / f"{task}.yaml", task_yaml(out_dir, task, target_delimiter=target_delimiter, builder=builder))
+    write_if_changed(
+        out_dir / f"{task}.yaml", task_yaml(out_dir, task, target_delimiter=target_delimiter, builder=builder)
+    )
     return out_dir
 
 

@@ -27,19 +27,25 @@ def read_checkpoint(path, what: str = "ckpt_path", map_location: Any = "cpu", mm
     truncated or corrupted file is an error naming the field, the file and the fix."""
     path = Path(path).expanduser()
     if not path.is_file():
-        raise FileNotFoundError(f"{what}={str(path)!r} does not exist (e.g. logs/train/runs/<time>/checkpoints/last.ckpt)")
+        raise FileNotFoundError(
+            f"{what}={str(path)!r} does not exist (e.g. logs/train/runs/<time>/checkpoints/last.ckpt)"
+        )
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as err:  # torch/zipfile/unpickler errors of a damaged file have no common type
         if "weights_only" in str(err) and "Unsupported global" in str(err):
-            raise pickle.UnpicklingError(f"{what}={str(path)!r} holds pickled code, which T6 Lab never loads: {err}") from None
+            raise pickle.UnpicklingError(
+                f"{what}={str(path)!r} holds pickled code, which T6 Lab never loads: {err}"
+            ) from None
         raise ValueError(
             f"{what}={str(path)!r} is not a readable checkpoint (truncated or corrupted? {type(err).__name__}: "
             f"{str(err).splitlines()[0][:200]}); point {what} at an intact file, e.g. an earlier step*.ckpt "
             "of the same run"
         ) from None
     if not isinstance(ckpt, dict):
-        raise ValueError(f"{what}={str(path)!r} is not a T6 Lab checkpoint (it holds a {type(ckpt).__name__}, not a dict)")
+        raise ValueError(
+            f"{what}={str(path)!r} is not a T6 Lab checkpoint (it holds a {type(ckpt).__name__}, not a dict)"
+        )
     return ckpt
 
 
@@ -52,8 +58,10 @@ def model_state(ckpt: dict, what: str, path) -> tuple[ModelConfig, dict[str, tor
             fields = ckpt["hyper_parameters"]["model_config"]
             state = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
     except (KeyError, TypeError, AttributeError) as err:
-        raise ValueError(f"{what}={str(path)!r} is not a T6 checkpoint: it has no {err} "
-                         "(train.py writes checkpoints/last.ckpt, convert.py a warm-start file)") from None
+        raise ValueError(
+            f"{what}={str(path)!r} is not a T6 checkpoint: it has no {err} "
+            "(train.py writes checkpoints/last.ckpt, convert.py a warm-start file)"
+        ) from None
     try:
         cfg = ModelConfig(**fields)
     except (TypeError, ValueError) as err:
@@ -75,8 +83,10 @@ def check_weights(state: dict[str, torch.Tensor], cfg: ModelConfig, what: str) -
     ]
     if problems:
         shown = problems[:8] + ([f"... {len(problems) - 8} more"] if len(problems) > 8 else [])
-        raise ValueError(f"{what}: the weights do not match its model config ({cfg.attention}, n_head={cfg.n_head}, "
-                         f"d_model={cfg.d_model}, n_layer={cfg.n_layer}):\n  - " + "\n  - ".join(shown))
+        raise ValueError(
+            f"{what}: the weights do not match its model config ({cfg.attention}, n_head={cfg.n_head}, "
+            f"d_model={cfg.d_model}, n_layer={cfg.n_layer}):\n  - " + "\n  - ".join(shown)
+        )
 
 
 def load_model(path, what: str = "ckpt_path", device: str | torch.device = "cpu") -> T6:

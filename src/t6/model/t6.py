@@ -1,8 +1,8 @@
 """The T6 backbone (paper §3.6): a LLaMA-style decoder whose attention is chosen by name.
 
-    x = embed(tokens)
-    for each of the L blocks:  x += Attn(RMSNorm(x));  x += SwiGLU(RMSNorm(x))
-    logits = RMSNorm(x) @ embed^T          (tied embedding / LM head)
+x = embed(tokens)
+for each of the L blocks:  x += Attn(RMSNorm(x));  x += SwiGLU(RMSNorm(x))
+logits = RMSNorm(x) @ embed^T          (tied embedding / LM head)
 """
 
 from __future__ import annotations
@@ -149,12 +149,16 @@ class T6(nn.Module):
         if mask.shape != shape:
             raise ValueError(f"prompt_mask has shape {tuple(mask.shape)} but the prompts have shape {tuple(shape)}")
         if not bool(mask[:, -1].all()) or bool((mask[:, 1:].int() < mask[:, :-1].int()).any()):
-            raise ValueError("prompt_mask must mark left padding: in each row, False (padding) before True (tokens), "
-                             "ending with a real token; build it with t6.model.t6.left_pad")
+            raise ValueError(
+                "prompt_mask must mark left padding: in each row, False (padding) before True (tokens), "
+                "ending with a real token; build it with t6.model.t6.left_pad"
+            )
         unsupported = sorted({type(b.attn).__name__ for b in self.blocks if not b.attn.supports_key_mask})
         if unsupported:
-            raise ValueError(f"attention={self.cfg.attention!r} ({', '.join(unsupported)}) does not honour padding masks; "
-                             "generate prompts of different lengths one at a time or in equal-length batches")
+            raise ValueError(
+                f"attention={self.cfg.attention!r} ({', '.join(unsupported)}) does not honour padding masks; "
+                "generate prompts of different lengths one at a time or in equal-length batches"
+            )
         return mask
 
 

@@ -23,11 +23,16 @@ def tokens_per_step(params: dict[str, str]) -> int:
     devices = get("trainer.devices")
     processes = world_size(int(devices), int(get("trainer.num_nodes") or 1)) if str(devices).isdigit() else None
     if seq_len is None or (batch is None and global_batch is None):
-        raise KeyError("cannot compute tokens per step: missing param " + ("data.seq_len" if seq_len is None else
-                                                                           "data.batch_size or data.global_batch_size"))
+        raise KeyError(
+            "cannot compute tokens per step: missing param "
+            + ("data.seq_len" if seq_len is None else "data.batch_size or data.global_batch_size")
+        )
     try:
-        sequences = sequences_per_step(int(batch) if batch and batch.isdigit() else batch,
-                                       None if global_batch is None else int(global_batch), processes)
+        sequences = sequences_per_step(
+            int(batch) if batch and batch.isdigit() else batch,
+            None if global_batch is None else int(global_batch),
+            processes,
+        )
     except ValueError as err:
         raise KeyError(f"cannot compute tokens per step from the run's params: {err}") from None
     return sequences * int(seq_len)

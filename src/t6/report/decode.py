@@ -10,13 +10,14 @@ def load_decode_records(path: str | Path) -> list[dict]:
     """Records of `python -m t6.bench.decode --json PATH`: a list, or a dict holding it under "records"/"results"."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"decode benchmark JSON {path} does not exist "
-                                f"(make it with python -m t6.bench.decode --json {path})")
+        raise FileNotFoundError(
+            f"decode benchmark JSON {path} does not exist (make it with python -m t6.bench.decode --json {path})"
+        )
     data = json.loads(path.read_text())
     if isinstance(data, dict):
         data = data.get("records", data.get("results"))
     if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
-        raise ValueError(f"{path}: expected a list of records (or {{\"records\": [...]}}) from t6.bench.decode")
+        raise ValueError(f'{path}: expected a list of records (or {{"records": [...]}}) from t6.bench.decode')
     for i, record in enumerate(data):
         lacking = [k for k in ("attention", "context", "tokens_per_s") if k not in record]
         if lacking:

@@ -18,9 +18,14 @@ class Report:
     files: list[Path]
 
 
-def build_report(runs: list[RunData], out_dir: str | Path, title: str,
-                 group_by: tuple[str, ...] = ("attention.name",), decode: list[dict] | None = None,
-                 decode_source: str | None = None) -> Report:
+def build_report(
+    runs: list[RunData],
+    out_dir: str | Path,
+    title: str,
+    group_by: tuple[str, ...] = ("attention.name",),
+    decode: list[dict] | None = None,
+    decode_source: str | None = None,
+) -> Report:
     """Write report.md and the three curve figures into out_dir; return the Markdown and the files."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -28,8 +33,12 @@ def build_report(runs: list[RunData], out_dir: str | Path, title: str,
     groups = grouped.groups
     parts = [f"# {title}", ""]
 
-    parts += ["## Runs", "", "| run | id | group | seed | status | last step | val/loss | in tables |",
-              "|---|---|---|---|---|---:|---:|---|"]
+    parts += [
+        "## Runs",
+        "",
+        "| run | id | group | seed | status | last step | val/loss | in tables |",
+        "|---|---|---|---|---|---:|---:|---|",
+    ]
     reasons = {run.run_id: why for run, why in grouped.excluded}
     row_of = {run.run_id: label for label, members in groups.items() for run in members}
     for run in runs:

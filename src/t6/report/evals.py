@@ -12,8 +12,8 @@ from __future__ import annotations
 import functools
 import re
 from collections import defaultdict
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 EVAL_CONF = Path(__file__).resolve().parents[3] / "conf" / "eval"  # src/t6/report/ -> the project's conf/eval
 PAPER_EVAL = "paper.yaml"
@@ -27,15 +27,19 @@ def eval_config_metrics(conf_dir: Path = EVAL_CONF) -> dict[str, str]:
     import yaml
 
     if not (conf_dir / PAPER_EVAL).is_file():
-        raise FileNotFoundError(f"{conf_dir / PAPER_EVAL} does not exist: the report reads the metric of each task "
-                                "from the eval configs in conf/eval/")
+        raise FileNotFoundError(
+            f"{conf_dir / PAPER_EVAL} does not exist: the report reads the metric of each task "
+            "from the eval configs in conf/eval/"
+        )
     chosen: dict[str, tuple[str, Path]] = {}
     for path in sorted(conf_dir.glob("*.yaml")):
         metrics = (yaml.safe_load(path.read_text()) or {}).get("metrics") or {}
         for task, metric in metrics.items():
             if task in chosen and chosen[task][0] != metric:
-                raise ValueError(f"task {task!r} has metric {chosen[task][0]!r} in {chosen[task][1]} but {metric!r} "
-                                 f"in {path}: give it one metric")
+                raise ValueError(
+                    f"task {task!r} has metric {chosen[task][0]!r} in {chosen[task][1]} but {metric!r} "
+                    f"in {path}: give it one metric"
+                )
             chosen[task] = (metric, path)
     return {task: metric for task, (metric, _) in chosen.items()}
 

@@ -38,11 +38,18 @@ def plot_curves(groups: dict[str, list[RunData]], key: str, path: Path) -> list[
             continue
         x, mean, std = data
         few = len(x) <= 20  # markers where a line has few points (one point draws no line at all)
-        (line,) = ax.plot(x, mean, label=f"{label} (n={len(runs)})", linewidth=1.4, marker="o" if few else None,
-                          markersize=4)
+        (line,) = ax.plot(
+            x, mean, label=f"{label} (n={len(runs)})", linewidth=1.4, marker="o" if few else None, markersize=4
+        )
         if len(runs) > 1:
-            ax.fill_between(x, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
-                            color=line.get_color(), alpha=0.2, linewidth=0)
+            ax.fill_between(
+                x,
+                [m - s for m, s in zip(mean, std)],
+                [m + s for m, s in zip(mean, std)],
+                color=line.get_color(),
+                alpha=0.2,
+                linewidth=0,
+            )
     ax.set_xlabel("training tokens")
     ax.set_ylabel(key)
     ax.set_title(CURVES.get(key, key))

@@ -3,8 +3,8 @@ per --group-by params), the seeds of a row pooled only when nothing else differs
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 from t6.model.attention import PAPER
 
@@ -44,8 +44,17 @@ def group_label(run: RunData, group_by: tuple[str, ...]) -> str | None:
 
 # Params that do not change what a run measures: where it wrote, what it was called, how it was
 # tracked and checkpointed, and the seed itself. Runs of a row are pooled only when all else matches.
-NOT_POOLED = ("seed", "data.seed", "run_name", "experiment_name", "task_name", "ckpt_path", "auto_resume",
-              "print_config", "trainer.default_root_dir")
+NOT_POOLED = (
+    "seed",
+    "data.seed",
+    "run_name",
+    "experiment_name",
+    "task_name",
+    "ckpt_path",
+    "auto_resume",
+    "print_config",
+    "trainer.default_root_dir",
+)
 NOT_POOLED_PREFIXES = ("paths.", "logger.", "callbacks.", "model/")
 
 
@@ -74,8 +83,10 @@ def split_by_setup(label: str, runs: list[RunData]) -> tuple[dict[str, list[RunD
     for setup, members in setups:
         text = ", ".join(f"{k}={setup.get(k)}" for k in shown) + (", …" if len(keys) > len(shown) else "")
         rows[f"{label} ({text})"] = members
-    note = (f"{label}: its runs differ in more than the seed ({', '.join(keys)}), so they are not averaged "
-            f"together: one row per setting")
+    note = (
+        f"{label}: its runs differ in more than the seed ({', '.join(keys)}), so they are not averaged "
+        f"together: one row per setting"
+    )
     return rows, note
 
 

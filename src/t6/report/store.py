@@ -13,8 +13,13 @@ PARENT_TAG = "mlflow.parentRunId"
 def _all_runs(client, experiment_ids: list[str], filter_string: str = "") -> list:
     runs, token = [], None
     while True:
-        page = client.search_runs(experiment_ids, filter_string=filter_string, max_results=1000,
-                                  order_by=["attributes.start_time ASC"], page_token=token)
+        page = client.search_runs(
+            experiment_ids,
+            filter_string=filter_string,
+            max_results=1000,
+            order_by=["attributes.start_time ASC"],
+            page_token=token,
+        )
         runs += list(page)
         token = page.token
         if not token:
@@ -37,8 +42,9 @@ def find_runs(client, experiment: str | None = None, parent: str | None = None) 
         children = _all_runs(client, [experiment_id], f"tags.`{PARENT_TAG}` != ''")
         parents = {r.data.tags[PARENT_TAG] for r in children}
         if not parents:
-            raise ValueError(f"experiment {experiment!r} has no sweep parent run; "
-                             "drop --parent to report on all its runs")
+            raise ValueError(
+                f"experiment {experiment!r} has no sweep parent run; drop --parent to report on all its runs"
+            )
         parent = max((client.get_run(p) for p in parents), key=lambda r: r.info.start_time).info.run_id
     if parent is not None:
         parent_run = client.get_run(parent)
@@ -61,8 +67,17 @@ def load_runs(client, runs: list) -> list[RunData]:
         for key in CURVES:
             if key in run.data.metrics:
                 history[key] = [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]
-        out.append(RunData(run.info.run_id, run.info.run_name or run.info.run_id[:8], run.info.status,
-                           dict(run.data.params), dict(run.data.tags), dict(run.data.metrics), history))
+        out.append(
+            RunData(
+                run.info.run_id,
+                run.info.run_name or run.info.run_id[:8],
+                run.info.status,
+                dict(run.data.params),
+                dict(run.data.tags),
+                dict(run.data.metrics),
+                history,
+            )
+        )
     return out
 
 

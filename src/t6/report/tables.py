@@ -28,10 +28,11 @@ class Table:
     missing: list[str] = field(default_factory=list)  # "run (id): metric" entries
 
     def markdown(self, row_header: str = "attention") -> str:
-        best = [best_rows({r: cells[i] for r, cells in self.rows.items()}, hib)
-                for i, hib in enumerate(self.higher_is_better)]
-        lines = [f"| {row_header} | " + " | ".join(self.columns) + " |",
-                 "|---|" + "---:|" * len(self.columns)]
+        best = [
+            best_rows({r: cells[i] for r, cells in self.rows.items()}, hib)
+            for i, hib in enumerate(self.higher_is_better)
+        ]
+        lines = [f"| {row_header} | " + " | ".join(self.columns) + " |", "|---|" + "---:|" * len(self.columns)]
         for row, cells in self.rows.items():
             texts = []
             for i, cell in enumerate(cells):
@@ -72,8 +73,10 @@ def eval_table(groups: dict[str, list[RunData]], shots: int) -> Table | None:
         cells = [aggregate(per_task[task], len(runs)) for task, _ in columns] + [aggregate(averages, len(runs))]
         rows[label] = cells
     headers = [f"{task} ({metric})" for task, metric in columns] + ["Avg."]
-    title = f"{SHOT_NAMES.get(shots, f'{shots}-shot')} evaluation (accuracy %, mean ± std over seeds; " \
-            "metric per task in its header; Avg. = mean of the task columns per run)"
+    title = (
+        f"{SHOT_NAMES.get(shots, f'{shots}-shot')} evaluation (accuracy %, mean ± std over seeds; "
+        "metric per task in its header; Avg. = mean of the task columns per run)"
+    )
     return Table(title, headers, rows, [True] * len(headers), scale=100.0, digits=2, missing=missing)
 
 
@@ -86,12 +89,19 @@ def quality_table(groups: dict[str, list[RunData]]) -> Table:
             missing += [f"{r.name} ({r.run_id[:8]}): {key}" for r in runs if key not in r.metrics]
             cells.append(aggregate(values, len(runs)))
         rows[label] = cells
-    return Table("Final losses (mean ± std over seeds; lower is better)", list(QUALITY), rows,
-                 [False] * len(QUALITY), digits=4, missing=missing)
+    return Table(
+        "Final losses (mean ± std over seeds; lower is better)",
+        list(QUALITY),
+        rows,
+        [False] * len(QUALITY),
+        digits=4,
+        missing=missing,
+    )
 
 
-def tradeoff_table(groups: dict[str, list[RunData]], evals: dict[int, Table],
-                   decode: list[dict] | None = None) -> tuple[str, list[str]]:
+def tradeoff_table(
+    groups: dict[str, list[RunData]], evals: dict[int, Table], decode: list[dict] | None = None
+) -> tuple[str, list[str]]:
     """Parameters, KV cache per token and decode tokens/s next to the quality numbers (Markdown, notes)."""
     notes, computed = [], set()
     contexts = sorted({int(r["context"]) for r in decode or []})
@@ -117,18 +127,20 @@ def tradeoff_table(groups: dict[str, list[RunData]], evals: dict[int, Table],
         attention = attention_of(run) or label
         cells = [f"{params / 1e6:.2f}M" if params is not None else "–", _bytes(kv) if kv is not None else "–"]
         for context in contexts:
-            speeds = [float(r["tokens_per_s"]) for r in decode
-                      if r["attention"] == attention and int(r["context"]) == context]
+            speeds = [
+                float(r["tokens_per_s"]) for r in decode if r["attention"] == attention and int(r["context"]) == context
+            ]
             cells.append(f"{statistics.fmean(speeds):.1f}" if speeds else "–")
         cells += [quality.rows[label][1].format(digits=4), quality.rows[label][2].format(digits=2)]
         cells += [evals[s].rows[label][-1].format(100.0, 2) for s in sorted(evals)]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     if computed:
-        notes.append("parameters / KV cache of " + ", ".join(sorted(computed)) + " computed from the run's config "
-                     "(model built on the meta device; KV cache at 2 bytes per element, all layers)")
+        notes.append(
+            "parameters / KV cache of " + ", ".join(sorted(computed)) + " computed from the run's config "
+            "(model built on the meta device; KV cache at 2 bytes per element, all layers)"
+        )
     return "\n".join(lines), notes
 
 
 def _bytes(n: float) -> str:
     return f"{n / 1024:.1f} KiB" if n >= 1024 else f"{n:.0f} B"
-

@@ -118,8 +118,12 @@ def source_tokens(ckpt: dict) -> dict[str, int | None]:
     global_batch = data.get("global_batch_size")
     if samples is None and "global_step" in ckpt and (global_batch or (data.get("batch_size") and world)):
         samples = int(ckpt["global_step"]) * sequences_per_step(data.get("batch_size"), global_batch, world)
-    return {"steps": ckpt.get("global_step"), "samples": samples, "seq_len": seq_len,
-            "tokens": None if samples is None else int(samples) * seq_len}
+    return {
+        "steps": ckpt.get("global_step"),
+        "samples": samples,
+        "seq_len": seq_len,
+        "tokens": None if samples is None else int(samples) * seq_len,
+    }
 
 
 def convert_checkpoint(
@@ -133,7 +137,7 @@ def convert_checkpoint(
     ckpt = load_training_checkpoint(ckpt_path)
     source_cfg = ModelConfig(**ckpt["hyper_parameters"]["model_config"])
     prefix = "model."
-    state = {k[len(prefix):]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
+    state = {k[len(prefix) :]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
     check_weights(state, source_cfg, f"source checkpoint {ckpt_path}")
     cfg = target_config(source_cfg, target, target_kv_heads)
     new_state = convert_state_dict(state, source_cfg, cfg, method)

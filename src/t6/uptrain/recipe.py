@@ -97,8 +97,10 @@ def source_lr(init_from: str, key: str = "min_lr", factor: float = 1.0) -> float
     run = converted_meta(init_from, f"lr_ablation.{key} from the source")["run_config"]
     value = (run.get("lr_ablation") or {}).get(key)
     if value is None:
-        raise ValueError(f"init_from={init_from!r}: its source run config records no lr_ablation.{key}; "
-                         "set lr_ablation.max_lr and lr_ablation.min_lr explicitly")
+        raise ValueError(
+            f"init_from={init_from!r}: its source run config records no lr_ablation.{key}; "
+            "set lr_ablation.max_lr and lr_ablation.min_lr explicitly"
+        )
     return float(value) * float(factor)
 
 

@@ -67,5 +67,17 @@ def select(spec: str | list[str] | tuple[str, ...]) -> list[str]:
     return names
 
 
-__all__ = ["GROUPS", "PAPER", "Attention", "KVCache", "Mechanism", "Options", "available", "causal_mask",
-           "get_attention_class", "get_mechanism", "register", "select"]
+__all__ = [
+    "GROUPS",
+    "PAPER",
+    "Attention",
+    "KVCache",
+    "Mechanism",
+    "Options",
+    "available",
+    "causal_mask",
+    "get_attention_class",
+    "get_mechanism",
+    "register",
+    "select",
+]

@@ -16,6 +16,7 @@ from torch import nn
 
 from t6.model.config import ModelConfig
 
+
 @dataclass
 class Options:
     """A mechanism's options: subclass it with typed fields and their defaults, the one place
@@ -50,10 +51,16 @@ class Mechanism:
     def options(self, given: dict[str, Any]) -> tuple[Options | None, list[str]]:
         """(options, problems) from the options a config gives."""
         known = {f.name for f in fields(self.cls.Options)}
-        problems = [f"attention.options.{k} is not an option of attention={self.name} (options: {sorted(known)})"
-                    for k in given if k not in known]
-        problems += [f"attention.options.{k}={given[k]!r}: attention={self.name} fixes it to {v!r}"
-                     for k, v in self.preset.items() if k in given and given[k] != v]
+        problems = [
+            f"attention.options.{k} is not an option of attention={self.name} (options: {sorted(known)})"
+            for k in given
+            if k not in known
+        ]
+        problems += [
+            f"attention.options.{k}={given[k]!r}: attention={self.name} fixes it to {v!r}"
+            for k, v in self.preset.items()
+            if k in given and given[k] != v
+        ]
         if problems:
             return None, problems
         return self.cls.Options(**{**given, **self.preset}), []
@@ -68,7 +75,9 @@ def register(name: str, **preset: Any):
 
     def wrap(cls: type[Attention]) -> type[Attention]:
         if name in registry and registry[name].cls is not cls:
-            raise ValueError(f"attention name {name!r} registered twice ({registry[name].cls.__name__}, {cls.__name__})")
+            raise ValueError(
+                f"attention name {name!r} registered twice ({registry[name].cls.__name__}, {cls.__name__})"
+            )
         unknown = set(preset) - {f.name for f in fields(cls.Options)}
         if unknown:
             raise ValueError(f"attention {name!r}: preset {sorted(unknown)} are not fields of {cls.Options.__name__}")
@@ -88,8 +97,15 @@ class KVCache:
     the cache is whatever the mechanism really stores (K/V heads, latents or factors).
     """
 
-    def __init__(self, spec: dict[str, tuple[int, ...]], batch_size: int, max_len: int, dtype=None, device=None,
-                 head_major: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        spec: dict[str, tuple[int, ...]],
+        batch_size: int,
+        max_len: int,
+        dtype=None,
+        device=None,
+        head_major: tuple[str, ...] = (),
+    ):
         self.max_len = max_len
         self.spec = dict(spec)
         self.seq_dims = {name: 2 if name in head_major else 1 for name in spec}
@@ -185,7 +201,9 @@ class Attention(nn.Module):
         raise NotImplementedError
 
     def build_kv_cache(self, batch_size: int, max_len: int, dtype=None, device=None) -> KVCache:
-        return KVCache(self.cache_spec(), batch_size, max_len, dtype=dtype, device=device, head_major=self.head_major_cache)
+        return KVCache(
+            self.cache_spec(), batch_size, max_len, dtype=dtype, device=device, head_major=self.head_major_cache
+        )
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         raise NotImplementedError
@@ -196,8 +214,8 @@ class Attention(nn.Module):
 
         q: [B, h, T, d]; k, v: [B, h_kv, S, d] with h divisible by h_kv. Grouped heads are
         broadcast by SDPA (enable_gqa) in causal self-attention; against a cache, each group's
-        query heads are folded into the query length instead, so K and V are never expanded. `cached`: the layer's KVCache (its padding mask is
-        honoured), or a bool/None. Returns [B, h, T, d_v].
+        query heads are folded into the query length instead, so K and V are never expanded.
+        `cached`: the layer's KVCache (its padding mask is honoured), or a bool/None. Returns [B, h, T, d_v].
         """
         T, S = q.shape[2], k.shape[2]
         gqa = k.shape[1] != q.shape[1]

@@ -34,7 +34,9 @@ import torch
 CSRC = Path(__file__).parent / "csrc" / "fused_decode.cpp"
 # Built on the machine that runs it, for its own vector units (on x86, 512-bit vectors where
 # AVX-512 exists: the value tiles are sized for them).
-CFLAGS = ["-O3", "-march=native", "-fopenmp"] + (["-mprefer-vector-width=512"] if platform.machine() in ("x86_64", "AMD64") else [])
+CFLAGS = ["-O3", "-march=native", "-fopenmp"] + (
+    ["-mprefer-vector-width=512"] if platform.machine() in ("x86_64", "AMD64") else []
+)
 
 
 @functools.cache
@@ -43,11 +45,16 @@ def cpu_extension():
     from torch.utils import cpp_extension
 
     try:
-        return cpp_extension.load(name="t6_fused_decode", sources=[str(CSRC)], extra_cflags=CFLAGS,
-                                  extra_ldflags=["-fopenmp"], verbose=False)
+        return cpp_extension.load(
+            name="t6_fused_decode", sources=[str(CSRC)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False
+        )
     except Exception as err:  # no compiler, headers or ninja: the eager reference still decodes
-        warnings.warn(f"t6: the fused CPU decode kernels could not be built ({type(err).__name__}: {err}); "
-                      "decoding uses the eager reference path", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"t6: the fused CPU decode kernels could not be built ({type(err).__name__}: {err}); "
+            "decoding uses the eager reference path",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         return None
 
 

@@ -49,8 +49,9 @@ class GLAOptions(MLAOptions):
     def problems(self, cfg: ModelConfig) -> list[str]:
         problems = super().problems(cfg)
         if not problems and cfg.n_head % self.n_latent_heads:
-            problems.append(f"size.n_head={cfg.n_head} must be divisible by "
-                            f"attention.options.n_latent_heads={self.n_latent_heads}")
+            problems.append(
+                f"size.n_head={cfg.n_head} must be divisible by attention.options.n_latent_heads={self.n_latent_heads}"
+            )
         return problems
 
 
@@ -127,8 +128,9 @@ class GroupedLatentAttention(Attention):
             key_mask = None if mask is None else mask[:, 0].expand(B, -1)  # [B, S]
             q_lat = (q_lat * self.scale).reshape(B, n, g, self.d_c)  # [B, n, g, d_c]
             q_rope = (q_rope * self.scale).reshape(B, n, g, self.d_rope)  # [B, n, g, rope]
-            o = torch.cat([latent_decode(q_lat[:, j], q_rope[:, j], c_kv[:, j], k_rope, key_mask) for j in range(n)],
-                          dim=1)  # [B, h, d_c]: group j against latent head j
+            o = torch.cat(
+                [latent_decode(q_lat[:, j], q_rope[:, j], c_kv[:, j], k_rope, key_mask) for j in range(n)], dim=1
+            )  # [B, h, d_c]: group j against latent head j
             return torch.einsum("bhc,hvc->bhv", o, w_uv)[:, None]  # [B, 1, h, d_v]: W_UV applied after attention
         # The g heads of a group share one key/value (their latent head), so they become extra query
         # rows of one batched matmul per latent head: the cache is read once, never copied per head.

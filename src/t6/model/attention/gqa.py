@@ -10,10 +10,10 @@ Cached per token and layer: K and V for the KV heads only, 2 * n_kv_head * d_h n
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
-
-from dataclasses import dataclass
 
 from t6.model.attention.base import Attention, KVCache, Options, register
 from t6.model.config import ModelConfig
@@ -27,7 +27,9 @@ class GQAOptions(Options):
     def problems(self, cfg: ModelConfig) -> list[str]:
         problems = super().problems(cfg)
         if not problems and self.n_kv_head is not None and cfg.n_head % self.n_kv_head:
-            problems.append(f"size.n_head={cfg.n_head} must be divisible by attention.options.n_kv_head={self.n_kv_head}")
+            problems.append(
+                f"size.n_head={cfg.n_head} must be divisible by attention.options.n_kv_head={self.n_kv_head}"
+            )
         return problems
 
 

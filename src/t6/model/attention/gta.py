@@ -38,11 +38,14 @@ class GTAOptions(Options):
     def problems(self, cfg: ModelConfig) -> list[str]:
         problems = super().problems(cfg)
         if not problems and cfg.n_head % self.n_kv_head:
-            problems.append(f"size.n_head={cfg.n_head} must be divisible by "
-                            f"attention.options.n_kv_head={self.n_kv_head}")
+            problems.append(
+                f"size.n_head={cfg.n_head} must be divisible by attention.options.n_kv_head={self.n_kv_head}"
+            )
         if isinstance(cfg.head_dim, int) and cfg.head_dim % 4:
-            problems.append(f"size.head_dim={cfg.head_dim} must be divisible by 4 for attention=gta "
-                            "(RoPE rotates pairs in the key's second half, d_h/2 wide)")
+            problems.append(
+                f"size.head_dim={cfg.head_dim} must be divisible by 4 for attention=gta "
+                "(RoPE rotates pairs in the key's second half, d_h/2 wide)"
+            )
         return problems
 
 

@@ -128,13 +128,20 @@ class MultiHeadLatentAttention(Attention):
         fused = self.fused_decode if self.fused_decode is not None else c_kv.is_cuda
         if T == 1 and fused and S > 1:
             key_mask = None if mask is None else mask[:, 0].expand(B, -1)  # [B, S]
-            o = latent_decode((q_lat * self.scale).reshape(B, h, self.d_c),
-                              (q_rope * self.scale).reshape(B, h, self.d_rope), c_kv, k_rope, key_mask)  # [B, h, d_c]
+            o = latent_decode(
+                (q_lat * self.scale).reshape(B, h, self.d_c),
+                (q_rope * self.scale).reshape(B, h, self.d_rope),
+                c_kv,
+                k_rope,
+                key_mask,
+            )  # [B, h, d_c]
             return torch.einsum("bhc,hvc->bhv", o, w_uv)[:, None]  # [B, 1, h, d_v]: W_UV applied after attention
         # All heads share one key/value (the latent), so the heads become extra query rows of one
         # batched matmul: the cache is read once, never copied per head or concatenated.
         scores = q_lat.reshape(B, h * T, self.d_c) @ c_kv.transpose(1, 2)  # [B, h*T, S]: latent part
-        scores = scores + q_rope.transpose(1, 2).reshape(B, h * T, self.d_rope) @ k_rope.transpose(1, 2)  # [B, h*T, S]: + RoPE part
+        scores = scores + q_rope.transpose(1, 2).reshape(B, h * T, self.d_rope) @ k_rope.transpose(
+            1, 2
+        )  # [B, h*T, S]: + RoPE part
         scores = scores.view(B, h, T, S) * self.scale  # [B, h, T, S]
         if mask is not None:  # causal among the new tokens, blind to padding
             scores = scores.masked_fill(~mask[:, None], float("-inf"))  # [B, h, T, S]

@@ -105,7 +105,9 @@ class NonContextualTPA(Attention):
         q = self.expand("q", ctx["q"], pos)  # [B, T, h, d_h]
         k = self.expand("k", k, kv_pos)  # [B, S, h, d_h]
         v = self.expand("v", v, None)  # [B, S, h, d_h]
-        y = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), pos, cache is not None)  # [B, h, T, d_h]
+        y = self.attend(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), pos, cache is not None
+        )  # [B, h, T, d_h]
         return self.out(y.transpose(1, 2).reshape(B, T, -1))  # [B, T, d_model]
 
     def expand(self, name: str, factor: torch.Tensor, pos: torch.Tensor | None) -> torch.Tensor:
@@ -115,6 +117,8 @@ class NonContextualTPA(Attention):
         if self.const_a:
             return torch.einsum("rh,btrd->bthd", const, factor) / rank  # B already rotated
         if pos is not None:  # the constant B_Q / B_K rotated to each position
-            const = self.rope(const[None, None], pos)[0]  # [1, 1, R, d_h] broadcast against [1, T, 1, d_h/2] -> [T, R, d_h]
+            const = self.rope(const[None, None], pos)[
+                0
+            ]  # [1, 1, R, d_h] broadcast against [1, T, 1, d_h/2] -> [T, R, d_h]
             return torch.einsum("btrh,trd->bthd", factor, const) / rank
         return torch.einsum("btrh,rd->bthd", factor, const) / rank

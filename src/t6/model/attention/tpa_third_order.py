@@ -39,7 +39,9 @@ class ThirdOrderOptions(Options):
         problems = super().problems(cfg)
         c = self.c_dim
         if not problems and (cfg.head_dim % c or (cfg.head_dim // c) % 2):
-            problems.append(f"attention.options.c_dim={c} must divide size.head_dim={cfg.head_dim} into an even d_b (RoPE on b)")
+            problems.append(
+                f"attention.options.c_dim={c} must divide size.head_dim={cfg.head_dim} into an even d_b (RoPE on b)"
+            )
         return problems
 
 
@@ -107,5 +109,7 @@ class ThirdOrderTPA(Attention):
             )  # [B, S, R, *] each
         k = contract3(a_k, b_k, c_k)  # [B, S, h, d_h]
         v = contract3(a_v, b_v, c_v)  # [B, S, h, d_h]
-        y = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), pos, cache is not None)  # [B, h, T, d_h]
+        y = self.attend(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), pos, cache is not None
+        )  # [B, h, T, d_h]
         return self.out(y.transpose(1, 2).reshape(B, T, -1))  # [B, T, d_model]

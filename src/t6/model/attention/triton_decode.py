@@ -21,11 +21,40 @@ def _pow2(n: int, least: int = 16) -> int:
 
 
 @triton.jit
-def _tpa_kernel(qa_ptr, qb_ptr, ak_ptr, bk_ptr, av_ptr, bv_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr,
-                S, H, D, per_split,
-                s_ak_b, s_ak_s, s_bk_b, s_bk_s, s_av_b, s_av_s, s_bv_b, s_bv_s, s_mask_b,
-                RQ: tl.constexpr, RK: tl.constexpr, RV: tl.constexpr, FACTORED: tl.constexpr, MASKED: tl.constexpr,
-                HP: tl.constexpr, DP: tl.constexpr, BLOCK_S: tl.constexpr, SPLITS: tl.constexpr):
+def _tpa_kernel(
+    qa_ptr,
+    qb_ptr,
+    ak_ptr,
+    bk_ptr,
+    av_ptr,
+    bv_ptr,
+    mask_ptr,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    S,
+    H,
+    D,
+    per_split,
+    s_ak_b,
+    s_ak_s,
+    s_bk_b,
+    s_bk_s,
+    s_av_b,
+    s_av_s,
+    s_bv_b,
+    s_bv_s,
+    s_mask_b,
+    RQ: tl.constexpr,
+    RK: tl.constexpr,
+    RV: tl.constexpr,
+    FACTORED: tl.constexpr,
+    MASKED: tl.constexpr,
+    HP: tl.constexpr,
+    DP: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    SPLITS: tl.constexpr,
+):
     b = tl.program_id(0)
     split = tl.program_id(1)
     heads = tl.arange(0, HP)  # [HP]
@@ -43,10 +72,16 @@ def _tpa_kernel(qa_ptr, qb_ptr, ak_ptr, bk_ptr, av_ptr, bv_ptr, mask_ptr, m_ptr,
         s_ok = s < s_hi
         scores = tl.zeros([BLOCK_S, HP], tl.float32)
         for r in tl.static_range(RK):
-            bk = tl.load(bk_ptr + b * s_bk_b + s[:, None] * s_bk_s + r * D + dims[None, :],
-                         mask=s_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # [BLOCK_S, DP]
-            ak = tl.load(ak_ptr + b * s_ak_b + s[:, None] * s_ak_s + r * H + heads[None, :],
-                         mask=s_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)  # [BLOCK_S, HP]
+            bk = tl.load(
+                bk_ptr + b * s_bk_b + s[:, None] * s_bk_s + r * D + dims[None, :],
+                mask=s_ok[:, None] & d_ok[None, :],
+                other=0.0,
+            ).to(tl.float32)  # [BLOCK_S, DP]
+            ak = tl.load(
+                ak_ptr + b * s_ak_b + s[:, None] * s_ak_s + r * H + heads[None, :],
+                mask=s_ok[:, None] & h_ok[None, :],
+                other=0.0,
+            ).to(tl.float32)  # [BLOCK_S, HP]
             if FACTORED:
                 qb = tl.zeros([BLOCK_S, HP], tl.float32)
                 for rq in tl.static_range(RQ):
@@ -55,8 +90,11 @@ def _tpa_kernel(qa_ptr, qb_ptr, ak_ptr, bk_ptr, av_ptr, bv_ptr, mask_ptr, m_ptr,
                     qa_row = tl.load(qa_ptr + (b * RQ + rq) * H + heads, mask=h_ok, other=0.0).to(tl.float32)  # [HP]
                     qb += g[:, None] * qa_row[None, :]  # [BLOCK_S, HP]
             else:
-                q = tl.load(qb_ptr + b * H * D + heads[:, None] * D + dims[None, :],
-                            mask=h_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # [HP, DP]
+                q = tl.load(
+                    qb_ptr + b * H * D + heads[:, None] * D + dims[None, :],
+                    mask=h_ok[:, None] & d_ok[None, :],
+                    other=0.0,
+                ).to(tl.float32)  # [HP, DP]
                 qb = tl.dot(bk, tl.trans(q))  # B_K[s, r] . q_i: [BLOCK_S, HP]
             scores += ak * qb
         visible = s_ok
@@ -70,10 +108,16 @@ def _tpa_kernel(qa_ptr, qb_ptr, ak_ptr, bk_ptr, av_ptr, bv_ptr, mask_ptr, m_ptr,
         l = l * corr + tl.sum(p, axis=0)
         acc = acc * corr[:, None]
         for r in tl.static_range(RV):
-            av = tl.load(av_ptr + b * s_av_b + s[:, None] * s_av_s + r * H + heads[None, :],
-                         mask=s_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)  # [BLOCK_S, HP]
-            bv = tl.load(bv_ptr + b * s_bv_b + s[:, None] * s_bv_s + r * D + dims[None, :],
-                         mask=s_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # [BLOCK_S, DP]
+            av = tl.load(
+                av_ptr + b * s_av_b + s[:, None] * s_av_s + r * H + heads[None, :],
+                mask=s_ok[:, None] & h_ok[None, :],
+                other=0.0,
+            ).to(tl.float32)  # [BLOCK_S, HP]
+            bv = tl.load(
+                bv_ptr + b * s_bv_b + s[:, None] * s_bv_s + r * D + dims[None, :],
+                mask=s_ok[:, None] & d_ok[None, :],
+                other=0.0,
+            ).to(tl.float32)  # [BLOCK_S, DP]
             acc += tl.dot(tl.trans(p * av), bv)  # sum_s P[s, i] A_V[s, r, i] B_V[s, r]: [HP, DP]
         m = m_new
     out = b * SPLITS + split
@@ -83,10 +127,32 @@ def _tpa_kernel(qa_ptr, qb_ptr, ak_ptr, bk_ptr, av_ptr, bv_ptr, mask_ptr, m_ptr,
 
 
 @triton.jit
-def _latent_kernel(ql_ptr, qr_ptr, c_ptr, kr_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr,
-                   S, H, DC, DR, per_split, s_c_b, s_c_s, s_kr_b, s_kr_s, s_mask_b,
-                   MASKED: tl.constexpr, HP: tl.constexpr, DCP: tl.constexpr, DRP: tl.constexpr,
-                   BLOCK_S: tl.constexpr, SPLITS: tl.constexpr):
+def _latent_kernel(
+    ql_ptr,
+    qr_ptr,
+    c_ptr,
+    kr_ptr,
+    mask_ptr,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    S,
+    H,
+    DC,
+    DR,
+    per_split,
+    s_c_b,
+    s_c_s,
+    s_kr_b,
+    s_kr_s,
+    s_mask_b,
+    MASKED: tl.constexpr,
+    HP: tl.constexpr,
+    DCP: tl.constexpr,
+    DRP: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    SPLITS: tl.constexpr,
+):
     b = tl.program_id(0)
     split = tl.program_id(1)
     heads = tl.arange(0, HP)
@@ -94,10 +160,16 @@ def _latent_kernel(ql_ptr, qr_ptr, c_ptr, kr_ptr, mask_ptr, m_ptr, l_ptr, acc_pt
     rdims = tl.arange(0, DRP)
     toks = tl.arange(0, BLOCK_S)
     h_ok = heads < H
-    q_lat = tl.load(ql_ptr + b * H * DC + heads[:, None] * DC + cdims[None, :],
-                    mask=h_ok[:, None] & (cdims[None, :] < DC), other=0.0).to(tl.float32)  # [HP, DCP]
-    q_rope = tl.load(qr_ptr + b * H * DR + heads[:, None] * DR + rdims[None, :],
-                     mask=h_ok[:, None] & (rdims[None, :] < DR), other=0.0).to(tl.float32)  # [HP, DRP]
+    q_lat = tl.load(
+        ql_ptr + b * H * DC + heads[:, None] * DC + cdims[None, :],
+        mask=h_ok[:, None] & (cdims[None, :] < DC),
+        other=0.0,
+    ).to(tl.float32)  # [HP, DCP]
+    q_rope = tl.load(
+        qr_ptr + b * H * DR + heads[:, None] * DR + rdims[None, :],
+        mask=h_ok[:, None] & (rdims[None, :] < DR),
+        other=0.0,
+    ).to(tl.float32)  # [HP, DRP]
     m = tl.full([HP], float("-inf"), tl.float32)
     l = tl.zeros([HP], tl.float32)
     acc = tl.zeros([HP, DCP], tl.float32)
@@ -106,10 +178,16 @@ def _latent_kernel(ql_ptr, qr_ptr, c_ptr, kr_ptr, mask_ptr, m_ptr, l_ptr, acc_pt
     for s0 in range(s_lo, s_hi, BLOCK_S):
         s = s0 + toks
         s_ok = s < s_hi
-        c = tl.load(c_ptr + b * s_c_b + s[:, None] * s_c_s + cdims[None, :],
-                    mask=s_ok[:, None] & (cdims[None, :] < DC), other=0.0).to(tl.float32)  # [BLOCK_S, DCP]
-        kr = tl.load(kr_ptr + b * s_kr_b + s[:, None] * s_kr_s + rdims[None, :],
-                     mask=s_ok[:, None] & (rdims[None, :] < DR), other=0.0).to(tl.float32)  # [BLOCK_S, DRP]
+        c = tl.load(
+            c_ptr + b * s_c_b + s[:, None] * s_c_s + cdims[None, :],
+            mask=s_ok[:, None] & (cdims[None, :] < DC),
+            other=0.0,
+        ).to(tl.float32)  # [BLOCK_S, DCP]
+        kr = tl.load(
+            kr_ptr + b * s_kr_b + s[:, None] * s_kr_s + rdims[None, :],
+            mask=s_ok[:, None] & (rdims[None, :] < DR),
+            other=0.0,
+        ).to(tl.float32)  # [BLOCK_S, DRP]
         scores = tl.dot(c, tl.trans(q_lat)) + tl.dot(kr, tl.trans(q_rope))  # [BLOCK_S, HP]
         visible = s_ok
         if MASKED:
@@ -131,7 +209,9 @@ def _latent_kernel(ql_ptr, qr_ptr, c_ptr, kr_ptr, mask_ptr, m_ptr, l_ptr, acc_pt
 def combine(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
     """Partials of the splits, m, l [B, splits, HP] and acc [B, splits, HP, W] -> [B, HP, W]."""
     top = m.amax(dim=1, keepdim=True)  # [B, 1, HP]
-    scale = torch.where(m == float("-inf"), 0.0, torch.exp(m - torch.where(top == float("-inf"), 0.0, top)))  # [B, splits, HP]
+    scale = torch.where(
+        m == float("-inf"), 0.0, torch.exp(m - torch.where(top == float("-inf"), 0.0, top))
+    )  # [B, splits, HP]
     return (acc * scale[..., None]).sum(1) / (l * scale).sum(1)[..., None]  # [B, HP, W]
 
 
@@ -175,11 +255,39 @@ def tpa_decode(q_a, q_b, a_k, b_k, a_v, b_v, key_mask, block_s: int = 32) -> tor
     factored = q_a is not None
     qa = q_a.contiguous() if factored else q_b  # unused when not factored
     _tpa_kernel[(B, splits)](
-        qa, q_b.contiguous(), a_k, b_k, a_v, b_v, mask, m, l, acc, S, H, D, per,
-        a_k.stride(0), a_k.stride(1), b_k.stride(0), b_k.stride(1), a_v.stride(0), a_v.stride(1),
-        b_v.stride(0), b_v.stride(1), mask_stride,
-        RQ=q_a.shape[1] if factored else 1, RK=R_K, RV=R_V, FACTORED=factored, MASKED=masked,
-        HP=HP, DP=DP, BLOCK_S=block_s, SPLITS=splits)
+        qa,
+        q_b.contiguous(),
+        a_k,
+        b_k,
+        a_v,
+        b_v,
+        mask,
+        m,
+        l,
+        acc,
+        S,
+        H,
+        D,
+        per,
+        a_k.stride(0),
+        a_k.stride(1),
+        b_k.stride(0),
+        b_k.stride(1),
+        a_v.stride(0),
+        a_v.stride(1),
+        b_v.stride(0),
+        b_v.stride(1),
+        mask_stride,
+        RQ=q_a.shape[1] if factored else 1,
+        RK=R_K,
+        RV=R_V,
+        FACTORED=factored,
+        MASKED=masked,
+        HP=HP,
+        DP=DP,
+        BLOCK_S=block_s,
+        SPLITS=splits,
+    )
     return (combine(m, l, acc)[:, :H, :D] / R_V).to(q_b.dtype)  # [B, h, d_h]
 
 
@@ -194,7 +302,29 @@ def latent_decode(q_lat, q_rope, c_kv, k_rope, key_mask, block_s: int = 32) -> t
     per, splits, m, l, acc = _partials(B, S, HP, DCP, block_s, dev)
     mask, mask_stride, masked = _mask_args(key_mask, dev)
     _latent_kernel[(B, splits)](
-        q_lat.contiguous(), q_rope.contiguous(), c_kv, k_rope, mask, m, l, acc, S, H, DC, DR, per,
-        c_kv.stride(0), c_kv.stride(1), k_rope.stride(0), k_rope.stride(1), mask_stride,
-        MASKED=masked, HP=HP, DCP=DCP, DRP=DRP, BLOCK_S=block_s, SPLITS=splits)
+        q_lat.contiguous(),
+        q_rope.contiguous(),
+        c_kv,
+        k_rope,
+        mask,
+        m,
+        l,
+        acc,
+        S,
+        H,
+        DC,
+        DR,
+        per,
+        c_kv.stride(0),
+        c_kv.stride(1),
+        k_rope.stride(0),
+        k_rope.stride(1),
+        mask_stride,
+        MASKED=masked,
+        HP=HP,
+        DCP=DCP,
+        DRP=DRP,
+        BLOCK_S=block_s,
+        SPLITS=splits,
+    )
     return combine(m, l, acc)[:, :H, :DC].to(q_lat.dtype)  # [B, h, d_c]

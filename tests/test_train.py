@@ -10,7 +10,7 @@ import torch
 
 from t6.data.corpus import TINY_SHAKESPEARE, prepare_text_corpus
 from t6.data.shards import ShardError
-from t6.train import train
+from t6.train import SAMPLES_ARTIFACT, check_samples, greedy_samples, summary, train
 
 from conftest import CONF
 
@@ -61,6 +61,42 @@ def test_resume_continues_step_count_and_mlflow_run(make_cfg):
     assert resumed["mlflow"].run_id == first["mlflow"].run_id
     steps = [m.step for m in mlflow_client(cfg).get_metric_history(first["mlflow"].run_id, "train/loss")]
     assert sorted(steps) == list(range(11))  # one point per step, numbering continued
+
+
+def test_closing_summary_shows_a_greedy_sample_and_mlflow_keeps_every_prompt(make_cfg, tmp_path):
+    cfg = make_cfg("trainer.max_steps=4", "samples.max_new_tokens=12")
+    metrics, objects = train(cfg)
+    texts = objects["samples"]
+    assert len(texts) == len(cfg.samples.prompts) == 3
+    assert all(text.startswith(prompt) and len(text) > len(prompt) for text, prompt in zip(texts, cfg.samples.prompts))
+    assert greedy_samples(objects["model"].model, cfg.samples) == texts  # greedy: the same text again
+    text = summary(metrics, objects)
+    assert f"sample          greedy (every prompt: {SAMPLES_ARTIFACT} in MLflow)" in text
+    assert "\n".join(f"    {line}" for line in texts[0].splitlines()) in text  # the first prompt's sample, indented
+    client = mlflow_client(cfg)
+    run_id = objects["mlflow"].run_id
+    assert SAMPLES_ARTIFACT in {a.path for a in client.list_artifacts(run_id)}
+    logged = Path(client.download_artifacts(run_id, SAMPLES_ARTIFACT, str(tmp_path))).read_text(encoding="utf-8")
+    assert all(sample in logged for sample in texts) and "after step 4" in logged
+
+    off = make_cfg("trainer.max_steps=1", "samples=null")
+    metrics, objects = train(off)
+    assert objects["samples"] == [] and "sample " not in summary(metrics, objects)
+    assert SAMPLES_ARTIFACT not in {a.path for a in client.list_artifacts(objects["mlflow"].run_id)}
+
+
+@pytest.mark.parametrize(
+    ("override", "match"),
+    [
+        ("samples.prompts=[]", "samples.prompts=.*non-empty list"),
+        ("samples.prompts=['']", "samples.prompts=.*non-empty strings"),
+        ("samples.max_new_tokens=0", "samples.max_new_tokens=0 must be a positive integer"),
+        ("samples.max_new_tokens=64", "exceeds size.block_size=64"),  # the test model's context
+    ],
+)
+def test_bad_samples_config_fails_before_training(override, match, make_cfg):
+    with pytest.raises(ValueError, match=match):
+        check_samples(make_cfg(override))
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)

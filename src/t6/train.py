@@ -15,6 +15,7 @@ import lightning as L
 import torch
 from hydra.utils import instantiate
 from lightning.pytorch.loggers import MLFlowLogger
+from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -25,7 +26,9 @@ from t6.checkpoint import resolve_ckpt_path
 from t6.config import flatten, model_config
 from t6.data.batching import accumulation_steps, check_batch_settings, sequences_per_step
 from t6.distributed import destroy_process_group
+from t6.data.tokenizer import gpt2_encoding
 from t6.evaluation.callback import build_eval_callback
+from t6.generate import generate_text
 from t6.model.facts import model_facts
 from t6.model.load import WARM_START_FORMAT, read_checkpoint
 from t6.module import T6LitModule
@@ -174,6 +177,58 @@ def check_learning_rate(cfg: DictConfig) -> None:
         )
 
 
+SAMPLES_ARTIFACT = "samples.txt"
+
+
+def check_samples(cfg: DictConfig) -> None:
+    """samples.prompts (non-empty strings) and samples.max_new_tokens fit the model's context, before training."""
+    samples = cfg.get("samples")
+    if samples is None:
+        return
+    prompts, new = samples.get("prompts"), samples.get("max_new_tokens")
+    if not OmegaConf.is_list(prompts) or not prompts or not all(isinstance(p, str) and p for p in prompts):
+        raise ValueError(f"samples.prompts={prompts} must be a non-empty list of non-empty strings "
+                         "(e.g. samples.prompts='[ROMEO:]'), or samples=null for no samples")
+    if not isinstance(new, int) or isinstance(new, bool) or new < 1:
+        raise ValueError(f"samples.max_new_tokens={new} must be a positive integer")
+    enc = gpt2_encoding()
+    longest = max(len(enc.encode_ordinary(p)) for p in prompts)
+    if longest + new > cfg.size.block_size:
+        raise ValueError(f"samples: the longest prompt ({longest} tokens) + samples.max_new_tokens={new} exceeds "
+                         f"size.block_size={cfg.size.block_size}; shorten the prompts or lower samples.max_new_tokens")
+
+
+def greedy_samples(model: torch.nn.Module, samples: DictConfig) -> list[str]:
+    """Each of samples.prompts continued greedily (temperature 0) by samples.max_new_tokens tokens at most.
+    One prompt at a time: no padding, so every attention option can generate them."""
+    was_training = model.training
+    model.eval()
+    try:
+        return [generate_text(model, [p], int(samples.max_new_tokens), temperature=0.0)[0] for p in samples.prompts]
+    finally:
+        model.train(was_training)
+
+
+def samples_text(texts: list[str], step: int) -> str:
+    """The samples.txt artifact: one block per prompt."""
+    blocks = [f"=== sample {i + 1} (greedy, after step {step})\n{text}" for i, text in enumerate(texts)]
+    return "\n\n".join(blocks) + "\n"
+
+
+def log_samples(cfg: DictConfig, trainer: L.Trainer, model: torch.nn.Module, mlflow: MLFlowLogger | None) -> list[str]:
+    """Rank 0, after training: the greedy samples, logged as samples.txt in the MLflow run (when there is one)."""
+    if cfg.get("samples") is None or not trainer.is_global_zero:
+        return []
+    if isinstance(trainer.strategy, FSDPStrategy):
+        log.info("samples: none under FSDP (each rank holds a shard of the weights); generate from the checkpoint "
+                 "with python generate.py ckpt_path=... temperature=0")
+        return []
+    texts = greedy_samples(model, cfg.samples)
+    if mlflow is not None:
+        mlflow.experiment.log_text(mlflow.run_id, samples_text(texts, trainer.global_step), SAMPLES_ARTIFACT)
+    return texts
+
+
 def check_no_dataset(cfg: DictConfig) -> None:
     """`dataset=` is listed by --help (a group of conf/) but belongs to prepare.py."""
     if cfg.get("dataset") is not None:
@@ -232,6 +287,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     check_learning_rate(cfg)
     check_no_dataset(cfg)
     check_data_shape(cfg)
+    check_samples(cfg)
     hardware = choose_hardware(cfg)  # trainer.precision=auto -> what the device supports
     schedule = schedule_facts(cfg)
     check_schedule(schedule)
@@ -328,6 +384,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
         if mlflow is not None and trainer.is_global_zero:
             mlflow.experiment.set_tag(mlflow.run_id, "last_step", str(trainer.global_step))  # for report.py
         save_and_upload_model(trainer, mlflow, checkpoint_dir)  # logger.mlflow.log_model: final | last | false
+        samples = log_samples(cfg, trainer, model.model, mlflow)
     finally:
         if system is not None:
             system.__exit__()
@@ -337,7 +394,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     if eval_callback is not None and eval_callback.history:
         metrics.update(eval_callback.history[-1][1])  # the last downstream evaluation (rank 0)
     objects = {"cfg": cfg, "model": model, "datamodule": datamodule, "trainer": trainer, "mlflow": mlflow,
-               "hardware": hardware, "plan": plan, "schedule": schedule}
+               "hardware": hardware, "plan": plan, "schedule": schedule, "samples": samples}
     return metrics, objects
 
 
@@ -368,6 +425,10 @@ def summary(metrics: dict[str, float], objects: dict[str, Any]) -> str:
     for key in sorted(k for k in metrics if k.startswith("eval/") and k.endswith("/avg")):
         lines.append(f"{key:<15} {metrics[key]:.4f}   (per task: eval/{key.split('/')[1]}/<task>/<metric> in MLflow)")
     lines.append(f"schedule        {describe_schedule(objects.get('schedule'))}; {trainer.global_step} steps run")
+    if objects.get("samples"):
+        where = f" (every prompt: {SAMPLES_ARTIFACT} in MLflow)" if mlflow is not None else ""
+        lines.append(f"sample          greedy{where}")
+        lines.extend(f"    {line}" for line in objects["samples"][0].splitlines())
     ckpt = trainer.checkpoint_callback
     final = (getattr(ckpt, "final_path", None) or ckpt.last_model_path or None) if ckpt else None
     if final:

@@ -24,7 +24,9 @@ def mlflow_client(cfg) -> mlflow.MlflowClient:
 @pytest.mark.parametrize("attention", ["mha", "tpa"])
 def test_training_lowers_loss_and_lands_in_mlflow(attention, make_cfg):
     cfg = make_cfg(
-        f"attention={attention}", "trainer.max_steps=40", "trainer.val_check_interval=20",
+        f"attention={attention}",
+        "trainer.max_steps=40",
+        "trainer.val_check_interval=20",
         "lr_ablation.by_size.tiny.warmup_steps=5",
     )
     metrics, objects = train(cfg)
@@ -56,7 +58,9 @@ def test_resume_continues_step_count_and_mlflow_run(make_cfg):
     resumed_cfg = make_cfg("trainer.max_steps=11", f"ckpt_path={last}")
     _, resumed = train(resumed_cfg)
     assert resumed["trainer"].global_step == 11
-    final = torch.load(Path(resumed["trainer"].checkpoint_callback.dirpath) / "last.ckpt", map_location="cpu", weights_only=True)
+    final = torch.load(
+        Path(resumed["trainer"].checkpoint_callback.dirpath) / "last.ckpt", map_location="cpu", weights_only=True
+    )
     assert final["global_step"] == 11  # saved at the end too, not only every 4 steps
     assert resumed["mlflow"].run_id == first["mlflow"].run_id
     steps = [m.step for m in mlflow_client(cfg).get_metric_history(first["mlflow"].run_id, "train/loss")]
@@ -168,11 +172,16 @@ def test_throughput_monitor_logs_tokens_and_mfu_from_the_measured_flops(make_cfg
     assert monitor.flops_per_batch == flops_per_token(mcfg, cfg.data.seq_len) * cfg.data.seq_len * cfg.data.batch_size
     c = mlflow.MlflowClient(objects["mlflow"]._tracking_uri)
     run_id = objects["mlflow"].run_id
-    got = {k: {m.step: m.value for m in c.get_metric_history(run_id, f"train/{k}")}
-           for k in ("device/mfu", "device/flops_per_sec", "device/items_per_sec", "device/samples_per_sec")}
+    got = {
+        k: {m.step: m.value for m in c.get_metric_history(run_id, f"train/{k}")}
+        for k in ("device/mfu", "device/flops_per_sec", "device/items_per_sec", "device/samples_per_sec")
+    }
     assert sorted(got["device/mfu"]) == list(range(1, 6))  # each logging step after the first measurement
     for step, mfu in got["device/mfu"].items():
         assert mfu == pytest.approx(got["device/flops_per_sec"][step] / 0.5e12)
-        assert got["device/items_per_sec"][step] == pytest.approx(got["device/samples_per_sec"][step] * cfg.data.seq_len)
-        assert got["device/flops_per_sec"][step] == pytest.approx(got["device/items_per_sec"][step] * monitor.flops_per_batch
-                                                                   / (cfg.data.seq_len * cfg.data.batch_size))
+        assert got["device/items_per_sec"][step] == pytest.approx(
+            got["device/samples_per_sec"][step] * cfg.data.seq_len
+        )
+        assert got["device/flops_per_sec"][step] == pytest.approx(
+            got["device/items_per_sec"][step] * monitor.flops_per_batch / (cfg.data.seq_len * cfg.data.batch_size)
+        )

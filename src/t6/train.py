@@ -25,8 +25,8 @@ from t6.callbacks import PreemptionCheckpoint
 from t6.checkpoint import resolve_ckpt_path
 from t6.config import flatten, model_config
 from t6.data.batching import accumulation_steps, check_batch_settings, sequences_per_step
-from t6.distributed import destroy_process_group
 from t6.data.tokenizer import gpt2_encoding
+from t6.distributed import destroy_process_group
 from t6.evaluation.callback import build_eval_callback
 from t6.generate import generate_text
 from t6.model.facts import model_facts
@@ -34,7 +34,14 @@ from t6.model.load import WARM_START_FORMAT, read_checkpoint
 from t6.module import T6LitModule
 from t6.quiet import quiet_libraries
 from t6.sweep import attach_to_sweep, sweep_job_info
-from t6.tracking import SystemMetrics, check_tracking_uri, mlflow_config, save_and_upload_model, tag_training_experiment, ui_path
+from t6.tracking import (
+    SystemMetrics,
+    check_tracking_uri,
+    mlflow_config,
+    save_and_upload_model,
+    tag_training_experiment,
+    ui_path,
+)
 from t6.uptrain.convert import load_warm_start
 from t6.uptrain.recipe import adopt_model_config
 
@@ -52,7 +59,9 @@ def read_checkpoint_meta(ckpt_path: str) -> dict:
     """The plain-data entries of a checkpoint (no tensors loaded into memory, no pickled code run)."""
     ckpt = read_checkpoint(ckpt_path, "ckpt_path", mmap=True)  # a corrupted file fails here, naming it
     if ckpt.get("format") == WARM_START_FORMAT:
-        raise ValueError(f"ckpt_path={ckpt_path!r} is a converted (warm-start) checkpoint: start from it with init_from=")
+        raise ValueError(
+            f"ckpt_path={ckpt_path!r} is a converted (warm-start) checkpoint: start from it with init_from="
+        )
     return {k: ckpt[k] for k in ("mlflow_run_id", "run_config", "global_step") if k in ckpt}
 
 
@@ -81,16 +90,23 @@ def schedule_facts(cfg: DictConfig) -> dict[str, Any] | None:
     sched = cfg.lr_ablation.get("scheduler")
     if not sched:
         return None
-    return {"warmup": int(sched.warmup_steps), "total": int(sched.total_steps), "max_lr": float(sched.max_lr),
-            "min_lr": float(sched.min_lr), "max_steps": int(cfg.trainer.max_steps)}
+    return {
+        "warmup": int(sched.warmup_steps),
+        "total": int(sched.total_steps),
+        "max_lr": float(sched.max_lr),
+        "min_lr": float(sched.min_lr),
+        "max_steps": int(cfg.trainer.max_steps),
+    }
 
 
 def describe_schedule(facts: dict[str, Any] | None) -> str:
     if facts is None:
         return "constant learning rate (no lr_ablation.scheduler)"
     peak = facts["max_lr"] * min(1.0, facts["max_steps"] / max(1, facts["warmup"]))
-    text = (f"warmup {facts['warmup']} of {facts['total']} steps, learning rate 0 -> {facts['max_lr']:g} -> "
-            f"{facts['min_lr']:g} (cosine)")
+    text = (
+        f"warmup {facts['warmup']} of {facts['total']} steps, learning rate 0 -> {facts['max_lr']:g} -> "
+        f"{facts['min_lr']:g} (cosine)"
+    )
     if facts["warmup"] >= facts["max_steps"]:
         text += f"; this run stops in warmup at {peak:g}"
     return text
@@ -103,7 +119,10 @@ def check_schedule(facts: dict[str, Any] | None) -> None:
             "lr_ablation.warmup_steps=%d >= trainer.max_steps=%d: the run ends in warmup and never reaches "
             "lr_ablation.max_lr=%g (nor decays to min_lr); raise trainer.max_steps above the warmup or lower "
             "lr_ablation.warmup_steps (e.g. lr_ablation.warmup_steps=%d)",
-            facts["warmup"], facts["max_steps"], facts["max_lr"], max(1, facts["max_steps"] // 10),
+            facts["warmup"],
+            facts["max_steps"],
+            facts["max_lr"],
+            max(1, facts["max_steps"] // 10),
         )
 
 
@@ -119,11 +138,15 @@ def plan_micro_batch(
     device = hardware["device"]
     if not cfg.get("preflight", True) or device not in ("cpu", "cuda"):
         if requested == "auto":
-            raise ValueError(f"data.batch_size=auto needs the memory preflight (preflight=true, a cpu or cuda device; "
-                             f"here preflight={cfg.get('preflight', True)}, device {device}); give data.batch_size a number")
+            raise ValueError(
+                f"data.batch_size=auto needs the memory preflight (preflight=true, a cpu or cuda device; "
+                f"here preflight={cfg.get('preflight', True)}, device {device}); give data.batch_size a number"
+            )
         return None
     strategy = cfg.trainer.get("strategy")
-    fsdp = isinstance(strategy, DictConfig) and "fsdp" in str(strategy.get("_target_", "")).lower() or strategy == "fsdp"
+    fsdp = (
+        isinstance(strategy, DictConfig) and "fsdp" in str(strategy.get("_target_", "")).lower() or strategy == "fsdp"
+    )
     checkpointing = bool(isinstance(strategy, DictConfig) and strategy.get("activation_checkpointing"))
     shards = world if fsdp else 1
     if device == "cuda":
@@ -138,14 +161,23 @@ def plan_micro_batch(
         # the process as it stands, less the model already built here (the estimate counts its parameters)
         built = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cpu")
         runtime = max(0, memory.process_rss() - built)
-    ways_out = ("a smaller data.batch_size (or data.batch_size=auto with data.global_batch_size), "
-                "trainer=fsdp with trainer.strategy.activation_checkpointing=true, trainer=fsdp over more devices "
-                "(trainer.devices), or a smaller size")
+    ways_out = (
+        "a smaller data.batch_size (or data.batch_size=auto with data.global_batch_size), "
+        "trainer=fsdp with trainer.strategy.activation_checkpointing=true, trainer=fsdp over more devices "
+        "(trainer.devices), or a smaller size"
+    )
 
     def estimate(batch: int) -> memory.StepMemory:
         return memory.estimate_step_memory(
-            mcfg, batch, int(cfg.data.seq_len), precision=hardware["precision"], optimizer_target=cfg.optimizer._target_,
-            shards=shards, activation_checkpointing=checkpointing, device=device, runtime=runtime,
+            mcfg,
+            batch,
+            int(cfg.data.seq_len),
+            precision=hardware["precision"],
+            optimizer_target=cfg.optimizer._target_,
+            shards=shards,
+            activation_checkpointing=checkpointing,
+            device=device,
+            runtime=runtime,
             loss_chunk_tokens=cfg.get("loss_chunk_tokens"),
         )
 
@@ -187,15 +219,19 @@ def check_samples(cfg: DictConfig) -> None:
         return
     prompts, new = samples.get("prompts"), samples.get("max_new_tokens")
     if not OmegaConf.is_list(prompts) or not prompts or not all(isinstance(p, str) and p for p in prompts):
-        raise ValueError(f"samples.prompts={prompts} must be a non-empty list of non-empty strings "
-                         "(e.g. samples.prompts='[ROMEO:]'), or samples=null for no samples")
+        raise ValueError(
+            f"samples.prompts={prompts} must be a non-empty list of non-empty strings "
+            "(e.g. samples.prompts='[ROMEO:]'), or samples=null for no samples"
+        )
     if not isinstance(new, int) or isinstance(new, bool) or new < 1:
         raise ValueError(f"samples.max_new_tokens={new} must be a positive integer")
     enc = gpt2_encoding()
     longest = max(len(enc.encode_ordinary(p)) for p in prompts)
     if longest + new > cfg.size.block_size:
-        raise ValueError(f"samples: the longest prompt ({longest} tokens) + samples.max_new_tokens={new} exceeds "
-                         f"size.block_size={cfg.size.block_size}; shorten the prompts or lower samples.max_new_tokens")
+        raise ValueError(
+            f"samples: the longest prompt ({longest} tokens) + samples.max_new_tokens={new} exceeds "
+            f"size.block_size={cfg.size.block_size}; shorten the prompts or lower samples.max_new_tokens"
+        )
 
 
 def greedy_samples(model: torch.nn.Module, samples: DictConfig) -> list[str]:
@@ -220,8 +256,10 @@ def log_samples(cfg: DictConfig, trainer: L.Trainer, model: torch.nn.Module, mlf
     if cfg.get("samples") is None or not trainer.is_global_zero:
         return []
     if isinstance(trainer.strategy, FSDPStrategy):
-        log.info("samples: none under FSDP (each rank holds a shard of the weights); generate from the checkpoint "
-                 "with python generate.py ckpt_path=... temperature=0")
+        log.info(
+            "samples: none under FSDP (each rank holds a shard of the weights); generate from the checkpoint "
+            "with python generate.py ckpt_path=... temperature=0"
+        )
         return []
     texts = greedy_samples(model, cfg.samples)
     if mlflow is not None:
@@ -232,8 +270,10 @@ def log_samples(cfg: DictConfig, trainer: L.Trainer, model: torch.nn.Module, mlf
 def check_no_dataset(cfg: DictConfig) -> None:
     """`dataset=` is listed by --help (a group of conf/) but belongs to prepare.py."""
     if cfg.get("dataset") is not None:
-        raise ValueError("dataset= chooses what prepare.py tokenizes; prepare it (python prepare.py dataset=local "
-                         "dataset.data_files=FILE.jsonl), then train on the shards with data=local (or data=fineweb_edu)")
+        raise ValueError(
+            "dataset= chooses what prepare.py tokenizes; prepare it (python prepare.py dataset=local "
+            "dataset.data_files=FILE.jsonl), then train on the shards with data=local (or data=fineweb_edu)"
+        )
 
 
 def first_job() -> bool:
@@ -344,9 +384,15 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     accumulate = datamodule.accumulation(trainer.world_size)
     trainer.accumulate_grad_batches = accumulate
     if accumulate > 1 and trainer.is_global_zero:
-        log.info("gradient accumulation: %d micro-batches per optimizer step (data.global_batch_size=%d = "
-                 "data.batch_size=%d x %d device(s) x %d)", accumulate, datamodule.global_batch_size,
-                 datamodule.batch_size, trainer.world_size, accumulate)
+        log.info(
+            "gradient accumulation: %d micro-batches per optimizer step (data.global_batch_size=%d = "
+            "data.batch_size=%d x %d device(s) x %d)",
+            accumulate,
+            datamodule.global_batch_size,
+            datamodule.batch_size,
+            trainer.world_size,
+            accumulate,
+        )
     if isinstance(trainer.val_check_interval, int):
         trainer.val_check_interval *= accumulate  # Lightning counts micro-batches; the config counts optimizer steps
     announce(cfg, hardware, plan, datamodule, trainer, schedule)
@@ -364,7 +410,9 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     interval = getattr(mlflow, "t6_system_metrics", None) if mlflow is not None else None
     if interval and trainer.local_rank == 0:  # one monitor per node
         node = f"node{trainer.node_rank}" if trainer.num_nodes > 1 else None
-        system = SystemMetrics(mlflow.run_id, mlflow._tracking_uri, interval, resume=bool(meta.get("mlflow_run_id")), node_id=node)
+        system = SystemMetrics(
+            mlflow.run_id, mlflow._tracking_uri, interval, resume=bool(meta.get("mlflow_run_id")), node_id=node
+        )
 
     # 3. Train. SIGTERM (preemption) and Ctrl-C save last.ckpt (callbacks.PreemptionCheckpoint) and end
     # the MLflow run as KILLED before the SIGTERMException leaves, carrying the signal as `signum`;
@@ -393,8 +441,17 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     if eval_callback is not None and eval_callback.history:
         metrics.update(eval_callback.history[-1][1])  # the last downstream evaluation (rank 0)
-    objects = {"cfg": cfg, "model": model, "datamodule": datamodule, "trainer": trainer, "mlflow": mlflow,
-               "hardware": hardware, "plan": plan, "schedule": schedule, "samples": samples}
+    objects = {
+        "cfg": cfg,
+        "model": model,
+        "datamodule": datamodule,
+        "trainer": trainer,
+        "mlflow": mlflow,
+        "hardware": hardware,
+        "plan": plan,
+        "schedule": schedule,
+        "samples": samples,
+    }
     return metrics, objects
 
 

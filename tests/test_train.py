@@ -95,7 +95,7 @@ def test_closing_summary_shows_a_greedy_sample_and_mlflow_keeps_every_prompt(mak
         ("samples.prompts=[]", "samples.prompts=.*non-empty list"),
         ("samples.prompts=['']", "samples.prompts=.*non-empty strings"),
         ("samples.max_new_tokens=0", "samples.max_new_tokens=0 must be a positive integer"),
-        ("samples.max_new_tokens=64", "exceeds size.block_size=64"),  # the test model's context
+        ("samples.prompts=['" + "O Romeo " * 40 + "']", "leaves no room in size.block_size=64"),  # 80 tokens
     ],
 )
 def test_bad_samples_config_fails_before_training(override, match, make_cfg):

@@ -227,20 +227,25 @@ def check_samples(cfg: DictConfig) -> None:
         raise ValueError(f"samples.max_new_tokens={new} must be a positive integer")
     enc = gpt2_encoding()
     longest = max(len(enc.encode_ordinary(p)) for p in prompts)
-    if longest + new > cfg.size.block_size:
+    if longest >= cfg.size.block_size:
         raise ValueError(
-            f"samples: the longest prompt ({longest} tokens) + samples.max_new_tokens={new} exceeds "
-            f"size.block_size={cfg.size.block_size}; shorten the prompts or lower samples.max_new_tokens"
+            f"samples: a prompt of {longest} tokens leaves no room in size.block_size={cfg.size.block_size}; "
+            "shorten samples.prompts"
         )
 
 
 def greedy_samples(model: torch.nn.Module, samples: DictConfig) -> list[str]:
-    """Each of samples.prompts continued greedily (temperature 0) by samples.max_new_tokens tokens at most.
-    One prompt at a time: no padding, so every attention option can generate them."""
+    """Each of samples.prompts continued greedily (temperature 0) by samples.max_new_tokens tokens at most
+    (fewer where the prompt and they would pass the model's block size). One prompt at a time: no
+    padding, so every attention option can generate them."""
     was_training = model.training
     model.eval()
+    enc, block = gpt2_encoding(), model.cfg.block_size
     try:
-        return [generate_text(model, [p], int(samples.max_new_tokens), temperature=0.0)[0] for p in samples.prompts]
+        return [
+            generate_text(model, [p], min(int(samples.max_new_tokens), block - len(enc.encode_ordinary(p))), 0.0)[0]
+            for p in samples.prompts
+        ]
     finally:
         model.train(was_training)
 

@@ -85,3 +85,19 @@ def test_model_builds_from_composed_config(tmp_path):
     with __import__("torch").device("meta"):
         model = T6(model_config(cfg))
     assert model.cfg.n_layer == 12 and model.cfg.d_model == 768 and model.cfg.n_head == 12
+
+
+def test_mechanism_options_are_typed_with_presets_and_every_model_field_is_reachable(tmp_path):
+    def build(*overrides):
+        return model_config(compose_config(list(overrides), tmp_path))
+
+    assert build("attention=tpa", "attention.options.k_rank=4").options().k_rank == 4  # no `+` needed
+    assert build("attention=tpa_kvonly").options().q_rank is None  # the preset: a standard query
+    with pytest.raises(ValueError, match=r"attention.options.n_kv_head=2: attention=mha fixes it to None"):
+        build("attention=mha", "attention.options.n_kv_head=2")
+    with pytest.raises(ValueError, match=r"attention.options.k_rnak is not an option of attention=tpa"):
+        build("attention=tpa", "+attention.options.k_rnak=2")
+    assert build("+size.rope_theta=500000").rope_theta == 500000
+    assert build("+size.tie_embeddings=false").tie_embeddings is False
+    with pytest.raises(ValueError, match=r"size.rope_thetaa is not a model setting"):
+        build("+size.rope_thetaa=500000")

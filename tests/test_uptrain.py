@@ -10,11 +10,12 @@ import mlflow
 import pytest
 import torch
 
+from t6.config import model_config
 from t6.model import T6, ModelConfig
 from t6.model.loss import mean_loss
 from t6.train import train
 from t6.uptrain.convert import convert_checkpoint, convert_state_dict, load_warm_start, pool_heads, target_config
-from t6.uptrain.recipe import source_lr, uptrain_steps
+from t6.uptrain.recipe import adopt_model_config, source_lr, uptrain_steps
 
 from conftest import TEST_RUN
 
@@ -195,13 +196,11 @@ def test_train_tells_warm_start_from_resume(make_cfg, tmp_path):
         train(make_cfg(f"ckpt_path={out}"))
     with pytest.raises(ValueError, match="is not a warm-start checkpoint .write one with `python convert.py`"):
         train(make_cfg(f"init_from={ckpt}"))
-    odd = torch.load(out, weights_only=True)
-    odd["model_config"]["rope_theta"] = 500000.0
-    torch.save(odd, tmp_path / "odd.ckpt")
-    with pytest.raises(
-        ValueError, match=r"cannot be expressed by size/attention: rope_theta=500000.0 \(the config gives 10000.0\)"
-    ):
-        train(make_cfg(f"init_from={tmp_path / 'odd.ckpt'}"))
+    odd = torch.load(out, weights_only=True)["model_config"]
+    odd["rope_theta"] = 500000.0  # every ModelConfig field is a size.* key, so a warm start's is adopted
+    cfg = make_cfg()
+    assert "size.rope_theta: 10000.0 -> 500000.0" in adopt_model_config(cfg, odd)
+    assert model_config(cfg).rope_theta == 500000.0
     lrs = ["lr_ablation.max_lr=1e-3", "lr_ablation.min_lr=1e-4"]
     with pytest.raises(ValueError, match="does not record how many tokens"):  # no run config, no data position
         train(make_cfg("experiment=uptrain", f"init_from={out}", *lrs, small=False))

@@ -13,7 +13,7 @@ this module reads t6.config; t6.config knows nothing of uptraining.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from functools import lru_cache
 from pathlib import Path
 
@@ -21,9 +21,11 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from t6.config import model_config
 from t6.data.batching import sequences_per_step, world_size
+from t6.model import ModelConfig
 from t6.model.load import read_checkpoint
 
-MODEL_FIELDS = ("vocab_size", "block_size", "n_layer", "d_model", "n_head", "head_dim", "ffn_hidden")
+# Every ModelConfig field a size.* key sets (attention and its options come from the attention group).
+MODEL_FIELDS = tuple(f.name for f in fields(ModelConfig) if not f.name.startswith("attention"))
 
 
 def adopt_model_config(cfg: DictConfig, model_cfg: dict) -> list[str]:
@@ -35,8 +37,9 @@ def adopt_model_config(cfg: DictConfig, model_cfg: dict) -> list[str]:
             default_width = int(8 * model_cfg["d_model"] / 3)
             if name == "ffn_hidden" and cfg.size.get(name) is None and model_cfg[name] == default_width:
                 continue  # null means the default width, which the checkpoint has
-            if cfg.size.get(name) != model_cfg[name]:
-                changed.append(f"size.{name}: {cfg.size.get(name)} -> {model_cfg[name]}")
+            current = cfg.size.get(name, getattr(ModelConfig, name, None))  # absent: ModelConfig's default
+            if current != model_cfg[name]:
+                changed.append(f"size.{name}: {current} -> {model_cfg[name]}")
                 cfg.size[name] = model_cfg[name]
         options = dict(model_cfg["attention_options"])
         current = dict(cfg.attention.get("options") or {})

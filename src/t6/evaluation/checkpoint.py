@@ -10,7 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from t6.evaluation.callback import build_eval_callback
 from t6.evaluation.harness import log_results, run_harness
-from t6.model.load import load_model, read_checkpoint
+from t6.model.load import build_model, read_checkpoint
 from t6.tracking import check_tracking_uri
 
 
@@ -33,7 +33,7 @@ def evaluate_checkpoint(cfg: DictConfig) -> tuple[dict[str, float], str]:
         raise ValueError(f"run_id=train but {path} records no MLflow run; use run_id=null for a new run")
 
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_model(path, "ckpt_path", device)
+    model = build_model(ckpt, "ckpt_path", path, device)  # the file read once, above
     client = mlflow.MlflowClient(tracking_uri=cfg.tracking_uri)
     if run_id is None:
         experiment = cfg.experiment_name or run_config.get("experiment_name", "t6")

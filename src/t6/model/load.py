@@ -89,10 +89,14 @@ def check_weights(state: dict[str, torch.Tensor], cfg: ModelConfig, what: str) -
         )
 
 
-def load_model(path, what: str = "ckpt_path", device: str | torch.device = "cpu") -> T6:
-    """The T6 held by a training or warm-start checkpoint, on `device`, in eval mode."""
-    ckpt = read_checkpoint(path, what, map_location="cpu", mmap=True)
+def build_model(ckpt: dict, what: str, path, device: str | torch.device = "cpu") -> T6:
+    """The T6 of an already read checkpoint (training or warm-start), on `device`, in eval mode."""
     cfg, state = model_state(ckpt, what, path)
     model = T6(cfg)
     model.load_state_dict(state)
     return model.to(device).eval()
+
+
+def load_model(path, what: str = "ckpt_path", device: str | torch.device = "cpu") -> T6:
+    """The T6 held by a training or warm-start checkpoint, on `device`, in eval mode."""
+    return build_model(read_checkpoint(path, what, map_location="cpu", mmap=True), what, path, device)

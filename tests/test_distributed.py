@@ -251,8 +251,20 @@ def test_ddp_inside_a_multirun_runs_each_job_once(tmp_path, shared_data_dir):
     assert c.get_experiment(parent.info.experiment_id).name == "t6-sweep-sweep"
 
 
-def test_sweep_has_one_parent_and_a_child_per_job(tmp_path, shared_data_dir):
-    run(tmp_path, shared_data_dir, "-m", "attention=mha,tpa", "hydra.callbacks.mlflow_sweep.experiment_name=my-study")
+@pytest.mark.parametrize(
+    "launcher",
+    [[], ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"]],  # one job after the other; two at once (processes)
+    ids=["basic", "joblib"],
+)
+def test_sweep_has_one_parent_and_a_child_per_job(tmp_path, shared_data_dir, launcher):
+    run(
+        tmp_path,
+        shared_data_dir,
+        "-m",
+        "attention=mha,tpa",
+        "hydra.callbacks.mlflow_sweep.experiment_name=my-study",
+        *launcher,
+    )
     c = client(tmp_path)
     experiment = c.get_experiment_by_name("my-study")
     runs = c.search_runs([experiment.experiment_id])

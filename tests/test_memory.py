@@ -27,8 +27,10 @@ def test_precision_auto_follows_the_device():
     assert memory.choose_device("gpu", cuda_available=no)[0] == "cuda"
     assert memory.choose_precision("auto", "cuda", bf16_supported=yes)[0] == "bf16-mixed"
     assert memory.choose_precision("auto", "cuda", bf16_supported=no)[0] == "32-true"  # e.g. a V100
-    assert memory.choose_precision("auto", "cpu", bf16_supported=yes)[0] == "32-true"
-    assert memory.choose_precision(None, "cpu")[0] == "32-true"
+    assert memory.choose_precision("auto", "cpu", bf16_supported=yes, cpu_bf16=no)[0] == "32-true"
+    assert memory.choose_precision(None, "cpu", cpu_bf16=no)[0] == "32-true"
+    precision, why = memory.choose_precision("auto", "cpu", bf16_supported=no, cpu_bf16=yes)
+    assert precision == "bf16-mixed" and "AMX" in why  # oneDNN's bf16 matmuls on AMX tiles
     precision, why = memory.choose_precision("16-mixed", "cuda", bf16_supported=yes)
     assert precision == "16-mixed" and "explicit" in why  # an explicit precision wins
 

@@ -4,6 +4,7 @@
 # writes the tables and figures here and logs them to the sweep's parent run in MLflow
 # (experiment `cpu_comparison-sweep-<date>`).
 # Usage, from anywhere:  experiments/cpu_comparison/run.sh  [PYTHON]   (default: .venv/bin/python)
+# Two runs go at once, one core each (the recipe's joblib launcher: hydra.launcher.n_jobs).
 #   SWEEP_DIR=logs/cpu_comparison/NAME  picks the sweep directory (default: a new dated one)
 #   COMPARE=paper,gta,gla                the mechanisms (names, paper, all; default: paper)
 set -euo pipefail

@@ -29,6 +29,7 @@ from t6.report import (
     task_order,
     tokens_per_step,
 )
+from t6.report.stats import difference
 from t6.train import train
 
 from conftest import ROOT
@@ -442,3 +443,34 @@ def test_every_mechanism_in_the_runs_has_a_row_in_every_table_paper_order_first(
     assert "| tpa_nc_a | 50.00 | **50.00** | 50.00 |" in md  # arc_easy 0.3 + 2/10, t6_cloze acc 0.5 (all tied)
     kv = facts["tpa_nc_a"]["kv_cache_bytes_per_token"]
     assert f"| tpa_nc_a | {facts['tpa_nc_a']['params'] / 1e6:.2f}M | {kv / 1024:.1f} KiB |" in md
+
+
+def test_welch_difference_resolves_separated_seeds_only():
+    far = difference([5.0, 5.01, 4.99], [6.0, 6.02, 5.98])
+    assert far.delta == pytest.approx(-1.0) and far.resolved and far.p < 1e-3
+    near = difference([5.0, 5.2, 4.8], [5.05, 4.85, 5.25])
+    assert near.delta == pytest.approx(-0.05) and not near.resolved and near.p > 0.5
+    assert difference([5.0], [6.0, 6.1]).p is None and difference([], [1.0]) is None
+
+
+def test_report_names_the_differences_from_mha_that_the_seeds_resolve(tmp_path):
+    def runs(attention: str, losses: list[float], cloze: list[float]) -> list[RunData]:
+        out = []
+        for seed, (loss, acc) in enumerate(zip(losses, cloze), start=1):
+            run = run_with(f"{attention}{seed}", seed, loss, **{"attention.name": attention})
+            run.metrics["eval/0shot/t6_cloze/acc"] = acc
+            out.append(run)
+        return out
+
+    md = build_report(
+        runs("mha", [6.0, 6.02, 5.98], [0.30, 0.31, 0.29])
+        + runs("mla", [5.7, 5.71, 5.69], [0.305, 0.29, 0.31])  # loss far below MHA's, cloze within the noise
+        + runs("gqa", [6.1, 5.9, 6.05], [0.30, 0.32, 0.28]),  # both within the noise
+        tmp_path,
+        "t",
+    ).markdown
+    section = md.split("## Differences from mha that the seeds resolve")[1].split("\n## ")[0]
+    assert "| attention | Δ val/loss | Δ 0-shot t6_cloze (acc) | Δ 0-shot Avg. |" in section
+    mla = next(line for line in section.splitlines() if line.startswith("| mla |"))
+    assert mla.startswith("| mla | **-0.300 (p=0.000)** | +0.167 (p=0.") and "| mha |" not in section
+    assert "Resolved: mla val/loss -0.300 (p=0.000)." in section  # gqa's and the cloze's differences are not

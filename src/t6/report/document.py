@@ -9,7 +9,8 @@ from t6.report.curves import CURVES
 from t6.report.evals import eval_metrics
 from t6.report.plots import plot_curves
 from t6.report.runs import RunData, group_label, group_runs, last_step
-from t6.report.tables import eval_table, quality_table, tradeoff_table
+from t6.report.stats import RESOLVED_P
+from t6.report.tables import difference_table, eval_table, quality_table, tradeoff_table
 
 
 @dataclass
@@ -73,6 +74,22 @@ def build_report(
             parts += [f"## {table.title}", "", table.markdown(), ""]
     if not shots:
         parts += ["## Downstream evaluation", "", "No eval/{n}shot/{task}/{metric} metrics in these runs.", ""]
+
+    reference = "mha" if "mha" in groups else next(iter(groups))
+    if len(groups) > 1:
+        diffs, resolved = difference_table(groups, reference, sorted(evals))
+        parts += [
+            f"## Differences from {reference} that the seeds resolve",
+            "",
+            f"Mean minus {reference}'s mean (loss in nats, accuracies in points) and Welch's two-sided p-value over "
+            f"the seeds; bold: p < {RESOLVED_P}. With 3 seeds a row needs a difference several times its seed "
+            "spread to be resolved; the rest may be noise.",
+            "",
+            diffs,
+            "",
+            "Resolved: " + ("; ".join(resolved) if resolved else "none") + ".",
+            "",
+        ]
 
     trade, notes = tradeoff_table(groups, evals, decode)
     parts += ["## Memory and speed next to quality", ""]

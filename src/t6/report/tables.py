@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from t6.report.evals import eval_metrics, task_metric, task_order
 from t6.report.model_facts import logged_fact, model_stats_from_params
 from t6.report.runs import RunData, attention_of
-from t6.report.stats import Cell, aggregate, best_rows
+from t6.report.stats import Cell, aggregate, best_rows, difference
 
 QUALITY = ("train/loss", "val/loss", "val/ppl")  # lower is better
 SHOT_NAMES = {0: "Zero-shot", 1: "One-shot", 2: "Two-shot"}
@@ -46,6 +46,21 @@ def eval_table(groups: dict[str, list[RunData]], shots: int) -> Table | None:
     """One row per group, one column per task (with its metric), and the average of the columns.
 
     A run's average is the mean of its task columns, computed only when it has all of them."""
+    values = eval_values(groups, shots)
+    if values is None:
+        return None
+    by_group, columns, missing = values
+    rows = {label: [aggregate(by_group[label][c], len(runs)) for c in columns] for label, runs in groups.items()}
+    title = (
+        f"{SHOT_NAMES.get(shots, f'{shots}-shot')} evaluation (accuracy %, mean ± std over seeds; "
+        "metric per task in its header; Avg. = mean of the task columns per run)"
+    )
+    return Table(title, columns, rows, [True] * len(columns), scale=100.0, digits=2, missing=missing)
+
+
+def eval_values(groups: dict[str, list[RunData]], shots: int):
+    """The runs' values per group and column, the columns ("task (metric)" per task, then "Avg."), and the
+    missing entries; None when no run logged a downstream metric at this number of shots."""
     per_run = {run.run_id: eval_metrics(run.metrics).get(shots, {}) for runs in groups.values() for run in runs}
     logged: dict[str, set[str]] = defaultdict(set)
     for tasks in per_run.values():
@@ -53,31 +68,54 @@ def eval_table(groups: dict[str, list[RunData]], shots: int) -> Table | None:
             logged[task] |= set(metrics)
     if not logged:
         return None
-    columns = [(task, task_metric(task, logged[task])) for task in task_order(logged)]
-    columns = [(t, m) for t, m in columns if m is not None]
-    rows, missing = {}, []
+    tasks = [(task, task_metric(task, logged[task])) for task in task_order(logged)]
+    tasks = [(t, m) for t, m in tasks if m is not None]
+    columns = [f"{task} ({metric})" for task, metric in tasks] + ["Avg."]
+    by_group: dict[str, dict[str, list[float]]] = {}
+    missing = []
     for label, runs in groups.items():
-        cells, averages = [], []
-        per_task: dict[str, list[float]] = defaultdict(list)
+        by_group[label] = per_column = defaultdict(list)
         for run in runs:
             values = []
-            for task, metric in columns:
+            for (task, metric), column in zip(tasks, columns):
                 value = per_run[run.run_id].get(task, {}).get(metric)
                 if value is None or not math.isfinite(value):
                     missing.append(f"{run.name} ({run.run_id[:8]}): eval/{shots}shot/{task}/{metric}")
                 else:
-                    per_task[task].append(value)
+                    per_column[column].append(value)
                     values.append(value)
-            if len(values) == len(columns):
-                averages.append(statistics.fmean(values))
-        cells = [aggregate(per_task[task], len(runs)) for task, _ in columns] + [aggregate(averages, len(runs))]
-        rows[label] = cells
-    headers = [f"{task} ({metric})" for task, metric in columns] + ["Avg."]
-    title = (
-        f"{SHOT_NAMES.get(shots, f'{shots}-shot')} evaluation (accuracy %, mean ± std over seeds; "
-        "metric per task in its header; Avg. = mean of the task columns per run)"
-    )
-    return Table(title, headers, rows, [True] * len(headers), scale=100.0, digits=2, missing=missing)
+            if len(values) == len(tasks):
+                per_column["Avg."].append(statistics.fmean(values))
+    return by_group, columns, missing
+
+
+def difference_table(groups: dict[str, list[RunData]], reference: str, shots: list[int]) -> tuple[str, list[str]]:
+    """Each group's difference from the reference group in val/loss and in every downstream column, with
+    Welch's p-value over the seeds (Markdown, the differences resolved at p < RESOLVED_P)."""
+    loss = {label: [r.metrics["val/loss"] for r in runs if "val/loss" in r.metrics] for label, runs in groups.items()}
+    columns: list[tuple[str, dict[str, list[float]]]] = [("val/loss", loss)]
+    for s in shots:
+        values = eval_values(groups, s)
+        if values is not None:
+            by_group, names, _ = values
+            columns += [(f"{s}-shot {name}", {label: by_group[label][name] for label in groups}) for name in names]
+    lines = ["| attention | " + " | ".join(f"Δ {name}" for name, _ in columns) + " |", "|---|" + "---:|" * len(columns)]
+    resolved = []
+    for label in groups:
+        if label == reference:
+            continue
+        cells = []
+        for name, values in columns:
+            diff = difference(values[label], values[reference])
+            scale = 1.0 if name == "val/loss" else 100.0
+            if diff is None:
+                cells.append("–")
+                continue
+            cells.append(f"**{diff.format(scale)}**" if diff.resolved else diff.format(scale))
+            if diff.resolved:
+                resolved.append(f"{label} {name} {diff.format(scale)}")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines), resolved
 
 
 def quality_table(groups: dict[str, list[RunData]]) -> Table:

@@ -472,5 +472,5 @@ def test_report_names_the_differences_from_mha_that_the_seeds_resolve(tmp_path):
     section = md.split("## Differences from mha that the seeds resolve")[1].split("\n## ")[0]
     assert "| attention | Δ val/loss | Δ 0-shot t6_cloze (acc) | Δ 0-shot Avg. |" in section
     mla = next(line for line in section.splitlines() if line.startswith("| mla |"))
-    assert mla.startswith("| mla | **-0.300 (p=0.000)** | +0.167 (p=0.") and "| mha |" not in section
+    assert mla.startswith("| mla | **-0.300 (p=0.000)** | +0.17 (p=0.") and "| mha |" not in section
     assert "Resolved: mla val/loss -0.300 (p=0.000)." in section  # gqa's and the cloze's differences are not

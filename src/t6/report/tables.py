@@ -107,13 +107,13 @@ def difference_table(groups: dict[str, list[RunData]], reference: str, shots: li
         cells = []
         for name, values in columns:
             diff = difference(values[label], values[reference])
-            scale = 1.0 if name == "val/loss" else 100.0
             if diff is None:
                 cells.append("–")
                 continue
-            cells.append(f"**{diff.format(scale)}**" if diff.resolved else diff.format(scale))
+            text = diff.format(1.0, 3) if name == "val/loss" else diff.format(100.0, 2)  # nats; points
+            cells.append(f"**{text}**" if diff.resolved else text)
             if diff.resolved:
-                resolved.append(f"{label} {name} {diff.format(scale)}")
+                resolved.append(f"{label} {name} {text}")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines), resolved
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -52,7 +53,10 @@ def measure(size: str, batch: int, attention: str = "tpa", steps: int = 2, extra
         cfg.paths.output_dir = str(out)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    _, objects = train(cfg)
+    try:
+        _, objects = train(cfg)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)  # the run's files (GBs at medium) are not what is measured
     plan = objects["plan"]
     result = {
         "size": size,

@@ -24,7 +24,6 @@ TEST_RUN = [
     "data.global_batch_size=null",  # no accumulation unless a test asks for it
     "trainer.max_steps=8",
     "trainer.precision=32-true",  # fp32 on every CPU (auto picks bf16-mixed where the CPU has AMX bf16)
-    "keep_freed_memory=false",  # the test process's allocator as it is (the setting lasts for the process)
     "trainer.val_check_interval=4",
     "trainer.log_every_n_steps=1",
     "data.val_windows=8",

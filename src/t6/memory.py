@@ -10,8 +10,6 @@
   None), and the optimizer step's temporaries; FSDP shards
   parameters, gradients and optimizer state; activation checkpointing keeps only each
   block's input plus one block being recomputed.
-- `keep_freed_memory`: on a glibc CPU process, freed memory stays in the heap for the next
-  step instead of going back to the OS (and being page-faulted in again, zeroed, every step).
 - `available_memory`: what the device can give: CPU MemAvailable (capped by the cgroup's
   limit), CUDA `torch.cuda.mem_get_info`.
 - `fit_micro_batch`: the largest micro-batch that fits and divides the per-device share of the
@@ -24,8 +22,6 @@ it decides too (and Lightning's BatchSizeFinder could confirm it).
 
 from __future__ import annotations
 
-import ctypes
-import platform
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -84,25 +80,6 @@ def choose_precision(
     return "32-true", f"precision=auto on {device}"
 
 
-# ------------------------------------------------------------------------------ the allocator
-
-M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
-
-
-def keep_freed_memory() -> bool:
-    """Make glibc serve every allocation from its heap (M_MMAP_MAX=0) and keep up to 1 GiB of freed
-    memory there (M_TRIM_THRESHOLD), for this process. By default each allocation over 32 MB is its
-    own mmap, unmapped when freed: a CPU training step's large tensors (the loss chunk's logits,
-    the head's gradient, autocast's bf16 weight copies) come back as fresh pages, faulted in and
-    zeroed by the kernel every step. Measured on a tiny step (1 thread, bf16): system time 7 s -> 1 s,
-    step 1.3-1.6x faster. The process keeps what it freed (the estimate counts one more loss chunk for
-    the heap's fragmentation: `StepMemory.retained`). False where this is not glibc."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return False
-    libc = ctypes.CDLL("libc.so.6")
-    return bool(libc.mallopt(M_MMAP_MAX, 0) and libc.mallopt(M_TRIM_THRESHOLD, 2**30))
-
-
 # ------------------------------------------------------------------------------ the estimate
 
 
@@ -120,7 +97,6 @@ class StepMemory:
     head_grad: int  # the tied embedding/head gradient, the first one backward writes
     accumulate: int = 1  # with accumulation every gradient is alive during backward
     runtime: int = 0  # the process itself (CPU: its resident size before training)
-    keeps_freed: bool = False  # the CPU heap keeps freed memory (keep_freed_memory): see `retained`
     loss_bytes_per_token: int = 0  # loss_transient per token of logits alive at once ...
     loss_chunk_tokens: int | None = None  # ... which is at most this many tokens (None: every token)
     seq_len: int = 0
@@ -139,14 +115,8 @@ class StepMemory:
         return self.grads + self.step_transient
 
     @property
-    def retained(self) -> int:
-        """What a heap that keeps freed memory holds beyond the live tensors (fragmentation): about one
-        more loss transient (measured at tiny in bf16: +0.20 GiB beside 0.29 GiB of loss transient)."""
-        return self.loss_transient if self.keeps_freed else 0
-
-    @property
     def total(self) -> int:
-        return self.runtime + self.retained + self.params + self.optimizer + max(self.backward_peak, self.step_peak)
+        return self.runtime + self.params + self.optimizer + max(self.backward_peak, self.step_peak)
 
     def loss_at(self, batch: int) -> int:
         """loss_transient at another micro-batch: linear in the tokens up to one chunk."""
@@ -165,8 +135,6 @@ class StepMemory:
         ]
         if self.runtime:
             parts.append(("process", self.runtime))
-        if self.retained:
-            parts.append(("kept by the heap", self.retained))
         inner = ", ".join(f"{name} {gib(value)}" for name, value in parts)
         return f"{gib(self.total)} at micro-batch {self.batch} ({inner})"
 
@@ -282,10 +250,8 @@ def estimate_step_memory(
     device: str = "cpu",
     runtime: int = 0,
     loss_chunk_tokens: int | None = None,
-    keeps_freed: bool = False,
 ) -> StepMemory:
-    """Peak bytes of one training step per device (see the module docstring). keeps_freed: the CPU heap
-    keeps freed memory (keep_freed_memory, StepMemory.retained)."""
+    """Peak bytes of one training step per device (see the module docstring)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from t6.model import T6
@@ -342,7 +308,6 @@ def estimate_step_memory(
         head_grad=embedding // shards,
         accumulate=accumulate,
         runtime=runtime,
-        keeps_freed=keeps_freed,
         loss_bytes_per_token=per_token,
         loss_chunk_tokens=loss_chunk_tokens,
         seq_len=seq_len,

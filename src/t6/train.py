@@ -127,7 +127,7 @@ def check_schedule(facts: dict[str, Any] | None) -> None:
 
 
 def plan_micro_batch(
-    cfg: DictConfig, mcfg, trainer: L.Trainer, datamodule, hardware: dict, model: torch.nn.Module
+    cfg: DictConfig, mcfg, trainer: L.Trainer, datamodule, hardware: dict[str, str], model: torch.nn.Module
 ) -> memory.MicroBatch | None:
     """The memory preflight: the micro-batch (auto or checked) and its accumulation, before fit."""
     world = trainer.world_size
@@ -179,7 +179,6 @@ def plan_micro_batch(
             device=device,
             runtime=runtime,
             loss_chunk_tokens=cfg.get("loss_chunk_tokens"),
-            keeps_freed=hardware.get("keeps_freed", False),
         )
 
     return memory.fit_micro_batch(estimate, requested, per_device, available, source, ways_out)
@@ -335,8 +334,6 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     check_data_shape(cfg)
     check_samples(cfg)
     hardware = choose_hardware(cfg)  # trainer.precision=auto -> what the device supports
-    if hardware["device"] == "cpu" and cfg.get("keep_freed_memory", True):
-        hardware["keeps_freed"] = memory.keep_freed_memory()  # freed tensors reused, not page-faulted back
     schedule = schedule_facts(cfg)
     check_schedule(schedule)
     ckpt_path = resolve_ckpt_path(cfg)  # ckpt_path=PATH | last, or this run dir's last.ckpt (auto_resume)
@@ -471,7 +468,7 @@ def announce(cfg: DictConfig, hardware: dict, plan, datamodule, trainer: L.Train
     per_step = sequences_per_step(datamodule.batch_size, datamodule.global_batch_size, world)
     lines = [
         f"device          {hardware['device']} ({hardware['device_why']}), precision {hardware['precision']} "
-        f"({hardware['precision_why']})" + (", freed memory kept for reuse" if hardware.get("keeps_freed") else ""),
+        f"({hardware['precision_why']})",
         f"batch           {per_step} sequences x {datamodule.seq_len} tokens per step = "
         f"micro-batch {datamodule.batch_size} x {accumulate} accumulation step(s) x {world} device(s)",
     ]

@@ -98,10 +98,11 @@ def test_estimate_adds_up_and_scales_as_the_memory_does():
 @pytest.mark.slow
 def test_estimate_is_within_25_percent_of_the_measured_peak_at_tiny():
     """A real training step of size=tiny (micro-batch 8) in a fresh process: the preflight's estimate
-    against the process's peak RSS."""
+    against the process's peak RSS. fp32, as the rest of the suite, so the result does not depend on the
+    CPU model (bf16-mixed on an AMX CPU measured 0.82 on one host and 0.59 on another)."""
     from t6.bench.memory import run_case
 
-    result = run_case("tiny", 8)
+    result = run_case("tiny", 8, extra=("trainer.precision=32-true",))
     assert result["measure"] == "peak RSS (ru_maxrss)" and result["measured"] > 1e9
     assert 0.75 <= result["ratio"] <= 1.25, result
 

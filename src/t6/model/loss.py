@@ -12,7 +12,9 @@ respect to h and W are accumulated in the same pass (no recomputation in backwar
     dW      += dz_chunkᵀ h_chunk   [V, d]
 
 Peak extra memory is one chunk's logits [n, V] in fp32 plus dW [V, d] (which the plain path
-also builds), instead of [N, V] twice. The result equals F.cross_entropy(h Wᵀ, y) to float
+also builds), instead of [N, V] twice. The chunks share one logits buffer per call: a fresh
+[n, V] tensor per chunk is a fresh ~200 MB mapping on CPU, whose page faults cost a share of
+the step of their own. The result equals F.cross_entropy(h Wᵀ, y) to float
 rounding (tests/test_loss.py checks loss and both gradients).
 """
 
@@ -24,9 +26,41 @@ import torch.nn.functional as F
 IGNORE_INDEX = -100  # as F.cross_entropy
 
 
-def _chunk_terms(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, n_valid: torch.Tensor, need_grad: bool):
+class _Buffers:
+    """The [rows, V] tensors every chunk reuses: the logits in fp32 (or wider) and, when the matmuls
+    run in a narrower dtype (bf16 under autocast), the matmul's output and dz's cast back in that dtype."""
+
+    def __init__(self, rows: int, h: torch.Tensor, weight: torch.Tensor):
+        shape = (rows, weight.shape[0])
+        self.logits = torch.empty(shape, dtype=_acc_dtype(h), device=h.device)  # [rows, V]
+        self.narrow = None if h.dtype == self.logits.dtype else torch.empty(shape, dtype=h.dtype, device=h.device)
+        self.product = None  # [V, d] in the matmul dtype, for add_product
+
+    def logits_of(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """h Wᵀ into the buffers: [n, V] at least fp32, a view of self.logits."""
+        z = self.logits[: h.shape[0]]  # [n, V]
+        if self.narrow is None:
+            return torch.mm(h, weight.t(), out=z)
+        return z.copy_(torch.mm(h, weight.t(), out=self.narrow[: h.shape[0]]))
+
+    def add_product(self, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """out += a @ b, with no fresh [V, d] temporary per chunk (out is fp32 when a and b are bf16)."""
+        if a.dtype == out.dtype:
+            return out.addmm_(a, b)
+        if self.product is None:
+            self.product = torch.empty(out.shape, dtype=a.dtype, device=a.device)
+        return out.add_(torch.mm(a, b, out=self.product))
+
+    def narrowed(self, dz: torch.Tensor) -> torch.Tensor:
+        """dz [n, V] cast to the matmul dtype (a view of self.narrow), or dz itself."""
+        return dz if self.narrow is None else self.narrow[: dz.shape[0]].copy_(dz)
+
+
+def _chunk_terms(
+    h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, n_valid: torch.Tensor, need_grad: bool, buffers: _Buffers
+):
     """One chunk: (sum of its token losses, dloss/dlogits or None). h [n, d], weight [V, d], y [n]."""
-    z = (h @ weight.t()).to(_acc_dtype(h))  # [n, V] logits, at least fp32 for the softmax
+    z = buffers.logits_of(h, weight)  # [n, V] logits, at least fp32 for the softmax
     valid = y != IGNORE_INDEX  # [n]
     safe_y = torch.where(valid, y, 0)  # [n]
     target = z.gather(1, safe_y[:, None]).squeeze(1)  # [n]
@@ -62,17 +96,19 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         dh = torch.empty_like(h) if need_h else None  # [N, d]
         dw = torch.zeros(weight.shape, dtype=_acc_dtype(weight), device=weight.device) if need_w else None  # [V, d]
         total = torch.zeros((), dtype=_acc_dtype(h), device=h.device)
+        buffers = _Buffers(min(chunk_tokens, h.shape[0]), h, weight)
         for start in range(0, h.shape[0], chunk_tokens):
             hc, yc = h[start : start + chunk_tokens], y[start : start + chunk_tokens]  # [n, d], [n]
-            loss_sum, dz = _chunk_terms(hc, weight, yc, n_valid, need_grad)
+            loss_sum, dz = _chunk_terms(hc, weight, yc, n_valid, need_grad, buffers)
             total += loss_sum
             if dz is None:
                 continue
-            dz = dz.to(h.dtype)  # [n, V] in the matmul dtype (bf16 under autocast)
+            dz = buffers.narrowed(dz)  # [n, V] in the matmul dtype (bf16 under autocast)
             if need_h:
-                dh[start : start + chunk_tokens] = dz @ weight  # [n, d]
+                torch.mm(dz, weight, out=dh[start : start + chunk_tokens])  # [n, d]
             if need_w:
-                dw += dz.t() @ hc  # [V, d]
+                buffers.add_product(dw, dz.t(), hc)  # dw += dzᵀ h_chunk [V, d]
+        del buffers
         ctx.save_for_backward(dh if need_h else None, dw.to(weight.dtype) if need_w else None)
         return total / n_valid
 
@@ -107,8 +143,9 @@ def linear_cross_entropy(
         if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
             return _ChunkedLinearCrossEntropy.apply(h, weight, targets, chunk_tokens)
         n_valid = _count(targets)  # evaluation: the loss alone, chunk by chunk
+        buffers = _Buffers(min(chunk_tokens, h.shape[0]), h, weight)
         chunks = zip(h.split(chunk_tokens), targets.split(chunk_tokens))
-        return sum(_chunk_terms(hc, weight, yc, n_valid, need_grad=False)[0] for hc, yc in chunks) / n_valid
+        return sum(_chunk_terms(hc, weight, yc, n_valid, False, buffers)[0] for hc, yc in chunks) / n_valid
 
 
 @torch.no_grad()

@@ -347,12 +347,25 @@ def meminfo_available() -> int:
     raise RuntimeError("/proc/meminfo has no MemAvailable")
 
 
-def process_rss() -> int:
-    """This process's resident set size in bytes (what it already holds before training)."""
+def _status_bytes(field: str) -> int:
+    """A `kB` field of /proc/self/status in bytes (0 where there is none)."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def process_rss() -> int:
+    """This process's resident set size in bytes (what it already holds before training)."""
+    return _status_bytes("VmRSS")
+
+
+def peak_rss() -> int:
+    """This process's peak resident set size in bytes since it started its program (VmHWM).
+
+    Not `ru_maxrss`: Linux carries the parent's high-water mark across exec into it, so a child
+    started by a 2 GiB pytest process reports at least 2 GiB whatever it used itself."""
+    return _status_bytes("VmHWM")
 
 
 def available_memory(device: str, index: int = 0) -> tuple[int, str]:

@@ -5,7 +5,7 @@
 Each setting of `--chunks` (`none`: all [tokens x vocab] logits at once, as F.cross_entropy
 on the head's output; a number: t6.model.loss in chunks of that many tokens) trains the same
 model (forward + backward + AdamW) in its own fresh process, so the peak memory of one does
-not hide another's: the process's peak resident memory on CPU (ru_maxrss, which includes the
+not hide another's: the process's peak resident memory on CPU (VmHWM, which includes the
 model, optimizer state and the Python runtime), torch.cuda.max_memory_allocated on CUDA.
 The processes run one after another in this one invocation, so their times compare.
 """
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import resource
 import statistics
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import torch
 
 from t6.bench.common import DTYPES, environment, model_config_of, resolve_device, table, write_json
 from t6.bench.train_step import bench_one, chunk_tokens
+from t6.memory import peak_rss
 
 
 def measure(args: argparse.Namespace, chunk: int | None) -> dict:
@@ -37,7 +37,7 @@ def measure(args: argparse.Namespace, chunk: int | None) -> dict:
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        peak = peak_rss()
     step = statistics.median(times)
     return {
         "chunk_tokens": "none" if chunk is None else chunk,

@@ -3,7 +3,7 @@
 Each case runs `t6.train.train` in a fresh subprocess (the real Trainer, model, optimizer and
 data; no logger, checkpoints or downstream evaluation) for a few optimizer steps at a fixed
 micro-batch without accumulation, then reports the preflight's estimate and the measured peak:
-CPU peak RSS (`ru_maxrss`, the process's high-water mark), or `torch.cuda.max_memory_allocated`
+CPU peak RSS (VmHWM, the process's own high-water mark), or `torch.cuda.max_memory_allocated`
 on a GPU (plus the CUDA context, which `mem_get_info` counts).
 
     python -m t6.bench.memory --case tiny:8 --case small:1 --case medium:1
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import shutil
 import subprocess
 import sys
@@ -29,6 +28,7 @@ def measure(size: str, batch: int, attention: str = "tpa", steps: int = 2, extra
     from omegaconf import open_dict
 
     from t6.bench.common import compose
+    from t6.memory import peak_rss
     from t6.train import train
 
     out = Path(tempfile.mkdtemp(prefix="t6-bench-memory-"))
@@ -74,8 +74,8 @@ def measure(size: str, batch: int, attention: str = "tpa", steps: int = 2, extra
         result["measured"] = torch.cuda.max_memory_allocated()
         result["measure"] = "torch.cuda.max_memory_allocated"
     else:
-        result["measured"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        result["measure"] = "peak RSS (ru_maxrss)"
+        result["measured"] = peak_rss()
+        result["measure"] = "peak RSS (VmHWM)"
     result["ratio"] = result["estimate"] / result["measured"]
     return result
 

@@ -14,10 +14,11 @@ proportional to the context is written. Per cached token s and head i (TPA):
 and the result is acc / (l R_V). MLA: scores[s, i] = q_lat[i] . c_kv[s] + q_rope[i] . k_rope[s],
 acc[i, :] += P[s, i] c_kv[s, :]. The query scales are folded into the query by the caller.
 
-The CPU implementation is C++ (csrc/fused_decode.cpp, vectorized by the compiler, threads
-from ATen's OpenMP pool), compiled on first use by torch.utils.cpp_extension into the user's
-torch extensions cache (`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions; needs g++,
-the Python headers and ninja, pinned in pyproject). Where it cannot be built, the operators run
+The CPU implementation is C++ (csrc/fused_decode.cpp: TPA written on 16-float vectors with
+GCC/Clang vector extensions, MLA vectorized by the compiler; threads from ATen's OpenMP pool),
+compiled on first use by torch.utils.cpp_extension into the user's torch extensions cache
+(`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions; needs g++, the Python headers and
+ninja, pinned in pyproject). Where it cannot be built, the operators run
 `reference_tpa_decode` / `reference_latent_decode`, the eager form, with one warning. On CUDA
 the Triton kernels of `t6.model.attention.triton_decode` implement the same operators.
 """
@@ -25,12 +26,14 @@ the Triton kernels of `t6.model.attention.triton_decode` implement the same oper
 from __future__ import annotations
 
 import functools
+import logging
 import platform
 import warnings
 from pathlib import Path
 
 import torch
 
+log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc" / "fused_decode.cpp"
 # Built on the machine that runs it, for its own vector units (on x86, 512-bit vectors where
 # AVX-512 exists: the value tiles are sized for them).
@@ -44,6 +47,7 @@ def cpu_extension():
     """The compiled CPU kernels (built once per machine and cached), or None where they cannot be built."""
     from torch.utils import cpp_extension
 
+    log.info("t6: loading the fused CPU decode kernels (compiled on first use on a machine, about a minute)")
     try:
         return cpp_extension.load(
             name="t6_fused_decode", sources=[str(CSRC)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False

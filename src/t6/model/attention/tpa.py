@@ -86,10 +86,10 @@ class TensorProductAttention(Attention):
     # (and prefill without history) materialize K and V for SDPA.
     factor_decode_max_tokens: int = 16
     # Single-token cached steps run the fused operator t6::tpa_decode (one pass over the
-    # factors, online softmax) when True; False keeps them on attend_factors (the eager
-    # reference); None (default): fused on CUDA only, since on the CPU the C++ kernel has not
-    # yet measured faster than the eager path.
-    fused_decode: bool | None = None
+    # factors, online softmax; C++ on the CPU, Triton on CUDA) when True, the default: it
+    # measured faster than attend_factors from 4k cached tokens on (t6.bench.decode). False
+    # keeps them on attend_factors (the eager reference).
+    fused_decode: bool = True
     supports_key_mask = True
 
     def __init__(self, cfg: ModelConfig):
@@ -144,8 +144,7 @@ class TensorProductAttention(Attention):
         a_v, b_v = self.v(x)  # [B, T, R_V, h], [B, T, R_V, d_h]
         if cache is not None:
             a_k, b_k, a_v, b_v = cache.update(pos, a_k=a_k, b_k=b_k, a_v=a_v, b_v=b_v)  # [B, S, R, *] each
-        fused = self.fused_decode if self.fused_decode is not None else x.is_cuda
-        if cache is not None and T == 1 and fused and b_k.shape[1] > 1:
+        if cache is not None and T == 1 and self.fused_decode and b_k.shape[1] > 1:
             y = self.decode_fused(q, a_k, b_k, a_v, b_v, cache.attn_mask(pos))  # [B, 1, h, d_h]
         elif cache is not None and T <= self.factor_decode_max_tokens and T < b_k.shape[1]:
             y = self.attend_factors(q, a_k, b_k, a_v, b_v, pos, cache.attn_mask(pos))  # [B, T, h, d_h]

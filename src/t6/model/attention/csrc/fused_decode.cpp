@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -158,22 +159,23 @@ void softmax_update(float* sc, int n, int h, float* m, float* l, float* acc, int
   }
 }
 
-// Combine the partial (m, l, acc) of `parts` splits of one row into out [h, W] (as float), scaled by 1/(l * div).
-void combine(const std::vector<float>& m, const std::vector<float>& l, const std::vector<float>& acc, int parts,
-             int h, int W, float div, float* out, int h_out) {
+// Combine the partial (m, l, acc) of `parts` splits of one row into out [h_out, d_out] (as float),
+// scaled by 1/(l * div): m, l [parts, h], acc [parts, h, W].
+void combine(const float* m, const float* l, const float* acc, int parts, int h, int W, float div, float* out,
+             int h_out, int d_out) {
+  std::vector<float> scale(parts);
   for (int i = 0; i < h_out; ++i) {
     float mx = NEG_INF;
     for (int k = 0; k < parts; ++k) mx = std::max(mx, m[k * h + i]);
     float denom = 0.f;
-    std::vector<float> scale(parts, 0.f);
     for (int k = 0; k < parts; ++k) {
       scale[k] = m[k * h + i] == NEG_INF ? 0.f : std::exp(m[k * h + i] - mx);
       denom += scale[k] * l[k * h + i];
     }
-    for (int j = 0; j < W; ++j) {
+    for (int j = 0; j < d_out; ++j) {
       float s = 0.f;
       for (int k = 0; k < parts; ++k) s += scale[k] * acc[((int64_t)k * h + i) * W + j];
-      out[(int64_t)i * W + j] = s / (denom * div);
+      out[(int64_t)i * d_out + j] = s / (denom * div);
     }
   }
 }
@@ -190,6 +192,113 @@ void check_cache(const torch::Tensor& t, const char* name) {
               name, " must be a cache view whose per-token [R, n] block is contiguous");
 }
 
+// ---- TPA: the block loop on 16-float vectors (GCC/Clang vector extensions: one zmm register
+// with AVX-512, two ymm with AVX2, four q registers with NEON). Head counts and widths are padded
+// to multiples of 16 with zeros, so every loop below runs over whole vectors.
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t i16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));  // for loads and stores at any float offset
+
+inline v16 load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
+inline void store(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
+inline v16 splat(float x) {
+#if defined(__clang__) || __GNUC__ >= 12
+  const v16 v = {x};  // a broadcast; the "0 + x" form below also costs an add on the FMA port
+  return __builtin_shufflevector(v, v, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+#else
+  return v16{} + x;
+#endif
+}
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+inline float hsum(v16 x) {  // a tree of halves: 16 -> 8 -> 4 -> 1
+  v8 lo, hi;
+  std::memcpy(&lo, &x, sizeof(lo));
+  std::memcpy(&hi, reinterpret_cast<const char*>(&x) + sizeof(lo), sizeof(hi));
+  const v8 s8 = lo + hi;
+  v4 a, b;
+  std::memcpy(&a, &s8, sizeof(a));
+  std::memcpy(&b, reinterpret_cast<const char*>(&s8) + sizeof(a), sizeof(b));
+  const v4 s4 = a + b;
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+// exp_nonpositive on 16 lanes: the same polynomial, rounding by truncation of y - 1/2 (y <= 0).
+inline v16 exp_nonpositive(v16 x) {
+  const v16 xc = x < -87.f ? splat(-87.f) : x;
+  const i16 ni = __builtin_convertvector(xc * 1.44269504088896341f - 0.5f, i16);
+  const v16 n = __builtin_convertvector(ni, v16);
+  v16 r = xc - n * 0.693359375f;
+  r -= n * -2.12194440e-4f;
+  v16 p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const v16 scale = (v16)((ni + 127) << 23);  // 2^n
+  return x < -87.f ? splat(0.f) : p * scale;
+}
+
+// acc[i, :] += sum_n w[n, i] v[n, :] for i < hp (a multiple of TILE_H), columns dp (a multiple of
+// 16): register tiles of TILE_H heads x NV vectors of 16 columns.
+template <int NV>
+inline void accumulate_tile(float* acc, int dp, int i0, int j0, const float* w, int hp, const float* v, int N) {
+  v16 a[TILE_H][NV];
+  for (int ii = 0; ii < TILE_H; ++ii)
+    for (int k = 0; k < NV; ++k) a[ii][k] = load(acc + (int64_t)(i0 + ii) * dp + j0 + 16 * k);
+  for (int n = 0; n < N; ++n) {
+    v16 vn[NV];
+    for (int k = 0; k < NV; ++k) vn[k] = load(v + (int64_t)n * dp + j0 + 16 * k);
+    const float* wn = w + (int64_t)n * hp + i0;
+    for (int ii = 0; ii < TILE_H; ++ii) {
+      const v16 c = splat(wn[ii]);
+      for (int k = 0; k < NV; ++k) a[ii][k] += c * vn[k];
+    }
+  }
+  for (int ii = 0; ii < TILE_H; ++ii)
+    for (int k = 0; k < NV; ++k) store(acc + (int64_t)(i0 + ii) * dp + j0 + 16 * k, a[ii][k]);
+}
+
+void accumulate_v(float* acc, int hp, int dp, const float* w, const float* v, int N) {
+  for (int i0 = 0; i0 < hp; i0 += TILE_H) {
+    int j0 = 0;
+    for (; j0 + 64 <= dp; j0 += 64) accumulate_tile<4>(acc, dp, i0, j0, w, hp, v, N);
+    for (; j0 < dp; j0 += 16) accumulate_tile<1>(acc, dp, i0, j0, w, hp, v, N);
+  }
+}
+
+// The online-softmax update for one block on vectors of 16 heads: sc [n, hp] -> p in place;
+// m, l [hp] and acc [hp, dp] rescaled where a head's running max grew.
+void softmax_update_v(float* sc, int n, int hp, float* m, float* l, float* acc, int dp) {
+  for (int i0 = 0; i0 < hp; i0 += LANES) {
+    const v16 m_old = load(m + i0);
+    v16 mx = m_old;
+    for (int t = 0; t < n; ++t) {
+      const v16 s = load(sc + t * hp + i0);
+      mx = s > mx ? s : mx;
+    }
+    const v16 m_new = mx == NEG_INF ? splat(0.f) : mx;  // 0 while nothing is visible (weights stay 0)
+    const v16 corr = m_old == NEG_INF ? splat(0.f) : exp_nonpositive(m_old - m_new);
+    v16 l_ = load(l + i0) * corr;
+    for (int i = 0; i < LANES; ++i)
+      if (mx[i] > m_old[i] && m_old[i] != NEG_INF) {
+        float* ai = acc + (int64_t)(i0 + i) * dp;
+        const v16 c = splat(corr[i]);
+        for (int j = 0; j < dp; j += LANES) store(ai + j, load(ai + j) * c);
+      }
+    for (int t = 0; t < n; ++t) {
+      const v16 p = exp_nonpositive(load(sc + t * hp + i0) - m_new);
+      store(sc + t * hp + i0, p);
+      l_ += p;
+    }
+    store(l + i0, l_);
+    store(m + i0, mx);
+  }
+}
+
 template <typename scalar_t>
 void tpa_kernel(const torch::Tensor& q_a, const torch::Tensor& q_b, const torch::Tensor& a_k, const torch::Tensor& b_k,
                 const torch::Tensor& a_v, const torch::Tensor& b_v, const torch::Tensor& mask, torch::Tensor& out) {
@@ -197,84 +306,93 @@ void tpa_kernel(const torch::Tensor& q_a, const torch::Tensor& q_b, const torch:
   const int RK = a_k.size(2), h = a_k.size(3), d = b_k.size(3), RV = a_v.size(2);
   const bool factored = q_a.defined();
   const int RQ = factored ? q_a.size(1) : 0;
-  const int hp = padded(h);  // heads padded with zero factors (zero scores and zero value weights)
+  const int hp = padded(h), dp = padded(d);  // zero padding: zero scores' factors, zero value columns
+  const bool direct = std::is_same<scalar_t, float>::value && d == dp;  // B_K, B_V rows used in place
   const int parts = splits_for(B, S);
   const int64_t per = (S + parts - 1) / parts;
-  std::vector<float> m(B * parts * hp, NEG_INF), l(B * parts * hp, 0.f), acc(B * parts * hp * d, 0.f);
-  torch::Tensor qa32;
+  std::vector<float> m(B * parts * hp, NEG_INF), l(B * parts * hp, 0.f), acc(B * parts * hp * dp, 0.f);
+  auto qa32 = torch::zeros({B, std::max(RQ, 1), hp}, torch::kFloat);  // A_Q [B, R_Q, hp]
+  if (factored) qa32.narrow(2, 0, h).copy_(q_a);
+  torch::Tensor qb32;  // B_Q [B, R_Q, dp], or the full query transposed [B, d_h, hp]
   if (factored) {
-    qa32 = torch::zeros({B, RQ, hp}, torch::kFloat);
-    qa32.narrow(2, 0, h).copy_(q_a);
+    qb32 = torch::zeros({B, RQ, dp}, torch::kFloat);
+    qb32.narrow(2, 0, d).copy_(q_b);
+  } else {
+    qb32 = torch::zeros({B, d, hp}, torch::kFloat);
+    qb32.narrow(2, 0, h).copy_(q_b.transpose(1, 2));
   }
-  auto qb32 = q_b.to(torch::kFloat).contiguous();
   const bool* mk = mask.defined() ? mask.data_ptr<bool>() : nullptr;
   const int64_t mk_b = mask.defined() ? mask.stride(0) : 0;
   at::parallel_for(0, B * parts, 1, [&](int64_t lo, int64_t hi) {
-    const int C = factored ? RQ : h;  // query rows scored against each key factor row
-    std::vector<float> bk(BLOCK * RK * d), bkt(BLOCK * RK * d), ak(BLOCK * RK * hp, 0.f), av(BLOCK * RV * hp, 0.f);
-    std::vector<float> bv(BLOCK * RV * d), sc(BLOCK * hp, 0.f), w(BLOCK * RV * hp), g(C * BLOCK * RK), qb(hp), mb(hp), corr(hp);
+    std::vector<float> ak(BLOCK * RK * hp, 0.f), bk(BLOCK * RK * dp, 0.f), av(BLOCK * RV * hp, 0.f);
+    std::vector<float> bv(BLOCK * RV * dp, 0.f), sc(BLOCK * hp), w(BLOCK * RV * hp), g(BLOCK * RK * std::max(RQ, 1));
     for (int64_t task = lo; task < hi; ++task) {
       const int64_t b = task / parts, part = task % parts;
       const int64_t s_lo = part * per, s_hi = std::min(S, s_lo + per);
       float* m_ = m.data() + task * hp;
       float* l_ = l.data() + task * hp;
-      float* acc_ = acc.data() + task * hp * d;
-      const float* qa = factored ? qa32.data_ptr<float>() + b * RQ * hp : nullptr;
+      float* acc_ = acc.data() + task * hp * dp;
+      const float* qa = qa32.data_ptr<float>() + b * qa32.stride(0);
       const float* qq = qb32.data_ptr<float>() + b * qb32.stride(0);
       for (int64_t s0 = s_lo; s0 < s_hi; s0 += BLOCK) {
         const int n = (int)std::min<int64_t>(BLOCK, s_hi - s0);
-        const int NR = n * RK;  // key factor rows in this block, row = t R_K + r
         rows_to_float(a_k.data_ptr<scalar_t>() + b * a_k.stride(0) + s0 * a_k.stride(1), n * RK, h, ak.data(), hp);
-        to_float(b_k.data_ptr<scalar_t>() + b * b_k.stride(0) + s0 * b_k.stride(1), bk.data(), (int64_t)n * RK * d);
+        const float* bkb = direct ? reinterpret_cast<const float*>(b_k.data_ptr<scalar_t>() + b * b_k.stride(0) + s0 * b_k.stride(1)) : bk.data();
+        const float* bvb = direct ? reinterpret_cast<const float*>(b_v.data_ptr<scalar_t>() + b * b_v.stride(0) + s0 * b_v.stride(1)) : bv.data();
+        if (!direct) {
+          rows_to_float(b_k.data_ptr<scalar_t>() + b * b_k.stride(0) + s0 * b_k.stride(1), n * RK, d, bk.data(), dp);
+          }
         rows_to_float(a_v.data_ptr<scalar_t>() + b * a_v.stride(0) + s0 * a_v.stride(1), n * RV, h, av.data(), hp);
-        to_float(b_v.data_ptr<scalar_t>() + b * b_v.stride(0) + s0 * b_v.stride(1), bv.data(), (int64_t)n * RV * d);
-        transpose(bk.data(), NR, d, bkt.data());  // [d_h, NR]
-        rows_times(qq, C, d, bkt.data(), NR, g.data());  // B_Q . B_K: [R_Q, NR], or q_i . B_K: [h, NR]
-        for (int t = 0; t < n; ++t) {
-          float* st = sc.data() + t * hp;
-          for (int i = 0; i < hp; ++i) st[i] = 0.f;
-          for (int r = 0; r < RK; ++r) {
-            const int row = t * RK + r;
-            const float* akr = ak.data() + row * hp;
-            if (factored) {  // qb[i] = sum_r' g[r', row] A_Q[r', i]
-              float* q_r = qb.data();
-              for (int i = 0; i < hp; ++i) q_r[i] = 0.f;
-              for (int rq = 0; rq < RQ; ++rq) {
-                const float c = g[rq * NR + row];
-                const float* qar = qa + rq * hp;
-#pragma omp simd
-                for (int i = 0; i < hp; ++i) q_r[i] += c * qar[i];
-              }
-#pragma omp simd
-              for (int i = 0; i < hp; ++i) st[i] += akr[i] * q_r[i];
-            } else {
-              for (int i = 0; i < h; ++i) st[i] += akr[i] * g[i * NR + row];
+        rows_to_float(b_v.data_ptr<scalar_t>() + b * b_v.stride(0) + s0 * b_v.stride(1), n * RV, d, bv.data(), dp);
+        // factorized query: g[row, r'] = B_K[row] . B_Q[r']: [n R_K, R_Q], row = t R_K + r
+        if (factored)
+          for (int row = 0; row < n * RK; ++row) {
+            const float* bkr = bkb + (int64_t)row * dp;
+            for (int c = 0; c < RQ; ++c) {
+              v16 s{};
+              for (int j = 0; j < dp; j += LANES) s += load(qq + (int64_t)c * dp + j) * load(bkr + j);
+              g[(int64_t)row * RQ + c] = hsum(s);
             }
           }
-          if (mk && !mk[b * mk_b + s0 + t])
-            for (int i = 0; i < hp; ++i) st[i] = NEG_INF;
-        }
-        softmax_update(sc.data(), n, hp, m_, l_, acc_, d, mb.data(), corr.data());
-        for (int t = 0; t < n; ++t)
-          for (int r = 0; r < RV; ++r) {
-            const float* p = sc.data() + t * hp;
-            const float* avr = av.data() + (t * RV + r) * hp;
-            float* wr = w.data() + (t * RV + r) * hp;
-#pragma omp simd
-            for (int i = 0; i < hp; ++i) wr[i] = p[i] * avr[i];
+        // sc[t, i] = sum_r A_K[t, r, i] qb[t, r, i]: [n, hp], where per 16 heads
+        //   qb[t, r, :] = sum_r' g[row, r'] A_Q[r', :]      (factorized query)
+        //              = sum_j B_K[row, j] q^T[j, :]        (full query)
+        for (int t = 0; t < n; ++t) {
+          const bool visible = !mk || mk[b * mk_b + s0 + t];
+          for (int i0 = 0; i0 < hp; i0 += LANES) {
+            v16 s{};
+            for (int r = 0; r < RK; ++r) {
+              const int row = t * RK + r;
+              v16 q{};
+              if (factored) {
+                const float* gr = g.data() + (int64_t)row * RQ;
+                for (int rq = 0; rq < RQ; ++rq) q += gr[rq] * load(qa + rq * hp + i0);
+              } else {
+                const float* bkr = bkb + (int64_t)row * dp;
+                for (int j = 0; j < d; ++j) q += bkr[j] * load(qq + (int64_t)j * hp + i0);
+              }
+              s += load(ak.data() + (int64_t)row * hp + i0) * q;
+            }
+            store(sc.data() + t * hp + i0, visible ? s : splat(NEG_INF));
           }
-        accumulate(acc_, hp, d, w.data(), bv.data(), n * RV);
+        }
+        softmax_update_v(sc.data(), n, hp, m_, l_, acc_, dp);
+        // w[t R_V + r, i] = P[t, i] A_V[t, r, i]: [n R_V, hp]
+        for (int t = 0; t < n; ++t)
+          for (int r = 0; r < RV; ++r)
+            for (int i0 = 0; i0 < hp; i0 += LANES) {
+              const int row = t * RV + r;
+              store(w.data() + row * hp + i0, load(sc.data() + t * hp + i0) * load(av.data() + row * hp + i0));
+            }
+        accumulate_v(acc_, hp, dp, w.data(), bvb, n * RV);
       }
     }
   });
   auto out32 = torch::empty({B, h, d}, torch::kFloat);
   at::parallel_for(0, B, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t b = lo; b < hi; ++b) {
-      std::vector<float> mb(m.begin() + b * parts * hp, m.begin() + (b + 1) * parts * hp);
-      std::vector<float> lb(l.begin() + b * parts * hp, l.begin() + (b + 1) * parts * hp);
-      std::vector<float> ab(acc.begin() + b * parts * hp * d, acc.begin() + (b + 1) * parts * hp * d);
-      combine(mb, lb, ab, parts, hp, d, (float)RV, out32.data_ptr<float>() + b * h * d, h);
-    }
+    for (int64_t b = lo; b < hi; ++b)
+      combine(m.data() + b * parts * hp, l.data() + b * parts * hp, acc.data() + b * parts * hp * dp, parts, hp, dp,
+              (float)RV, out32.data_ptr<float>() + b * h * d, h, d);
   });
   out.copy_(out32);
 }
@@ -322,12 +440,9 @@ void latent_kernel(const torch::Tensor& q_lat, const torch::Tensor& q_rope, cons
     }
   });
   auto out32 = torch::empty({B, h, dc}, torch::kFloat);
-  for (int64_t b = 0; b < B; ++b) {
-    std::vector<float> mb(m.begin() + b * parts * h, m.begin() + (b + 1) * parts * h);
-    std::vector<float> lb(l.begin() + b * parts * h, l.begin() + (b + 1) * parts * h);
-    std::vector<float> ab(acc.begin() + b * parts * h * dc, acc.begin() + (b + 1) * parts * h * dc);
-    combine(mb, lb, ab, parts, h, dc, 1.f, out32.data_ptr<float>() + b * h * dc, h);
-  }
+  for (int64_t b = 0; b < B; ++b)
+    combine(m.data() + b * parts * h, l.data() + b * parts * h, acc.data() + b * parts * h * dc, parts, h, dc, 1.f,
+            out32.data_ptr<float>() + b * h * dc, h, dc);
   out.copy_(out32);
 }
 

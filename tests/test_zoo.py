@@ -12,7 +12,7 @@ import torch
 
 from t6.config import model_config
 from t6.model import T6
-from t6.model.attention import available
+from t6.model.attention import available, get_attention_class
 from t6.model.facts import decode_flops_per_cached_token, kv_elements_per_token, meta_model, parameter_count
 from t6.summary import summarize
 from t6.train import train
@@ -172,11 +172,27 @@ def test_every_option_trains(attention, make_cfg):
     assert sum(loss[-3:]) / 3 < sum(loss[:3]) / 3 - 0.5, loss
 
 
-@pytest.mark.parametrize("attention", ["mha", "gqa", "mla"])
-def test_decode_flops_per_cached_token_are_the_attention_formulas(attention, tmp_path):
-    """Counted on the mechanism's decode path: q.k and p.v per query head (4 h d_h), or MLA's absorbed
-    scores over the latent and its RoPE key plus the averaged latent (2h(d_c + d_rope) + 2h d_c)."""
+@pytest.mark.parametrize(
+    "attention, fused",
+    [(a, False) for a in ("mha", "gqa", "mla", "tpa", "tpa_kvonly")]
+    + [("mla", True), ("tpa", True), ("tpa_kvonly", True)],
+)
+def test_decode_flops_per_cached_token_are_the_attention_formulas(attention, fused, tmp_path, monkeypatch):
+    """Counted on the mechanism's decode path, eager or through the fused operators' FLOP formulas:
+    q.k and p.v per query head (4 h d_h); MLA's absorbed scores over the latent and its RoPE key plus
+    the averaged latent (2h(d_c + d_rope) + 2h d_c); TPA's B_K.B_Q, then A_Q, then P A_V B_V
+    (2(R_Q R_K d_h + R_Q R_K h + h R_V d_h); B_K.q per head for KVonly)."""
     cfg = model_config(compose_config([f"attention={attention}", "size=medium"], tmp_path))
+    cls = get_attention_class(attention)
+    if hasattr(cls, "fused_decode"):
+        monkeypatch.setattr(cls, "fused_decode", fused)
     h, d, o = cfg.n_head, cfg.head_dim, cfg.options()
-    expected = 2 * h * (o.kv_lora_rank + o.rope_dim) + 2 * h * o.kv_lora_rank if attention == "mla" else 4 * h * d
+    if attention == "mla":
+        expected = 2 * h * (o.kv_lora_rank + o.rope_dim) + 2 * h * o.kv_lora_rank
+    elif attention == "tpa":
+        expected = 2 * (o.q_rank * o.k_rank * d + o.q_rank * o.k_rank * h + h * o.v_rank * d)
+    elif attention == "tpa_kvonly":
+        expected = 2 * (o.k_rank * d * h + h * o.v_rank * d)
+    else:
+        expected = 4 * h * d
     assert decode_flops_per_cached_token(cfg) == expected

@@ -32,6 +32,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from torch.utils.flop_counter import register_flop_formula
 
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc" / "fused_decode.cpp"
@@ -91,6 +92,15 @@ def _(q_a, q_b, a_k, b_k, a_v, b_v, key_mask):
     return q_b.new_empty(B, h, d)
 
 
+@register_flop_formula(torch.ops.t6.tpa_decode)
+def _(q_a, q_b, a_k, b_k, a_v, b_v, key_mask, out_shape=None) -> int:
+    """Multiply-adds x 2 (shapes in): B_K . B_Q then A_Q (or B_K . q per head), and P A_V B_V."""
+    B, S, R_K, h = a_k
+    d, R_V = b_k[-1], a_v[2]
+    scores = 2 * B * S * R_K * d * h if q_a is None else 2 * B * S * R_K * q_a[1] * (d + h)
+    return scores + 2 * B * S * R_V * h * d
+
+
 def reference_tpa_decode(q_a, q_b, a_k, b_k, a_v, b_v, key_mask) -> torch.Tensor:
     """The eager form of `tpa_decode` (same arguments and result): whole-context intermediates."""
     B, S, R_K, h = a_k.shape
@@ -131,6 +141,14 @@ def latent_decode(
 @latent_decode.register_fake
 def _(q_lat, q_rope, c_kv, k_rope, key_mask):
     return q_lat.new_empty(q_lat.shape)
+
+
+@register_flop_formula(torch.ops.t6.latent_decode)
+def _(q_lat, q_rope, c_kv, k_rope, key_mask, out_shape=None) -> int:
+    """Multiply-adds x 2 (shapes in): scores over the latent and the RoPE key, then P c_kv."""
+    B, h, d_c = q_lat
+    S, d_rope = c_kv[1], k_rope[-1]
+    return 2 * B * h * S * (d_c + d_rope) + 2 * B * h * S * d_c
 
 
 def reference_latent_decode(q_lat, q_rope, c_kv, k_rope, key_mask) -> torch.Tensor:

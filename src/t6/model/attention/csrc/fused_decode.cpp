@@ -47,18 +47,23 @@ inline int padded(int h) { return (h + LANES - 1) / LANES * LANES; }
 
 // exp(x) for x <= 0, branch-free so that loops over it vectorize (a Cephes-style polynomial,
 // relative error ~2e-7); exactly 0 below -87 (and for -inf).
-inline float exp_nonpositive(float x) {
-  const float xc = std::max(x, -87.f);
-  const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
-  float r = xc - n * 0.693359375f;
+// e^(x - n ln 2) for x - n ln 2 in about [-ln2/2, ln2/2]: float or a vector of floats.
+template <typename T>
+inline T exp_reduced(T x, T n) {
+  T r = x - n * 0.693359375f;
   r -= n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
+  T p = r * 1.9875691500e-4f + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
+  return p * r * r + r + 1.f;
+}
+
+inline float exp_nonpositive(float x) {
+  const float xc = std::max(x, -87.f);
+  const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
+  const float p = exp_reduced(xc, n);
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
@@ -228,16 +233,7 @@ inline float hsum(v16 x) {  // a tree of halves: 16 -> 8 -> 4 -> 1
 inline v16 exp_nonpositive(v16 x) {
   const v16 xc = x < -87.f ? splat(-87.f) : x;
   const i16 ni = __builtin_convertvector(xc * 1.44269504088896341f - 0.5f, i16);
-  const v16 n = __builtin_convertvector(ni, v16);
-  v16 r = xc - n * 0.693359375f;
-  r -= n * -2.12194440e-4f;
-  v16 p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
+  const v16 p = exp_reduced(xc, __builtin_convertvector(ni, v16));
   const v16 scale = (v16)((ni + 127) << 23);  // 2^n
   return x < -87.f ? splat(0.f) : p * scale;
 }

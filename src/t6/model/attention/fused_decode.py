@@ -14,8 +14,8 @@ proportional to the context is written. Per cached token s and head i (TPA):
 and the result is acc / (l R_V). MLA: scores[s, i] = q_lat[i] . c_kv[s] + q_rope[i] . k_rope[s],
 acc[i, :] += P[s, i] c_kv[s, :]. The query scales are folded into the query by the caller.
 
-The CPU implementation is C++ (csrc/fused_decode.cpp: TPA written on 16-float vectors with
-GCC/Clang vector extensions, MLA vectorized by the compiler; threads from ATen's OpenMP pool),
+The CPU implementation is C++ (csrc/fused_decode.cpp: TPA written on float vectors of the
+machine's width with GCC/Clang vector extensions, MLA vectorized by the compiler; threads from ATen's OpenMP pool),
 compiled on first use by torch.utils.cpp_extension into the user's torch extensions cache
 (`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions; needs g++, the Python headers and
 ninja, pinned in pyproject). Where it cannot be built, the operators run

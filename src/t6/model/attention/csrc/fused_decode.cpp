@@ -197,96 +197,121 @@ void check_cache(const torch::Tensor& t, const char* name) {
               name, " must be a cache view whose per-token [R, n] block is contiguous");
 }
 
-// ---- TPA: the block loop on 16-float vectors (GCC/Clang vector extensions: one zmm register
-// with AVX-512, two ymm with AVX2, four q registers with NEON). Head counts and widths are padded
-// to multiples of 16 with zeros, so every loop below runs over whole vectors.
+// ---- TPA: the block loop on float vectors of the machine's width (GCC/Clang vector extensions:
+// 16 floats in a zmm register with AVX-512, 8 in a ymm with AVX, 4 with SSE or NEON). Head counts
+// and widths are padded to multiples of 16 with zeros, so every loop below runs over whole vectors.
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t i16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));  // for loads and stores at any float offset
-
-inline v16 load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
-inline void store(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
-inline v16 splat(float x) {
-#if defined(__clang__) || __GNUC__ >= 12
-  const v16 v = {x};  // a broadcast; the "0 + x" form below also costs an add on the FMA port
-  return __builtin_shufflevector(v, v, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+#if defined(__AVX512F__)
+constexpr int VLEN = 16;
+constexpr int NV = 4;  // vectors of columns per value tile: 4 heads x 4 = 16 of the 32 zmm registers
+#elif defined(__AVX__)
+constexpr int VLEN = 8;
+constexpr int NV = 2;  // 4 heads x 2 = 8 of the 16 ymm registers
 #else
-  return v16{} + x;
+constexpr int VLEN = 4;
+constexpr int NV = 4;  // 4 heads x 4 = 16 of the 32 NEON registers (SSE: 16, some spill)
+#endif
+typedef float vf __attribute__((vector_size(VLEN * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(VLEN * sizeof(int32_t))));
+typedef float vfu __attribute__((vector_size(VLEN * sizeof(float)), aligned(4)));  // loads/stores at any float offset
+
+inline vf load(const float* p) { return *reinterpret_cast<const vfu*>(p); }
+inline void store(float* p, vf x) { *reinterpret_cast<vfu*>(p) = x; }
+inline vf splat(float x) {
+#if defined(__clang__) || __GNUC__ >= 12
+  const vf v = {x};  // a broadcast; the "0 + x" form below also costs an add on the FMA port
+#if defined(__AVX512F__)
+  return __builtin_shufflevector(v, v, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+#elif defined(__AVX__)
+  return __builtin_shufflevector(v, v, 0, 0, 0, 0, 0, 0, 0, 0);
+#else
+  return __builtin_shufflevector(v, v, 0, 0, 0, 0);
+#endif
+#else
+  return vf{} + x;
 #endif
 }
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-inline float hsum(v16 x) {  // a tree of halves: 16 -> 8 -> 4 -> 1
-  v8 lo, hi;
+typedef float v4 __attribute__((vector_size(4 * sizeof(float))));
+inline float hsum(vf x) {  // a tree of halves down to 4 lanes, then 4 -> 1
+  v4 s4;
+#if defined(__AVX512F__) || defined(__AVX__)
+  typedef float vh __attribute__((vector_size(VLEN / 2 * sizeof(float))));
+  vh lo, hi;
   std::memcpy(&lo, &x, sizeof(lo));
   std::memcpy(&hi, reinterpret_cast<const char*>(&x) + sizeof(lo), sizeof(hi));
-  const v8 s8 = lo + hi;
+  const vh s = lo + hi;
+#if defined(__AVX512F__)
   v4 a, b;
-  std::memcpy(&a, &s8, sizeof(a));
-  std::memcpy(&b, reinterpret_cast<const char*>(&s8) + sizeof(a), sizeof(b));
-  const v4 s4 = a + b;
+  std::memcpy(&a, &s, sizeof(a));
+  std::memcpy(&b, reinterpret_cast<const char*>(&s) + sizeof(a), sizeof(b));
+  s4 = a + b;
+#else
+  s4 = s;
+#endif
+#else
+  s4 = x;
+#endif
   return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
-// exp_nonpositive on 16 lanes: the same polynomial, rounding by truncation of y - 1/2 (y <= 0).
-inline v16 exp_nonpositive(v16 x) {
-  const v16 xc = x < -87.f ? splat(-87.f) : x;
-  const i16 ni = __builtin_convertvector(xc * 1.44269504088896341f - 0.5f, i16);
-  const v16 p = exp_reduced(xc, __builtin_convertvector(ni, v16));
-  const v16 scale = (v16)((ni + 127) << 23);  // 2^n
+// exp_nonpositive on a vector: the same polynomial, rounding by truncation of y - 1/2 (y <= 0).
+inline vf exp_nonpositive(vf x) {
+  const vf xc = x < -87.f ? splat(-87.f) : x;
+  const vi ni = __builtin_convertvector(xc * 1.44269504088896341f - 0.5f, vi);
+  const vf p = exp_reduced(xc, __builtin_convertvector(ni, vf));
+  const vf scale = (vf)((ni + 127) << 23);  // 2^n
   return x < -87.f ? splat(0.f) : p * scale;
 }
 
 // acc[i, :] += sum_n w[n, i] v[n, :] for i < hp (a multiple of TILE_H), columns dp (a multiple of
-// 16): register tiles of TILE_H heads x NV vectors of 16 columns.
-template <int NV>
+// 16): register tiles of TILE_H heads x C vectors of columns.
+template <int C>
 inline void accumulate_tile(float* acc, int dp, int i0, int j0, const float* w, int hp, const float* v, int N) {
-  v16 a[TILE_H][NV];
+  vf a[TILE_H][C];
   for (int ii = 0; ii < TILE_H; ++ii)
-    for (int k = 0; k < NV; ++k) a[ii][k] = load(acc + (int64_t)(i0 + ii) * dp + j0 + 16 * k);
+    for (int k = 0; k < C; ++k) a[ii][k] = load(acc + (int64_t)(i0 + ii) * dp + j0 + VLEN * k);
   for (int n = 0; n < N; ++n) {
-    v16 vn[NV];
-    for (int k = 0; k < NV; ++k) vn[k] = load(v + (int64_t)n * dp + j0 + 16 * k);
+    vf vn[C];
+    for (int k = 0; k < C; ++k) vn[k] = load(v + (int64_t)n * dp + j0 + VLEN * k);
     const float* wn = w + (int64_t)n * hp + i0;
     for (int ii = 0; ii < TILE_H; ++ii) {
-      const v16 c = splat(wn[ii]);
-      for (int k = 0; k < NV; ++k) a[ii][k] += c * vn[k];
+      const vf c = splat(wn[ii]);
+      for (int k = 0; k < C; ++k) a[ii][k] += c * vn[k];
     }
   }
   for (int ii = 0; ii < TILE_H; ++ii)
-    for (int k = 0; k < NV; ++k) store(acc + (int64_t)(i0 + ii) * dp + j0 + 16 * k, a[ii][k]);
+    for (int k = 0; k < C; ++k) store(acc + (int64_t)(i0 + ii) * dp + j0 + VLEN * k, a[ii][k]);
 }
 
 void accumulate_v(float* acc, int hp, int dp, const float* w, const float* v, int N) {
   for (int i0 = 0; i0 < hp; i0 += TILE_H) {
     int j0 = 0;
-    for (; j0 + 64 <= dp; j0 += 64) accumulate_tile<4>(acc, dp, i0, j0, w, hp, v, N);
-    for (; j0 < dp; j0 += 16) accumulate_tile<1>(acc, dp, i0, j0, w, hp, v, N);
+    for (; j0 + NV * VLEN <= dp; j0 += NV * VLEN) accumulate_tile<NV>(acc, dp, i0, j0, w, hp, v, N);
+    for (; j0 < dp; j0 += VLEN) accumulate_tile<1>(acc, dp, i0, j0, w, hp, v, N);
   }
 }
 
-// The online-softmax update for one block on vectors of 16 heads: sc [n, hp] -> p in place;
+// The online-softmax update for one block, a vector of heads at a time: sc [n, hp] -> p in place;
 // m, l [hp] and acc [hp, dp] rescaled where a head's running max grew.
 void softmax_update_v(float* sc, int n, int hp, float* m, float* l, float* acc, int dp) {
-  for (int i0 = 0; i0 < hp; i0 += LANES) {
-    const v16 m_old = load(m + i0);
-    v16 mx = m_old;
+  for (int i0 = 0; i0 < hp; i0 += VLEN) {
+    const vf m_old = load(m + i0);
+    vf mx = m_old;
     for (int t = 0; t < n; ++t) {
-      const v16 s = load(sc + t * hp + i0);
+      const vf s = load(sc + t * hp + i0);
       mx = s > mx ? s : mx;
     }
-    const v16 m_new = mx == NEG_INF ? splat(0.f) : mx;  // 0 while nothing is visible (weights stay 0)
-    const v16 corr = m_old == NEG_INF ? splat(0.f) : exp_nonpositive(m_old - m_new);
-    v16 l_ = load(l + i0) * corr;
-    for (int i = 0; i < LANES; ++i)
+    const vf m_new = mx == NEG_INF ? splat(0.f) : mx;  // 0 while nothing is visible (weights stay 0)
+    const vf corr = m_old == NEG_INF ? splat(0.f) : exp_nonpositive(m_old - m_new);
+    vf l_ = load(l + i0) * corr;
+    for (int i = 0; i < VLEN; ++i)
       if (mx[i] > m_old[i] && m_old[i] != NEG_INF) {
         float* ai = acc + (int64_t)(i0 + i) * dp;
-        const v16 c = splat(corr[i]);
-        for (int j = 0; j < dp; j += LANES) store(ai + j, load(ai + j) * c);
+        const vf c = splat(corr[i]);
+        for (int j = 0; j < dp; j += VLEN) store(ai + j, load(ai + j) * c);
       }
     for (int t = 0; t < n; ++t) {
-      const v16 p = exp_nonpositive(load(sc + t * hp + i0) - m_new);
+      const vf p = exp_nonpositive(load(sc + t * hp + i0) - m_new);
       store(sc + t * hp + i0, p);
       l_ += p;
     }
@@ -345,21 +370,21 @@ void tpa_kernel(const torch::Tensor& q_a, const torch::Tensor& q_b, const torch:
           for (int row = 0; row < n * RK; ++row) {
             const float* bkr = bkb + (int64_t)row * dp;
             for (int c = 0; c < RQ; ++c) {
-              v16 s{};
-              for (int j = 0; j < dp; j += LANES) s += load(qq + (int64_t)c * dp + j) * load(bkr + j);
+              vf s{};
+              for (int j = 0; j < dp; j += VLEN) s += load(qq + (int64_t)c * dp + j) * load(bkr + j);
               g[(int64_t)row * RQ + c] = hsum(s);
             }
           }
-        // sc[t, i] = sum_r A_K[t, r, i] qb[t, r, i]: [n, hp], where per 16 heads
+        // sc[t, i] = sum_r A_K[t, r, i] qb[t, r, i]: [n, hp], where per vector of heads
         //   qb[t, r, :] = sum_r' g[row, r'] A_Q[r', :]      (factorized query)
         //              = sum_j B_K[row, j] q^T[j, :]        (full query)
         for (int t = 0; t < n; ++t) {
           const bool visible = !mk || mk[b * mk_b + s0 + t];
-          for (int i0 = 0; i0 < hp; i0 += LANES) {
-            v16 s{};
+          for (int i0 = 0; i0 < hp; i0 += VLEN) {
+            vf s{};
             for (int r = 0; r < RK; ++r) {
               const int row = t * RK + r;
-              v16 q{};
+              vf q{};
               if (factored) {
                 const float* gr = g.data() + (int64_t)row * RQ;
                 for (int rq = 0; rq < RQ; ++rq) q += gr[rq] * load(qa + rq * hp + i0);
@@ -376,7 +401,7 @@ void tpa_kernel(const torch::Tensor& q_a, const torch::Tensor& q_b, const torch:
         // w[t R_V + r, i] = P[t, i] A_V[t, r, i]: [n R_V, hp]
         for (int t = 0; t < n; ++t)
           for (int r = 0; r < RV; ++r)
-            for (int i0 = 0; i0 < hp; i0 += LANES) {
+            for (int i0 = 0; i0 < hp; i0 += VLEN) {
               const int row = t * RV + r;
               store(w.data() + row * hp + i0, load(sc.data() + t * hp + i0) * load(av.data() + row * hp + i0));
             }

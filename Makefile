@@ -1,5 +1,5 @@
 # Two commands set everything up on a fresh Linux machine (Python >= 3.10):
-#   make run    install into .venv, then train the default T6 on the embedded corpus
+#   make run    install into .venv (and build the fused CPU decode kernels), then train the default T6 on the embedded corpus
 #   make test   install with test dependencies into .venv (and, as root, Debian's chromium and
 #               chromium-driver for the MLflow UI browser test), lint (ruff), then run the test suite
 # torch is installed first and pinned (a CPU build where the machine provides one); every
@@ -19,6 +19,8 @@ $(VENV)/bin/python:
 $(VENV)/.installed: $(VENV)/bin/python pyproject.toml constraints.txt
 	$(PIP) install --disable-pip-version-check -q torch==2.13.0
 	$(PIP) install --disable-pip-version-check -q -c constraints.txt -e .
+	$(PY) -c 'from t6.model.attention.fused_decode import cpu_extension as build; \
+		print("fused CPU decode kernels:", "built" if build() else "not built, decoding runs eager")'
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed

@@ -4,6 +4,9 @@ model's cached decoding through them against recomputation for every mechanism."
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from test_inference import NAMES, tiny
@@ -38,6 +41,20 @@ def tpa_inputs(B, S, factored, dtype, gen, h=7, d=16, R_Q=3, R_K=2, R_V=3, max_l
 def requires_extension():
     if fused_decode.cpu_extension() is None:
         pytest.fail("the fused CPU decode kernels did not build (g++, Python headers and ninja are required)")
+
+
+def test_a_build_killed_midway_does_not_make_later_loads_wait_forever():
+    """torch's build lock is a file: a build killed while holding it (a timeout, Ctrl-C twice) leaves it
+    behind, and torch's own loader then waits for it without end. The kernels still load."""
+    requires_extension()
+    stale = fused_decode.build_directory() / "lock"
+    stale.touch()
+    try:
+        code = "from t6.model.attention.fused_decode import cpu_extension; assert cpu_extension() is not None"
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=240)
+        assert not stale.exists()
+    finally:
+        stale.unlink(missing_ok=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

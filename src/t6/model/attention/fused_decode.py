@@ -16,18 +16,23 @@ acc[i, :] += P[s, i] c_kv[s, :]. The query scales are folded into the query by t
 
 The CPU implementation is C++ (csrc/fused_decode.cpp: TPA written on float vectors of the
 machine's width with GCC/Clang vector extensions, MLA vectorized by the compiler; threads from ATen's OpenMP pool),
-compiled on first use by torch.utils.cpp_extension into the user's torch extensions cache
+compiled by torch.utils.cpp_extension into the user's torch extensions cache
 (`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions; needs g++, the Python headers and
-ninja, pinned in pyproject). Where it cannot be built, the operators run
-`reference_tpa_decode` / `reference_latent_decode`, the eager form, with one warning. On CUDA
+ninja, pinned in pyproject): `make install` builds it, otherwise the first decode does. Where it
+cannot be built, the operators run `reference_tpa_decode` / `reference_latent_decode`, the eager
+form, with one warning. On CUDA
 the Triton kernels of `t6.model.attention.triton_decode` implement the same operators.
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
+import hashlib
 import logging
+import os
 import platform
+import sys
 import warnings
 from pathlib import Path
 
@@ -43,16 +48,38 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp"] + (
 )
 
 
+def build_directory() -> Path:
+    """The kernels' build folder in the torch extensions cache: one per copy of this source, Python and torch."""
+    from torch.utils import cpp_extension
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
+    tag = hashlib.sha1(f"{CSRC}|{sys.version}|{torch.__version__}".encode()).hexdigest()[:10]
+    return root / f"t6_fused_decode_{tag}"
+
+
 @functools.cache
 def cpu_extension():
     """The compiled CPU kernels (built once per machine and cached), or None where they cannot be built."""
     from torch.utils import cpp_extension
 
-    log.info("t6: loading the fused CPU decode kernels (compiled on first use on a machine, about a minute)")
+    log.info("t6: loading the fused CPU decode kernels (the first load on a machine compiles them, about a minute)")
+    build_dir = build_directory()
     try:
-        return cpp_extension.load(
-            name="t6_fused_decode", sources=[str(CSRC)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False
-        )
+        build_dir.mkdir(parents=True, exist_ok=True)
+        # torch's own build lock is a file that a killed build leaves behind, after which every later
+        # load waits for it forever; this lock is released by the OS when its holder dies, and whoever
+        # holds it may remove a leftover torch lock.
+        with open(build_dir / "t6.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            (build_dir / "lock").unlink(missing_ok=True)
+            return cpp_extension.load(
+                name="t6_fused_decode",
+                sources=[str(CSRC)],
+                extra_cflags=CFLAGS,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+                verbose=False,
+            )
     except Exception as err:  # no compiler, headers or ninja: the eager reference still decodes
         warnings.warn(
             f"t6: the fused CPU decode kernels could not be built ({type(err).__name__}: {err}); "

@@ -362,9 +362,9 @@ void tpa_kernel(const torch::Tensor& q_a, const torch::Tensor& q_b, const torch:
         const float* bvb = direct ? reinterpret_cast<const float*>(b_v.data_ptr<scalar_t>() + b * b_v.stride(0) + s0 * b_v.stride(1)) : bv.data();
         if (!direct) {
           rows_to_float(b_k.data_ptr<scalar_t>() + b * b_k.stride(0) + s0 * b_k.stride(1), n * RK, d, bk.data(), dp);
-          }
+          rows_to_float(b_v.data_ptr<scalar_t>() + b * b_v.stride(0) + s0 * b_v.stride(1), n * RV, d, bv.data(), dp);
+        }
         rows_to_float(a_v.data_ptr<scalar_t>() + b * a_v.stride(0) + s0 * a_v.stride(1), n * RV, h, av.data(), hp);
-        rows_to_float(b_v.data_ptr<scalar_t>() + b * b_v.stride(0) + s0 * b_v.stride(1), n * RV, d, bv.data(), dp);
         // factorized query: g[row, r'] = B_K[row] . B_Q[r']: [n R_K, R_Q], row = t R_K + r
         if (factored)
           for (int row = 0; row < n * RK; ++row) {

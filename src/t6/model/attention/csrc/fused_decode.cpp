@@ -33,7 +33,10 @@ constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 template <typename T>
 inline void to_float(const T* src, float* dst, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<float>(src[j]);
+  if constexpr (std::is_same<T, float>::value)
+    std::memcpy(dst, src, n * sizeof(float));
+  else
+    for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<float>(src[j]);
 }
 
 // rows [N, n] (contiguous) -> dst [N, n_pad] as float; the padding columns are left as they are (zero).
@@ -231,28 +234,30 @@ inline vf splat(float x) {
   return vf{} + x;
 #endif
 }
+#if defined(__clang__) || __GNUC__ >= 12
 typedef float v4 __attribute__((vector_size(4 * sizeof(float))));
-inline float hsum(vf x) {  // a tree of halves down to 4 lanes, then 4 -> 1
-  v4 s4;
-#if defined(__AVX512F__) || defined(__AVX__)
-  typedef float vh __attribute__((vector_size(VLEN / 2 * sizeof(float))));
-  vh lo, hi;
-  std::memcpy(&lo, &x, sizeof(lo));
-  std::memcpy(&hi, reinterpret_cast<const char*>(&x) + sizeof(lo), sizeof(hi));
-  const vh s = lo + hi;
+inline float hsum(vf x) {  // a tree of halves down to 4 lanes, then 4 -> 1, in registers
 #if defined(__AVX512F__)
-  v4 a, b;
-  std::memcpy(&a, &s, sizeof(a));
-  std::memcpy(&b, reinterpret_cast<const char*>(&s) + sizeof(a), sizeof(b));
-  s4 = a + b;
+  typedef float v8 __attribute__((vector_size(8 * sizeof(float))));
+  const v8 y = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
+               __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v4 s4 = __builtin_shufflevector(y, y, 0, 1, 2, 3) + __builtin_shufflevector(y, y, 4, 5, 6, 7);
+#elif defined(__AVX__)
+  const v4 s4 = __builtin_shufflevector(x, x, 0, 1, 2, 3) + __builtin_shufflevector(x, x, 4, 5, 6, 7);
 #else
-  s4 = s;
-#endif
-#else
-  s4 = x;
+  const v4 s4 = x;
 #endif
   return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
+#else
+inline float hsum(vf x) {  // older compilers: through memory
+  float s[VLEN];
+  std::memcpy(s, &x, sizeof(s));
+  float t = 0.f;
+  for (int i = 0; i < VLEN; ++i) t += s[i];
+  return t;
+}
+#endif
 
 // exp_nonpositive on a vector: the same polynomial, rounding by truncation of y - 1/2 (y <= 0).
 inline vf exp_nonpositive(vf x) {
@@ -281,6 +286,33 @@ inline void accumulate_tile(float* acc, int dp, int i0, int j0, const float* w, 
   }
   for (int ii = 0; ii < TILE_H; ++ii)
     for (int k = 0; k < C; ++k) store(acc + (int64_t)(i0 + ii) * dp + j0 + VLEN * k, a[ii][k]);
+}
+
+// y[m, :] = sum_k x[m, k] z[k, :] for rows m < M (x row stride ldx; z [K, hp], y [M, hp], hp a
+// multiple of 16): register tiles of 4 rows x C vectors of columns; y has room for M rounded up to 4.
+template <int C>
+inline void rows_gemm_tile(const float* x, int ldx, int K, const float* z, int hp, int M, int j0, float* y) {
+  for (int m0 = 0; m0 < M; m0 += 4) {
+    const float* xr[4];
+    for (int mm = 0; mm < 4; ++mm) xr[mm] = x + (int64_t)std::min(m0 + mm, M - 1) * ldx;
+    vf a[4][C] = {};
+    for (int k = 0; k < K; ++k) {
+      vf zk[C];
+      for (int c = 0; c < C; ++c) zk[c] = load(z + (int64_t)k * hp + j0 + VLEN * c);
+      for (int mm = 0; mm < 4; ++mm) {
+        const vf xm = splat(xr[mm][k]);
+        for (int c = 0; c < C; ++c) a[mm][c] += xm * zk[c];
+      }
+    }
+    for (int mm = 0; mm < 4; ++mm)
+      for (int c = 0; c < C; ++c) store(y + (int64_t)(m0 + mm) * hp + j0 + VLEN * c, a[mm][c]);
+  }
+}
+
+void rows_gemm(const float* x, int ldx, int K, const float* z, int hp, int M, float* y) {
+  int j0 = 0;
+  for (; j0 + 3 * VLEN <= hp; j0 += 3 * VLEN) rows_gemm_tile<3>(x, ldx, K, z, hp, M, j0, y);
+  for (; j0 < hp; j0 += VLEN) rows_gemm_tile<1>(x, ldx, K, z, hp, M, j0, y);
 }
 
 void accumulate_v(float* acc, int hp, int dp, const float* w, const float* v, int N) {
@@ -345,8 +377,12 @@ void tpa_kernel(const torch::Tensor& q_a, const torch::Tensor& q_b, const torch:
   const bool* mk = mask.defined() ? mask.data_ptr<bool>() : nullptr;
   const int64_t mk_b = mask.defined() ? mask.stride(0) : 0;
   at::parallel_for(0, B * parts, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> ak(BLOCK * RK * hp, 0.f), bk(BLOCK * RK * dp, 0.f), av(BLOCK * RV * hp, 0.f);
-    std::vector<float> bv(BLOCK * RV * dp, 0.f), sc(BLOCK * hp), w(BLOCK * RV * hp), g(BLOCK * RK * std::max(RQ, 1));
+    // A_K, A_V rows of a block as float, [n R, h] unpadded: the vector of heads i0..i0+15 read at
+    // row h + i0 runs into the next row's first heads (or the zero slack after the last row); they
+    // land in the padding heads h..hp, whose query (A_Q, q^T) is zero, so no real head sees them.
+    std::vector<float> ak(BLOCK * RK * h + LANES, 0.f), av(BLOCK * RV * h + LANES, 0.f);
+    std::vector<float> bk(BLOCK * RK * dp, 0.f), bv(BLOCK * RV * dp, 0.f), sc(BLOCK * hp), w(BLOCK * RV * hp);
+    std::vector<float> g(BLOCK * RK * std::max(RQ, 1)), qb((BLOCK * RK + 3) * hp);
     for (int64_t task = lo; task < hi; ++task) {
       const int64_t b = task / parts, part = task % parts;
       const int64_t s_lo = part * per, s_hi = std::min(S, s_lo + per);
@@ -357,14 +393,23 @@ void tpa_kernel(const torch::Tensor& q_a, const torch::Tensor& q_b, const torch:
       const float* qq = qb32.data_ptr<float>() + b * qb32.stride(0);
       for (int64_t s0 = s_lo; s0 < s_hi; s0 += BLOCK) {
         const int n = (int)std::min<int64_t>(BLOCK, s_hi - s0);
-        rows_to_float(a_k.data_ptr<scalar_t>() + b * a_k.stride(0) + s0 * a_k.stride(1), n * RK, h, ak.data(), hp);
+        // fp32 A rows are read in place, except in the last block, whose last row's read would run
+        // past the cache (the copy's zero slack stands in for it there)
+        const bool a_direct = std::is_same<scalar_t, float>::value && s0 + n < S;
+        const scalar_t* akp = a_k.data_ptr<scalar_t>() + b * a_k.stride(0) + s0 * a_k.stride(1);
+        const scalar_t* avp = a_v.data_ptr<scalar_t>() + b * a_v.stride(0) + s0 * a_v.stride(1);
+        if (!a_direct) {
+          to_float(akp, ak.data(), (int64_t)n * RK * h);
+          to_float(avp, av.data(), (int64_t)n * RV * h);
+        }
+        const float* akb = a_direct ? reinterpret_cast<const float*>(akp) : ak.data();
+        const float* avb = a_direct ? reinterpret_cast<const float*>(avp) : av.data();
         const float* bkb = direct ? reinterpret_cast<const float*>(b_k.data_ptr<scalar_t>() + b * b_k.stride(0) + s0 * b_k.stride(1)) : bk.data();
         const float* bvb = direct ? reinterpret_cast<const float*>(b_v.data_ptr<scalar_t>() + b * b_v.stride(0) + s0 * b_v.stride(1)) : bv.data();
         if (!direct) {
           rows_to_float(b_k.data_ptr<scalar_t>() + b * b_k.stride(0) + s0 * b_k.stride(1), n * RK, d, bk.data(), dp);
           rows_to_float(b_v.data_ptr<scalar_t>() + b * b_v.stride(0) + s0 * b_v.stride(1), n * RV, d, bv.data(), dp);
         }
-        rows_to_float(a_v.data_ptr<scalar_t>() + b * a_v.stride(0) + s0 * a_v.stride(1), n * RV, h, av.data(), hp);
         // factorized query: g[row, r'] = B_K[row] . B_Q[r']: [n R_K, R_Q], row = t R_K + r
         if (factored)
           for (int row = 0; row < n * RK; ++row) {
@@ -375,24 +420,18 @@ void tpa_kernel(const torch::Tensor& q_a, const torch::Tensor& q_b, const torch:
               g[(int64_t)row * RQ + c] = hsum(s);
             }
           }
-        // sc[t, i] = sum_r A_K[t, r, i] qb[t, r, i]: [n, hp], where per vector of heads
-        //   qb[t, r, :] = sum_r' g[row, r'] A_Q[r', :]      (factorized query)
-        //              = sum_j B_K[row, j] q^T[j, :]        (full query)
+        // qb[t R_K + r, :] = sum_r' g[row, r'] A_Q[r', :]   (factorized query): g [n R_K, R_Q] x A_Q [R_Q, hp]
+        //                 = sum_j B_K[row, j] q^T[j, :]    (full query):       B_K [n R_K, d] x q^T [d, hp]
+        if (factored) rows_gemm(g.data(), RQ, RQ, qa, hp, n * RK, qb.data());
+        else rows_gemm(bkb, dp, d, qq, hp, n * RK, qb.data());
+        // sc[t, i] = sum_r A_K[t, r, i] qb[t R_K + r, i]: [n, hp]
         for (int t = 0; t < n; ++t) {
           const bool visible = !mk || mk[b * mk_b + s0 + t];
           for (int i0 = 0; i0 < hp; i0 += VLEN) {
             vf s{};
             for (int r = 0; r < RK; ++r) {
               const int row = t * RK + r;
-              vf q{};
-              if (factored) {
-                const float* gr = g.data() + (int64_t)row * RQ;
-                for (int rq = 0; rq < RQ; ++rq) q += gr[rq] * load(qa + rq * hp + i0);
-              } else {
-                const float* bkr = bkb + (int64_t)row * dp;
-                for (int j = 0; j < d; ++j) q += bkr[j] * load(qq + (int64_t)j * hp + i0);
-              }
-              s += load(ak.data() + (int64_t)row * hp + i0) * q;
+              s += load(akb + (int64_t)row * h + i0) * load(qb.data() + (int64_t)row * hp + i0);
             }
             store(sc.data() + t * hp + i0, visible ? s : splat(NEG_INF));
           }
@@ -403,7 +442,7 @@ void tpa_kernel(const torch::Tensor& q_a, const torch::Tensor& q_b, const torch:
           for (int r = 0; r < RV; ++r)
             for (int i0 = 0; i0 < hp; i0 += VLEN) {
               const int row = t * RV + r;
-              store(w.data() + row * hp + i0, load(sc.data() + t * hp + i0) * load(av.data() + row * hp + i0));
+              store(w.data() + row * hp + i0, load(sc.data() + t * hp + i0) * load(avb + (int64_t)row * h + i0));
             }
         accumulate_v(acc_, hp, dp, w.data(), bvb, n * RV);
       }

@@ -315,8 +315,34 @@ void rows_gemm(const float* x, int ldx, int K, const float* z, int hp, int M, fl
   for (; j0 < hp; j0 += VLEN) rows_gemm_tile<1>(x, ldx, K, z, hp, M, j0, y);
 }
 
-void accumulate_v(float* acc, int hp, int dp, const float* w, const float* v, int N) {
+// Software prefetch of the next block's cache rows (four streams: B_K, A_K, A_V, B_V), a few
+// 64-byte lines at a time between the steps of this block, so that memory keeps streaming while
+// the block computes (the hardware prefetchers follow one stream at a time, phase by phase:
+// 8-15% of the TPA operator at 16k-32k with the cache out of cache).
+struct Prefetch {
+  const char* p[4] = {};
+  int64_t bytes[4] = {}, at = 0, total = 0;
+  void add(const void* ptr, int64_t n) {
+    for (int k = 0; k < 4; ++k)
+      if (!p[k]) {
+        p[k] = static_cast<const char*>(ptr), bytes[k] = n, total += n;
+        return;
+      }
+  }
+  void lines(int count) {  // the next `count` cache lines, stream after stream
+    for (; count > 0 && at < total; --count, at += 64) {
+      int64_t o = at;
+      int k = 0;
+      while (o >= bytes[k]) o -= bytes[k++];
+      __builtin_prefetch(p[k] + o);
+    }
+  }
+};
+
+void accumulate_v(float* acc, int hp, int dp, const float* w, const float* v, int N, Prefetch& pf) {
+  const int per_tile = 1 + (int)(pf.total / 64) / (hp / TILE_H);
   for (int i0 = 0; i0 < hp; i0 += TILE_H) {
+    pf.lines(per_tile);
     int j0 = 0;
     for (; j0 + NV * VLEN <= dp; j0 += NV * VLEN) accumulate_tile<NV>(acc, dp, i0, j0, w, hp, v, N);
     for (; j0 < dp; j0 += VLEN) accumulate_tile<1>(acc, dp, i0, j0, w, hp, v, N);
@@ -410,9 +436,18 @@ void tpa_kernel(const torch::Tensor& q_a, const torch::Tensor& q_b, const torch:
           rows_to_float(b_k.data_ptr<scalar_t>() + b * b_k.stride(0) + s0 * b_k.stride(1), n * RK, d, bk.data(), dp);
           rows_to_float(b_v.data_ptr<scalar_t>() + b * b_v.stride(0) + s0 * b_v.stride(1), n * RV, d, bv.data(), dp);
         }
+        Prefetch pf;
+        if (s0 + n < s_hi) {
+          const int64_t n2 = std::min<int64_t>(BLOCK, s_hi - s0 - n), e = sizeof(scalar_t);
+          pf.add(b_k.data_ptr<scalar_t>() + b * b_k.stride(0) + (s0 + n) * b_k.stride(1), n2 * RK * d * e);
+          pf.add(akp + n * a_k.stride(1), n2 * RK * h * e);
+          pf.add(avp + n * a_v.stride(1), n2 * RV * h * e);
+          pf.add(b_v.data_ptr<scalar_t>() + b * b_v.stride(0) + (s0 + n) * b_v.stride(1), n2 * RV * d * e);
+        }
         // factorized query: g[row, r'] = B_K[row] . B_Q[r']: [n R_K, R_Q], row = t R_K + r
         if (factored)
           for (int row = 0; row < n * RK; ++row) {
+            pf.lines(4);
             const float* bkr = bkb + (int64_t)row * dp;
             for (int c = 0; c < RQ; ++c) {
               vf s{};
@@ -426,6 +461,7 @@ void tpa_kernel(const torch::Tensor& q_a, const torch::Tensor& q_b, const torch:
         else rows_gemm(bkb, dp, d, qq, hp, n * RK, qb.data());
         // sc[t, i] = sum_r A_K[t, r, i] qb[t R_K + r, i]: [n, hp]
         for (int t = 0; t < n; ++t) {
+          pf.lines(4);
           const bool visible = !mk || mk[b * mk_b + s0 + t];
           for (int i0 = 0; i0 < hp; i0 += VLEN) {
             vf s{};
@@ -444,7 +480,7 @@ void tpa_kernel(const torch::Tensor& q_a, const torch::Tensor& q_b, const torch:
               const int row = t * RV + r;
               store(w.data() + row * hp + i0, load(sc.data() + t * hp + i0) * load(avb + (int64_t)row * h + i0));
             }
-        accumulate_v(acc_, hp, dp, w.data(), bvb, n * RV);
+        accumulate_v(acc_, hp, dp, w.data(), bvb, n * RV, pf);
       }
     }
   });

@@ -87,17 +87,20 @@ def test_tpa_decode_masks_padding_exactly():
 def test_latent_decode_equals_the_eager_reference(dtype):
     requires_extension()
     gen = torch.Generator().manual_seed(2)
-    h, d_c, d_r = 5, 48, 8
-    for B in (1, 3):
-        for S in LENGTHS:
-            q_lat = (torch.randn(B, h, d_c, generator=gen) * 0.2).to(dtype)
-            q_rope = (torch.randn(B, h, d_r, generator=gen) * 0.2).to(dtype)
-            c_kv = torch.randn(B, S + 3, d_c, generator=gen).to(dtype)[:, :S]  # [B, S, d_c] (a cache view)
-            k_rope = torch.randn(B, S + 3, d_r, generator=gen).to(dtype)[:, :S]  # [B, S, d_rope]
-            for mask in (None, padding_mask(B, S, gen)):
-                fast = latent_decode(q_lat, q_rope, c_kv, k_rope, mask)  # [B, h, d_c]
-                ref = reference_latent_decode(q_lat.float(), q_rope.float(), c_kv.float(), k_rope.float(), mask)
-                torch.testing.assert_close(fast.float(), ref, **TOL[dtype], msg=f"B={B} S={S}")
+    h, d_r = 5, 8
+    # d_c a multiple of 16 (fp32 rows read in place) and not (rows converted); GLA's latent head:
+    # one of several per token, a strided view
+    for d_c, heads in ((48, 1), (40, 2)):
+        for B in (1, 3):
+            for S in LENGTHS:
+                q_lat = (torch.randn(B, h, d_c, generator=gen) * 0.2).to(dtype)
+                q_rope = (torch.randn(B, h, d_r, generator=gen) * 0.2).to(dtype)
+                c_kv = torch.randn(B, S + 3, heads, d_c, generator=gen).to(dtype)[:, :S, -1]  # [B, S, d_c] view
+                k_rope = torch.randn(B, S + 3, d_r, generator=gen).to(dtype)[:, :S]  # [B, S, d_rope]
+                for mask in (None, padding_mask(B, S, gen)):
+                    fast = latent_decode(q_lat, q_rope, c_kv, k_rope, mask)  # [B, h, d_c]
+                    ref = reference_latent_decode(q_lat.float(), q_rope.float(), c_kv.float(), k_rope.float(), mask)
+                    torch.testing.assert_close(fast.float(), ref, **TOL[dtype], msg=f"d_c={d_c} B={B} S={S}")
 
 
 def test_operators_are_registered_with_schema_and_fake_implementations():

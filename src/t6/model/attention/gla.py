@@ -63,8 +63,8 @@ class GroupedLatentAttention(Attention):
     # reads its own latent as one block (and the fused operator takes it as a strided view).
     head_major_cache = ("c_kv",)
     # As MultiHeadLatentAttention.fused_decode: True runs t6::latent_decode once per latent head on
-    # single-token cached steps, False the eager absorbed form, None fused on CUDA only.
-    fused_decode: bool | None = None
+    # single-token cached steps, False the eager absorbed form.
+    fused_decode: bool = True
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -123,8 +123,7 @@ class GroupedLatentAttention(Attention):
         w = self.kv_up.weight.view(h, self.d_nope + self.d_v, self.d_c)  # [h, nope+d_v, d_c]
         w_uk, w_uv = w.split([self.d_nope, self.d_v], dim=1)  # [h, nope, d_c], [h, d_v, d_c]
         q_lat = torch.einsum("bthn,hnc->bhtc", q_nope, w_uk)  # [B, h, T, d_c]: q_nope^T W_UK, per head
-        fused = self.fused_decode if self.fused_decode is not None else c_kv.is_cuda
-        if T == 1 and fused and S > 1:
+        if T == 1 and self.fused_decode and S > 1:
             key_mask = None if mask is None else mask[:, 0].expand(B, -1)  # [B, S]
             q_lat = (q_lat * self.scale).reshape(B, n, g, self.d_c)  # [B, n, g, d_c]
             q_rope = (q_rope * self.scale).reshape(B, n, g, self.d_rope)  # [B, n, g, rope]

@@ -70,9 +70,9 @@ class MultiHeadLatentAttention(Attention):
     Options = MLAOptions
     supports_key_mask = True
     # Single-token cached steps run the fused operator t6::latent_decode (one pass over the
-    # latents, online softmax) when True; False keeps the eager absorbed form; None (default):
-    # fused on CUDA only, since on the CPU the C++ kernel has not yet measured faster.
-    fused_decode: bool | None = None
+    # latents, online softmax; C++ on the CPU, Triton on CUDA) when True; False keeps the eager
+    # absorbed form (the reference).
+    fused_decode: bool = True
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -125,8 +125,7 @@ class MultiHeadLatentAttention(Attention):
         w_uk, w_uv = w.split([self.d_nope, self.d_v], dim=1)  # [h, nope, d_c], [h, d_v, d_c]
         B = q_nope.shape[0]
         q_lat = torch.einsum("bthn,hnc->bhtc", q_nope, w_uk)  # [B, h, T, d_c]: q_nope^T W_UK
-        fused = self.fused_decode if self.fused_decode is not None else c_kv.is_cuda
-        if T == 1 and fused and S > 1:
+        if T == 1 and self.fused_decode and S > 1:
             key_mask = None if mask is None else mask[:, 0].expand(B, -1)  # [B, S]
             o = latent_decode(
                 (q_lat * self.scale).reshape(B, h, self.d_c),

@@ -24,11 +24,6 @@ namespace {
 
 constexpr int BLOCK = 32;     // tokens per block (scores, softmax update, value accumulation)
 constexpr int TILE_H = 4;     // heads per register tile of the value accumulation
-#if defined(__AVX512F__)
-constexpr int TILE_W = 64;    // columns per register tile: 4 x 64 floats = 16 of the 32 zmm registers
-#else
-constexpr int TILE_W = 32;    // 4 x 32 floats = 16 ymm registers (AVX2) or 32 q registers (NEON)
-#endif
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 template <typename T>
@@ -48,9 +43,8 @@ inline void rows_to_float(const T* src, int N, int n, float* dst, int n_pad) {
 constexpr int LANES = 16;  // head counts are padded to a multiple of this, so loops over heads have no scalar tail
 inline int padded(int h) { return (h + LANES - 1) / LANES * LANES; }
 
-// exp(x) for x <= 0, branch-free so that loops over it vectorize (a Cephes-style polynomial,
-// relative error ~2e-7); exactly 0 below -87 (and for -inf).
-// e^(x - n ln 2) for x - n ln 2 in about [-ln2/2, ln2/2]: float or a vector of floats.
+// e^(x - n ln 2) for x - n ln 2 in about [-ln2/2, ln2/2] (a Cephes-style polynomial, relative
+// error ~2e-7), on a vector of floats: the body of exp_nonpositive below.
 template <typename T>
 inline T exp_reduced(T x, T n) {
   T r = x - n * 0.693359375f;
@@ -61,110 +55,6 @@ inline T exp_reduced(T x, T n) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   return p * r * r + r + 1.f;
-}
-
-inline float exp_nonpositive(float x) {
-  const float xc = std::max(x, -87.f);
-  const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
-  const float p = exp_reduced(xc, n);
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return x < -87.f ? 0.f : p * scale;
-}
-
-// xt [W, N] = x [N, W] transposed (N rows of a block, so later loops run along the rows).
-void transpose(const float* x, int N, int W, float* xt) {
-  for (int n = 0; n < N; ++n)
-    for (int j = 0; j < W; ++j) xt[(int64_t)j * N + n] = x[(int64_t)n * W + j];
-}
-
-// g [C, N] = q [C, W] x xt [W, N]: each of C query rows against N cached rows, vectorized
-// along the cached rows (no horizontal sums).
-void rows_times(const float* q, int C, int W, const float* xt, int N, float* g) {
-  for (int c = 0; c < C; ++c) {
-    float* gc = g + (int64_t)c * N;
-    for (int n = 0; n < N; ++n) gc[n] = 0.f;
-    const float* qc = q + (int64_t)c * W;
-    for (int j = 0; j < W; ++j) {
-      const float a = qc[j];
-      const float* xj = xt + (int64_t)j * N;
-#pragma omp simd
-      for (int n = 0; n < N; ++n) gc[n] += a * xj[n];
-    }
-  }
-}
-
-// acc[i, :W] += sum_n w[n, i] * v[n, :W] for i < h: a [h, N]^T x [N, W] product kept in registers
-// as tiles of TILE_H heads x TILE_W columns.
-void accumulate(float* acc, int h, int W, const float* w, const float* v, int N) {
-  for (int i0 = 0; i0 < h; i0 += TILE_H) {
-    const int ih = std::min(TILE_H, h - i0);
-    for (int j0 = 0; j0 < W; j0 += TILE_W) {
-      const int jw = std::min(TILE_W, W - j0);
-      if (ih == TILE_H && jw == TILE_W) {
-        float a[TILE_H][TILE_W];
-        for (int ii = 0; ii < TILE_H; ++ii)
-          for (int j = 0; j < TILE_W; ++j) a[ii][j] = acc[(i0 + ii) * W + j0 + j];
-        for (int n = 0; n < N; ++n) {
-          const float* vn = v + (int64_t)n * W + j0;
-          const float* wn = w + (int64_t)n * h + i0;
-          for (int ii = 0; ii < TILE_H; ++ii) {
-            const float c = wn[ii];
-#pragma omp simd
-            for (int j = 0; j < TILE_W; ++j) a[ii][j] += c * vn[j];
-          }
-        }
-        for (int ii = 0; ii < TILE_H; ++ii)
-          for (int j = 0; j < TILE_W; ++j) acc[(i0 + ii) * W + j0 + j] = a[ii][j];
-      } else {
-        for (int n = 0; n < N; ++n) {
-          const float* vn = v + (int64_t)n * W + j0;
-          const float* wn = w + (int64_t)n * h + i0;
-          for (int ii = 0; ii < ih; ++ii) {
-            const float c = wn[ii];
-            float* ai = acc + (int64_t)(i0 + ii) * W + j0;
-#pragma omp simd
-            for (int j = 0; j < jw; ++j) ai[j] += c * vn[j];
-          }
-        }
-      }
-    }
-  }
-}
-
-// The online-softmax update for one block: sc [n, h] scores (-inf where masked) -> p [n, h]
-// in place; m, l [h] and acc [h, W] rescaled to the new running max. Loops run over the heads
-// (contiguous), so they vectorize.
-void softmax_update(float* sc, int n, int h, float* m, float* l, float* acc, int W, float* mb, float* corr) {
-  for (int i = 0; i < h; ++i) mb[i] = m[i];
-  for (int t = 0; t < n; ++t) {
-    const float* st = sc + t * h;
-#pragma omp simd
-    for (int i = 0; i < h; ++i) mb[i] = std::max(mb[i], st[i]);
-  }
-  for (int i = 0; i < h; ++i) {  // mb: the new running max, or 0 while nothing is visible (weights stay 0)
-    const float m_new = mb[i] == NEG_INF ? 0.f : mb[i];
-    corr[i] = m[i] == NEG_INF ? 0.f : exp_nonpositive(m[i] - m_new);
-    if (mb[i] > m[i] && m[i] != NEG_INF) {
-      float* ai = acc + (int64_t)i * W;
-      const float c = corr[i];
-#pragma omp simd
-      for (int j = 0; j < W; ++j) ai[j] *= c;
-    }
-    l[i] *= corr[i];
-    m[i] = mb[i];
-    mb[i] = m_new;
-  }
-  for (int t = 0; t < n; ++t) {
-    float* st = sc + t * h;
-#pragma omp simd
-    for (int i = 0; i < h; ++i) {
-      const float p = exp_nonpositive(st[i] - mb[i]);
-      st[i] = p;
-      l[i] += p;
-    }
-  }
 }
 
 // Combine the partial (m, l, acc) of `parts` splits of one row into out [h_out, d_out] (as float),
@@ -200,7 +90,7 @@ void check_cache(const torch::Tensor& t, const char* name) {
               name, " must be a cache view whose per-token [R, n] block is contiguous");
 }
 
-// ---- TPA: the block loop on float vectors of the machine's width (GCC/Clang vector extensions:
+// ---- The block loops on float vectors of the machine's width (GCC/Clang vector extensions:
 // 16 floats in a zmm register with AVX-512, 8 in a ymm with AVX, 4 with SSE or NEON). Head counts
 // and widths are padded to multiples of 16 with zeros, so every loop below runs over whole vectors.
 
@@ -259,7 +149,8 @@ inline float hsum(vf x) {  // older compilers: through memory
 }
 #endif
 
-// exp_nonpositive on a vector: the same polynomial, rounding by truncation of y - 1/2 (y <= 0).
+// exp(x) for x <= 0, branch-free (exactly 0 below -87 and for -inf): n = round(x / ln 2) by
+// truncation of y - 1/2 (y <= 0), then the polynomial, times 2^n.
 inline vf exp_nonpositive(vf x) {
   const vf xc = x < -87.f ? splat(-87.f) : x;
   const vi ni = __builtin_convertvector(xc * 1.44269504088896341f - 0.5f, vi);
@@ -271,13 +162,13 @@ inline vf exp_nonpositive(vf x) {
 // acc[i, :] += sum_n w[n, i] v[n, :] for i < hp (a multiple of TILE_H), columns dp (a multiple of
 // 16): register tiles of TILE_H heads x C vectors of columns.
 template <int C>
-inline void accumulate_tile(float* acc, int dp, int i0, int j0, const float* w, int hp, const float* v, int N) {
+inline void accumulate_tile(float* acc, int dp, int i0, int j0, const float* w, int hp, const float* v, int64_t ldv, int N) {
   vf a[TILE_H][C];
   for (int ii = 0; ii < TILE_H; ++ii)
     for (int k = 0; k < C; ++k) a[ii][k] = load(acc + (int64_t)(i0 + ii) * dp + j0 + VLEN * k);
   for (int n = 0; n < N; ++n) {
     vf vn[C];
-    for (int k = 0; k < C; ++k) vn[k] = load(v + (int64_t)n * dp + j0 + VLEN * k);
+    for (int k = 0; k < C; ++k) vn[k] = load(v + n * ldv + j0 + VLEN * k);
     const float* wn = w + (int64_t)n * hp + i0;
     for (int ii = 0; ii < TILE_H; ++ii) {
       const vf c = splat(wn[ii]);
@@ -312,6 +203,7 @@ inline void rows_gemm_tile(const float* x, int ldx, int K, const float* z, int h
 void rows_gemm(const float* x, int ldx, int K, const float* z, int hp, int M, float* y) {
   int j0 = 0;
   for (; j0 + 3 * VLEN <= hp; j0 += 3 * VLEN) rows_gemm_tile<3>(x, ldx, K, z, hp, M, j0, y);
+  for (; j0 + 2 * VLEN <= hp; j0 += 2 * VLEN) rows_gemm_tile<2>(x, ldx, K, z, hp, M, j0, y);
   for (; j0 < hp; j0 += VLEN) rows_gemm_tile<1>(x, ldx, K, z, hp, M, j0, y);
 }
 
@@ -339,13 +231,17 @@ struct Prefetch {
   }
 };
 
-void accumulate_v(float* acc, int hp, int dp, const float* w, const float* v, int N, Prefetch& pf) {
-  const int per_tile = 1 + (int)(pf.total / 64) / (hp / TILE_H);
-  for (int i0 = 0; i0 < hp; i0 += TILE_H) {
+// acc [hp, dp] for the heads i < h rounded up to TILE_H (the padding heads beyond are skipped);
+// w [N, hp], v rows N x dp with stride ldv.
+void accumulate_v(float* acc, int h, int hp, int dp, const float* w, const float* v, int64_t ldv, int N,
+                  Prefetch& pf) {
+  const int h4 = (h + TILE_H - 1) / TILE_H * TILE_H;
+  const int per_tile = 1 + (int)(pf.total / 64) / (h4 / TILE_H);
+  for (int i0 = 0; i0 < h4; i0 += TILE_H) {
     pf.lines(per_tile);
     int j0 = 0;
-    for (; j0 + NV * VLEN <= dp; j0 += NV * VLEN) accumulate_tile<NV>(acc, dp, i0, j0, w, hp, v, N);
-    for (; j0 < dp; j0 += VLEN) accumulate_tile<1>(acc, dp, i0, j0, w, hp, v, N);
+    for (; j0 + NV * VLEN <= dp; j0 += NV * VLEN) accumulate_tile<NV>(acc, dp, i0, j0, w, hp, v, ldv, N);
+    for (; j0 < dp; j0 += VLEN) accumulate_tile<1>(acc, dp, i0, j0, w, hp, v, ldv, N);
   }
 }
 
@@ -480,7 +376,7 @@ void tpa_kernel(const torch::Tensor& q_a, const torch::Tensor& q_b, const torch:
               const int row = t * RV + r;
               store(w.data() + row * hp + i0, load(sc.data() + t * hp + i0) * load(avb + (int64_t)row * h + i0));
             }
-        accumulate_v(acc_, hp, dp, w.data(), bvb, n * RV, pf);
+        accumulate_v(acc_, h, hp, dp, w.data(), bvb, dp, n * RV, pf);
       }
     }
   });
@@ -498,47 +394,68 @@ void latent_kernel(const torch::Tensor& q_lat, const torch::Tensor& q_rope, cons
                    const torch::Tensor& k_rope, const torch::Tensor& mask, torch::Tensor& out) {
   const int64_t B = c_kv.size(0), S = c_kv.size(1);
   const int h = q_lat.size(1), dc = c_kv.size(2), dr = k_rope.size(2);
+  const int hp = padded(h), cp = padded(dc), rp = padded(dr);  // zero padding, as in tpa_kernel
+  const bool is_float = std::is_same<scalar_t, float>::value;
+  const bool c_direct = is_float && dc == cp, r_direct = is_float && dr == rp;  // rows used in place
   const int parts = splits_for(B, S);
   const int64_t per = (S + parts - 1) / parts;
-  std::vector<float> m(B * parts * h, NEG_INF), l(B * parts * h, 0.f), acc(B * parts * h * dc, 0.f);
-  auto ql = q_lat.to(torch::kFloat).contiguous();
-  auto qr = q_rope.to(torch::kFloat).contiguous();
+  std::vector<float> m(B * parts * hp, NEG_INF), l(B * parts * hp, 0.f), acc(B * parts * hp * cp, 0.f);
+  auto zl = torch::zeros({B, dc, hp}, torch::kFloat);  // q_lat^T [B, d_c, hp]
+  zl.narrow(2, 0, h).copy_(q_lat.transpose(1, 2));
+  auto zr = torch::zeros({B, std::max(dr, 1), hp}, torch::kFloat);  // q_rope^T [B, d_rope, hp]
+  if (dr > 0) zr.narrow(2, 0, h).copy_(q_rope.transpose(1, 2));
   const bool* mk = mask.defined() ? mask.data_ptr<bool>() : nullptr;
   const int64_t mk_b = mask.defined() ? mask.stride(0) : 0;
   at::parallel_for(0, B * parts, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> c(BLOCK * dc), ct(BLOCK * dc), kr(BLOCK * dr), krt(BLOCK * dr), g(h * BLOCK), g2(h * BLOCK);
-    std::vector<float> sc(BLOCK * h), mb(h), corr(h);
+    std::vector<float> c(BLOCK * cp, 0.f), kr(BLOCK * rp, 0.f), sc(BLOCK * hp);
+    std::vector<float> s1((BLOCK + 3) * hp), s2((BLOCK + 3) * hp);
     for (int64_t task = lo; task < hi; ++task) {
       const int64_t b = task / parts, part = task % parts;
       const int64_t s_lo = part * per, s_hi = std::min(S, s_lo + per);
-      float* m_ = m.data() + task * h;
-      float* l_ = l.data() + task * h;
-      float* acc_ = acc.data() + task * h * dc;
-      const float* qlb = ql.data_ptr<float>() + b * h * dc;
-      const float* qrb = qr.data_ptr<float>() + b * h * dr;
+      float* m_ = m.data() + task * hp;
+      float* l_ = l.data() + task * hp;
+      float* acc_ = acc.data() + task * hp * cp;
+      const float* zlb = zl.data_ptr<float>() + b * zl.stride(0);
+      const float* zrb = zr.data_ptr<float>() + b * zr.stride(0);
       for (int64_t s0 = s_lo; s0 < s_hi; s0 += BLOCK) {
         const int n = (int)std::min<int64_t>(BLOCK, s_hi - s0);
-        for (int t = 0; t < n; ++t) {
-          to_float(c_kv.data_ptr<scalar_t>() + b * c_kv.stride(0) + (s0 + t) * c_kv.stride(1), c.data() + t * dc, dc);
-          to_float(k_rope.data_ptr<scalar_t>() + b * k_rope.stride(0) + (s0 + t) * k_rope.stride(1), kr.data() + t * dr, dr);
+        const scalar_t* cpt = c_kv.data_ptr<scalar_t>() + b * c_kv.stride(0) + s0 * c_kv.stride(1);
+        const scalar_t* rpt = k_rope.data_ptr<scalar_t>() + b * k_rope.stride(0) + s0 * k_rope.stride(1);
+        // the block's latents [n, d_c] and RoPE keys [n, d_rope] as float rows: in place, or
+        // converted into zero-padded rows
+        const float* cb = c_direct ? reinterpret_cast<const float*>(cpt) : c.data();
+        const float* rb = r_direct ? reinterpret_cast<const float*>(rpt) : kr.data();
+        const int64_t ldc = c_direct ? c_kv.stride(1) : cp, ldr = r_direct ? k_rope.stride(1) : rp;
+        for (int t = 0; t < n && !c_direct; ++t) to_float(cpt + t * c_kv.stride(1), c.data() + t * cp, dc);
+        for (int t = 0; t < n && !r_direct; ++t) to_float(rpt + t * k_rope.stride(1), kr.data() + t * rp, dr);
+        Prefetch pf;  // the next block, where its rows are contiguous
+        if (s0 + n < s_hi) {
+          const int64_t n2 = std::min<int64_t>(BLOCK, s_hi - s0 - n), e = sizeof(scalar_t);
+          if (c_kv.stride(1) == dc) pf.add(cpt + n * c_kv.stride(1), n2 * dc * e);
+          if (k_rope.stride(1) == dr && dr > 0) pf.add(rpt + n * k_rope.stride(1), n2 * dr * e);
         }
-        transpose(c.data(), n, dc, ct.data());  // [d_c, n]
-        transpose(kr.data(), n, dr, krt.data());  // [d_rope, n]
-        rows_times(qlb, h, dc, ct.data(), n, g.data());  // q_lat . c_kv: [h, n]
-        rows_times(qrb, h, dr, krt.data(), n, g2.data());  // q_rope . k_rope: [h, n]
+        // scores [n, hp] = c [n, d_c] x q_lat^T [d_c, hp] + k_rope [n, d_rope] x q_rope^T [d_rope, hp]
+        rows_gemm(cb, ldc, dc, zlb, hp, n, s1.data());
+        if (dr > 0) rows_gemm(rb, ldr, dr, zrb, hp, n, s2.data());
         for (int t = 0; t < n; ++t) {
           const bool visible = !mk || mk[b * mk_b + s0 + t];
-          for (int i = 0; i < h; ++i) sc[t * h + i] = visible ? g[i * n + t] + g2[i * n + t] : NEG_INF;
+          for (int i0 = 0; i0 < hp; i0 += VLEN) {
+            const vf x = load(s1.data() + t * hp + i0) + (dr > 0 ? load(s2.data() + t * hp + i0) : splat(0.f));
+            store(sc.data() + t * hp + i0, visible ? x : splat(NEG_INF));
+          }
         }
-        softmax_update(sc.data(), n, h, m_, l_, acc_, dc, mb.data(), corr.data());
-        accumulate(acc_, h, dc, sc.data(), c.data(), n);
+        softmax_update_v(sc.data(), n, hp, m_, l_, acc_, cp);
+        // acc[i, :] += sum_t P[t, i] c[t, :]
+        accumulate_v(acc_, h, hp, cp, sc.data(), cb, ldc, n, pf);
       }
     }
   });
   auto out32 = torch::empty({B, h, dc}, torch::kFloat);
-  for (int64_t b = 0; b < B; ++b)
-    combine(m.data() + b * parts * h, l.data() + b * parts * h, acc.data() + b * parts * h * dc, parts, h, dc, 1.f,
-            out32.data_ptr<float>() + b * h * dc, h, dc);
+  at::parallel_for(0, B, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t b = lo; b < hi; ++b)
+      combine(m.data() + b * parts * hp, l.data() + b * parts * hp, acc.data() + b * parts * hp * cp, parts, hp, cp,
+              1.f, out32.data_ptr<float>() + b * h * dc, h, dc);
+  });
   out.copy_(out32);
 }
 

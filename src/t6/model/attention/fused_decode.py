@@ -1,5 +1,5 @@
 """Fused single-token decoding from the cache: the PyTorch custom operators `t6::tpa_decode`
-(TPA and TPA-KVonly, from the cached factors) and `t6::latent_decode` (MLA's absorbed form),
+(TPA and TPA-KVonly, from the cached factors) and `t6::latent_decode` (MLA's and GLA's absorbed form),
 registered with torch.library: schema, CPU implementation, fake (meta) implementation.
 
 One pass over the cache in blocks of tokens with an online (streaming) softmax, the cached
@@ -14,11 +14,11 @@ proportional to the context is written. Per cached token s and head i (TPA):
 and the result is acc / (l R_V). MLA: scores[s, i] = q_lat[i] . c_kv[s] + q_rope[i] . k_rope[s],
 acc[i, :] += P[s, i] c_kv[s, :]. The query scales are folded into the query by the caller.
 
-The CPU implementation is C++ (csrc/fused_decode.cpp: TPA written on float vectors of the
-machine's width with GCC/Clang vector extensions, MLA vectorized by the compiler; threads from
-ATen's OpenMP pool), compiled by torch.utils.cpp_extension into the user's torch extensions cache
-(`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions; needs g++, the Python headers and
-ninja, pinned in pyproject): `make install` builds it, otherwise the first decode does. Where it
+The CPU implementation is C++ (csrc/fused_decode.cpp: both operators written on float vectors of
+the machine's width with GCC/Clang vector extensions; threads from ATen's OpenMP pool), compiled
+by torch.utils.cpp_extension into the user's torch extensions cache (`TORCH_EXTENSIONS_DIR`,
+default ~/.cache/torch_extensions; needs g++, the Python headers and ninja, pinned in pyproject):
+`make install` builds it, otherwise the first decode does. Where it
 cannot be built, the operators run `reference_tpa_decode` / `reference_latent_decode`, the eager
 form, with one warning. On CUDA the Triton kernels of `t6.model.attention.triton_decode`
 implement the same operators.

@@ -57,6 +57,16 @@ def test_a_build_killed_midway_does_not_make_later_loads_wait_forever():
         stale.unlink(missing_ok=True)
 
 
+def test_each_cpu_gets_its_own_build(monkeypatch):
+    """The kernels are compiled with -march=native: a torch extensions cache shared by machines with
+    other vector units (a home directory on a cluster) must not hand an AVX-512 build to an AVX2 CPU."""
+    here = fused_decode.build_directory()
+    assert "flags" in fused_decode.cpu_features() or "Features" in fused_decode.cpu_features()  # read, not empty
+    monkeypatch.setattr(fused_decode, "cpu_features", lambda: "model name: another CPU|flags: sse sse2")
+    assert fused_decode.build_directory() != here
+    assert fused_decode.build_directory().parent == here.parent
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("factored", [True, False], ids=["tpa", "full_query"])
 def test_tpa_decode_equals_the_eager_reference(dtype, factored):

@@ -48,12 +48,25 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp"] + (
 )
 
 
+def cpu_features() -> str:
+    """What -march=native compiles for: the CPU's model and feature flags (/proc/cpuinfo), else its name."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    keys = ("model name", "flags", "Features", "CPU part")  # x86; ARM names its features and part
+    return "|".join(sorted({line for line in lines if line.split(":")[0].strip() in keys}))
+
+
 def build_directory() -> Path:
-    """The kernels' build folder in the torch extensions cache: one per copy of this source, Python and torch."""
+    """The kernels' build folder in the torch extensions cache: one per copy of this source, Python,
+    torch and CPU (a home directory shared by machines with other vector units gets one build each:
+    an AVX-512 build would stop an AVX2 machine with an illegal instruction)."""
     from torch.utils import cpp_extension
 
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
-    tag = hashlib.sha1(f"{CSRC}|{sys.version}|{torch.__version__}".encode()).hexdigest()[:10]
+    key = f"{CSRC}|{sys.version}|{torch.__version__}|{cpu_features()}"
+    tag = hashlib.sha1(key.encode()).hexdigest()[:10]
     return root / f"t6_fused_decode_{tag}"
 
 

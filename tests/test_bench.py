@@ -53,3 +53,18 @@ def test_all_covers_every_registered_mechanism_and_its_cache_fact_holds(kv_all, 
     r = kv_all[name]
     assert r["kv_cache_bytes_per_token"] == r["allocated_bytes_per_token"] > 0
     assert r["kv_cache_bytes_per_token"] == 4 * r["n_layer"] * r["elements_per_token_layer"]  # fp32
+
+
+@pytest.mark.slow  # three fresh processes (~30 s on 2 cores)
+def test_loss_bench_runs_each_setting_liger_included(tmp_path, monkeypatch):
+    """`t6.bench.loss --chunks none,8,liger`: every setting trains in its own process (Liger's kernel on
+    the CPU through Triton's interpreter, which the spawned process reads from the environment)."""
+    from t6.bench import loss
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    out = tmp_path / "loss.json"
+    args = "--size tiny --batch-size 1 --seq-len 16 --steps 1 --warmup 0 --threads 1 --override size.n_layer=1"
+    rows = loss.main([*args.split(), "--chunks", "none,8,liger", "--json", str(out)])
+    assert [r["chunk_tokens"] for r in rows] == ["none", 8, "liger"]
+    assert all(r["step_ms"] > 0 and r["peak_mib"] > 0 for r in rows)
+    assert json.loads(out.read_text())["rows"][2]["chunk_tokens"] == "liger"

@@ -1,12 +1,18 @@
-"""The chunked LM head + cross-entropy equals the plain one, in value and in both gradients."""
+"""The chunked LM head + cross-entropy equals the plain one, in value and in both gradients; so does
+Liger-Kernel's fused kernel (the CUDA default), run on the CPU through Triton's interpreter."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from t6.model.loss import IGNORE_INDEX, linear_cross_entropy
+from t6.model.loss import IGNORE_INDEX, linear_cross_entropy, use_liger
 
 from conftest import random_model
 
@@ -80,3 +86,61 @@ def test_bf16_autocast_matches_the_plain_head_under_autocast():
     torch.testing.assert_close(out, ref, rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(hc.grad, h.grad, rtol=2e-2, atol=2e-3)
     torch.testing.assert_close(wc.grad, w.grad, rtol=2e-2, atol=2e-3)
+
+
+def test_loss_impl_chooses_liger_on_cuda_only_and_names_a_bad_setting(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert use_liger("auto", "cuda") and use_liger("liger", "cuda")
+    assert not use_liger("auto", "cpu") and not use_liger("chunked", "cuda")
+    with pytest.raises(ValueError, match="loss_impl=liger needs a CUDA device"):
+        use_liger("liger", "cpu")
+    with pytest.raises(ValueError, match="must be one of auto, chunked, liger"):
+        linear_cross_entropy(torch.zeros(2, 4), torch.zeros(5, 4), torch.zeros(2, dtype=torch.long), impl="fused")
+
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="needs Triton's interpreter from the start: the subprocess test runs it")
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16_autocast"])
+def test_liger_loss_and_gradients_equal_the_chunked_path(autocast):
+    """Liger's kernel against the chunked path: fp32 to float rounding; under bf16 autocast both
+    run the matmuls in bf16, so they agree to bf16's rounding of the logits."""
+    torch.manual_seed(0)
+    h0, w0 = torch.randn(3, 40, 32), torch.randn(300, 32) * 0.3
+    y = torch.randint(0, 300, (3, 40))
+    y[1, :7] = IGNORE_INDEX
+    results = []
+    for impl in ("chunked", "liger"):
+        h, w = leaves(h0, w0)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = linear_cross_entropy(h, w, y, chunk_tokens=16, impl=impl)
+        (out * 3.0).backward()
+        results.append((out, h.grad, w.grad))
+    tol = dict(rtol=2e-2, atol=2e-3) if autocast else dict(rtol=1e-5, atol=1e-6)
+    for ref, got, name in zip(results[0], results[1], ("loss", "dh", "dW")):
+        assert got.dtype == ref.dtype, name
+        torch.testing.assert_close(got, ref, **tol, msg=name)
+
+
+def test_liger_runs_in_the_triton_interpreter():
+    """The test above in a fresh process with TRITON_INTERPRET=1 (triton reads it when its kernels are
+    defined, at import, and this process has imported triton already)."""
+    if INTERPRETED:
+        return  # the test above runs in this process
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"{__file__}::test_liger_loss_and_gradients_equal_the_chunked_path",
+        ],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parents[1],
+    )
+    assert done.returncode == 0 and "2 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]

@@ -120,6 +120,17 @@ def test_bad_model_config_fails_before_training(make_cfg, tmp_path):
     assert not (tmp_path / "run").exists()  # no trainer, no checkpoints, no run
 
 
+@pytest.mark.parametrize(
+    ("loss_impl", "match"),
+    [("fused", "loss_impl='fused' must be one of auto, chunked, liger"), ("liger", "loss_impl=liger needs a CUDA")],
+)
+def test_bad_loss_impl_fails_before_training(loss_impl, match, make_cfg, tmp_path, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match=match):
+        train(make_cfg(f"loss_impl={loss_impl}", "trainer.accelerator=cpu"))
+    assert not (tmp_path / "run").exists()
+
+
 def test_corrupted_shard_fails_before_training(make_cfg, tmp_path):
     data_dir = tmp_path / "corrupt"
     prepare_text_corpus(TINY_SHAKESPEARE, data_dir)

@@ -28,6 +28,7 @@ class T6LitModule(L.LightningModule):
         run_config: dict | None = None,
         nonfinite_loss: str = "stop",
         loss_chunk_tokens: int | None = None,
+        loss_impl: str = "auto",
     ):
         """model_config: ModelConfig fields as a plain dict (checkpoints stay loadable with
         weights_only=True); optimizer / scheduler: partials from Hydra, bound in configure_optimizers;
@@ -39,12 +40,15 @@ class T6LitModule(L.LightningModule):
         global (all-reduced under DDP and FSDP), so every rank decides the same without a collective.
         compile: each transformer block compiled on its own (one graph per block, so DDP's gradient
         all-reduce and FSDP's all-gathers overlap the other blocks' backward).
-        loss_chunk_tokens: tokens per chunk of the LM head + cross-entropy (None: all logits at once)."""
+        loss_chunk_tokens: tokens per chunk of the LM head + cross-entropy (None: all logits at once);
+        loss_impl: "auto" (Liger-Kernel's fused kernel on CUDA, t6.model.loss's chunks elsewhere), "chunked",
+        "liger"."""
         super().__init__()
         if nonfinite_loss not in ("stop", "skip"):
             raise ValueError(f"nonfinite_loss={nonfinite_loss!r} must be 'stop' or 'skip'")
         self.nonfinite_loss = nonfinite_loss
         self.loss_chunk_tokens = loss_chunk_tokens
+        self.loss_impl = loss_impl
         self.skipped_steps = 0
         self.save_hyperparameters("model_config", "compile", logger=False)
         self.model = T6(ModelConfig(**model_config))
@@ -61,7 +65,9 @@ class T6LitModule(L.LightningModule):
 
     def loss(self, batch) -> torch.Tensor:
         x, y = batch  # [B, T], [B, T]
-        return self.model(x, targets=y, loss_chunk_tokens=self.loss_chunk_tokens)  # [] mean over B*T tokens
+        return self.model(
+            x, targets=y, loss_chunk_tokens=self.loss_chunk_tokens, loss_impl=self.loss_impl
+        )  # [] mean over B*T tokens
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)

@@ -31,6 +31,7 @@ from t6.evaluation.callback import build_eval_callback
 from t6.generate import generate_text
 from t6.model.facts import model_facts
 from t6.model.load import WARM_START_FORMAT, read_checkpoint
+from t6.model.loss import use_liger
 from t6.module import T6LitModule
 from t6.quiet import quiet_libraries
 from t6.sweep import attach_to_sweep, sweep_job_info
@@ -334,6 +335,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     check_data_shape(cfg)
     check_samples(cfg)
     hardware = choose_hardware(cfg)  # trainer.precision=auto -> what the device supports
+    use_liger(cfg.get("loss_impl", "auto"), hardware["device"])  # an unknown or impossible loss_impl
     schedule = schedule_facts(cfg)
     check_schedule(schedule)
     ckpt_path = resolve_ckpt_path(cfg)  # ckpt_path=PATH | last, or this run dir's last.ckpt (auto_resume)
@@ -364,6 +366,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
         run_config=OmegaConf.to_container(cfg, resolve=True),
         nonfinite_loss=cfg.get("nonfinite_loss", "stop"),
         loss_chunk_tokens=cfg.get("loss_chunk_tokens"),
+        loss_impl=cfg.get("loss_impl", "auto"),
     )
     if init is not None:
         model.model.load_state_dict(init["state_dict"])  # a resume (ckpt_path) then overrides these weights

@@ -1,9 +1,11 @@
 """Training-step time and peak memory of the plain LM head + cross-entropy against the chunked one.
 
     python -m t6.bench.loss --size tiny --batch-size 8 --seq-len 256 --chunks none,4096,1024,256
+    python -m t6.bench.loss --size medium --batch-size 12 --seq-len 1024 --dtype bfloat16 --chunks none,1024,liger
 
 Each setting of `--chunks` (`none`: all [tokens x vocab] logits at once, as F.cross_entropy
-on the head's output; a number: t6.model.loss in chunks of that many tokens) trains the same
+on the head's output; a number: t6.model.loss in chunks of that many tokens; `liger`:
+Liger-Kernel's fused linear cross-entropy, training's default on CUDA) trains the same
 model (forward + backward + AdamW) in its own fresh process, so the peak memory of one does
 not hide another's: the process's peak resident memory on CPU (VmHWM, which includes the
 model, optimizer state and the Python runtime), torch.cuda.max_memory_allocated on CUDA.
@@ -23,14 +25,23 @@ from t6.bench.common import DTYPES, environment, model_config_of, resolve_device
 from t6.bench.train_step import bench_one, chunk_tokens
 from t6.memory import peak_rss
 
+LIGER_CHUNKS = 1024  # any number: with chunk_tokens=None the loss would be the all-at-once reference
 
-def measure(args: argparse.Namespace, chunk: int | None) -> dict:
+
+def setting(text: str) -> int | str | None:
+    """One --chunks entry: none, a number of tokens, or liger."""
+    return "liger" if text.lower() == "liger" else chunk_tokens(text)
+
+
+def measure(args: argparse.Namespace, chunk: int | str | None) -> dict:
     """One setting, in this process: median step time and peak memory."""
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(resolve_device(args.device))
     mcfg = model_config_of(args.attention, args.size, args.override)
-    run = argparse.Namespace(**{**vars(args), "loss_chunk_tokens": chunk, "compile": False})
+    impl = "liger" if chunk == "liger" else "chunked"
+    tokens = LIGER_CHUNKS if chunk == "liger" else chunk  # liger picks its own chunk; this only keeps the path on
+    run = argparse.Namespace(**{**vars(args), "loss_chunk_tokens": tokens, "loss_impl": impl, "compile": False})
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times, _ = bench_one(mcfg, run, str(device))
@@ -81,7 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument(
         "--chunks",
-        type=lambda s: [chunk_tokens(c) for c in s.split(",")],
+        type=lambda s: [setting(c) for c in s.split(",")],
         default="none,4096,1024,256",
         help="comma-separated settings; the first is the reference of the ratio columns",
     )

@@ -30,6 +30,7 @@ from t6.bench.common import (
 )
 from t6.model import T6, ModelConfig
 from t6.model.facts import flops_per_token
+from t6.model.loss import IMPLS
 
 
 def bench_one(mcfg: ModelConfig, args: argparse.Namespace, device: str) -> tuple[list[float], int]:
@@ -45,7 +46,7 @@ def bench_one(mcfg: ModelConfig, args: argparse.Namespace, device: str) -> tuple
 
     def step() -> None:
         with autocast:
-            loss = step_fn(x, targets=y, loss_chunk_tokens=args.loss_chunk_tokens)  # [] (t6.model.loss)
+            loss = step_fn(x, targets=y, loss_chunk_tokens=args.loss_chunk_tokens, loss_impl=args.loss_impl)  # []
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -121,6 +122,12 @@ def parser() -> argparse.ArgumentParser:
         type=chunk_tokens,
         default=1024,
         help="tokens per chunk of the LM head + cross-entropy, as in training; none: all logits at once",
+    )
+    p.add_argument(
+        "--loss-impl",
+        choices=IMPLS,
+        default="auto",
+        help="the loss as in training: auto (Liger's fused kernel on CUDA, the chunks elsewhere), chunked, liger",
     )
     p.add_argument("--override", action="append", default=[], help="extra Hydra override, e.g. size.n_layer=2")
     p.add_argument(

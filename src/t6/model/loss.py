@@ -16,14 +16,24 @@ also builds), instead of [N, V] twice. The chunks share one logits buffer per ca
 [n, V] tensor per chunk is a fresh ~200 MB mapping on CPU, whose page faults cost a share of
 the step of their own. The result equals F.cross_entropy(h Wᵀ, y) to float
 rounding (tests/test_loss.py checks loss and both gradients).
+
+On CUDA the same computation runs by default as Liger-Kernel's fused linear cross-entropy
+(`impl="auto"`): the same chunked algorithm with the softmax, its gradient and the loss in one
+Triton pass over each chunk's logits (kept in the matmul dtype) instead of several elementwise
+passes, and a chunk of ~N d / V rows chosen by Liger, so the logits it holds are about the size of
+h. `impl="chunked"` keeps the path above on every device; `impl="liger"` asks for Liger anywhere
+Triton runs (a CUDA GPU, or the CPU under TRITON_INTERPRET=1, how the tests check it).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
 
 IGNORE_INDEX = -100  # as F.cross_entropy
+IMPLS = ("auto", "chunked", "liger")  # see the module docstring
 
 
 class _Buffers:
@@ -123,15 +133,42 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         )
 
 
+def use_liger(impl: str, device_type: str) -> bool:
+    """Whether `impl` runs as Liger's kernel on this device type ("cpu", "cuda", ...); an unknown impl,
+    or "liger" where Triton cannot run, is an error naming the setting."""
+    if impl not in IMPLS:
+        raise ValueError(f"loss_impl={impl!r} must be one of {', '.join(IMPLS)}")
+    triton_runs = device_type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    if impl == "liger" and not triton_runs:
+        raise ValueError(f"loss_impl=liger needs a CUDA device (here: {device_type}); use loss_impl=auto or chunked")
+    return impl == "liger" or (impl == "auto" and device_type == "cuda")
+
+
+def _liger(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Liger-Kernel's fused linear cross-entropy: h [N, d], weight [V, d], targets [N] -> mean loss [];
+    the head's gradient accumulates in fp32 as in the chunked path."""
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    return liger_fused_linear_cross_entropy(
+        h, weight, targets, ignore_index=IGNORE_INDEX, reduction="mean", accum_dtype=torch.float32
+    )
+
+
 def linear_cross_entropy(
-    h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int | None = 1024
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_tokens: int | None = 1024,
+    impl: str = "auto",
 ) -> torch.Tensor:
     """Mean cross-entropy of logits h Wᵀ against targets, never holding more than chunk_tokens rows
     of logits. h [..., d], weight [V, d], targets [...] (IGNORE_INDEX = -100 skipped).
-    chunk_tokens=None is the plain F.cross_entropy path over all logits at once (the reference)."""
+    chunk_tokens=None is the plain F.cross_entropy path over all logits at once (the reference);
+    impl: "auto" (Liger's fused kernel on CUDA, the chunks here elsewhere), "chunked" or "liger"."""
     h, targets = h.reshape(-1, h.shape[-1]), targets.reshape(-1)  # [N, d], [N]
     if chunk_tokens is not None and chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens={chunk_tokens} must be a positive number of tokens or None")
+    liger = use_liger(impl, h.device.type)
     device_type = h.device.type
     if torch.is_autocast_enabled(device_type):  # the matmuls in the autocast dtype, as nn.Linear would
         dtype = torch.get_autocast_dtype(device_type)
@@ -140,6 +177,8 @@ def linear_cross_entropy(
         with torch.autocast(device_type, enabled=False):
             return F.cross_entropy((h @ weight.t()).to(_acc_dtype(h)), targets, ignore_index=IGNORE_INDEX)
     with torch.autocast(device_type, enabled=False):
+        if liger:
+            return _liger(h, weight, targets)
         if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
             return _ChunkedLinearCrossEntropy.apply(h, weight, targets, chunk_tokens)
         n_valid = _count(targets)  # evaluation: the loss alone, chunk by chunk

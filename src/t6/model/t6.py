@@ -65,11 +65,12 @@ class T6(nn.Module):
         caches: list[KVCache] | None = None,
         targets: torch.Tensor | None = None,
         loss_chunk_tokens: int | None = 1024,
+        loss_impl: str = "auto",
     ) -> torch.Tensor:
         """idx [B, T] token ids at positions start_pos..start_pos+T-1 -> logits [B, T, vocab];
         with targets [B, T], the mean next-token cross-entropy [] instead, through the head in
         chunks of loss_chunk_tokens tokens so the full logits never exist (t6.model.loss; None:
-        all logits at once)."""
+        all logits at once; loss_impl: "auto" runs Liger-Kernel's fused kernel on CUDA, "chunked" never)."""
         T = idx.shape[1]
         if start_pos + T > self.cfg.block_size:
             raise ValueError(
@@ -81,7 +82,7 @@ class T6(nn.Module):
         for i, block in enumerate(self.blocks):
             x = block(x, pos, None if caches is None else caches[i])  # [B, T, d]
         if targets is not None:
-            return linear_cross_entropy(self.norm(x), self.lm_head.weight, targets, loss_chunk_tokens)  # []
+            return linear_cross_entropy(self.norm(x), self.lm_head.weight, targets, loss_chunk_tokens, loss_impl)  # []
         return self.lm_head(self.norm(x))  # [B, T, vocab]
 
     def build_kv_caches(self, batch_size: int, max_len: int | None = None, dtype=None, device=None) -> list[KVCache]:

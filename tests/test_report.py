@@ -359,7 +359,8 @@ def run_with(run_id: str, seed: int, val: float, **changes: str) -> RunData:
 
 
 def test_only_runs_that_differ_in_the_seed_alone_are_pooled(tmp_path):
-    same = [run_with("a", 1, 5.0), run_with("b", 2, 6.0)]
+    # a recipe's `compare` only chose which mechanisms its sweep trained: a seed re-run with another list still pools
+    same = [run_with("a", 1, 5.0, compare="['paper', 'gta']"), run_with("b", 2, 6.0, compare="['paper']")]
     grouped = group_runs(same)
     assert list(grouped.groups) == ["tpa"] and len(grouped.groups["tpa"]) == 2 and not grouped.notes
 

@@ -43,10 +43,12 @@ def group_label(run: RunData, group_by: tuple[str, ...]) -> str | None:
 
 
 # Params that do not change what a run measures: where it wrote, what it was called, how it was
-# tracked and checkpointed, and the seed itself. Runs of a row are pooled only when all else matches.
+# tracked and checkpointed, which mechanisms its sweep chose (a recipe's `compare`), and the seed
+# itself. Runs of a row are pooled only when all else matches.
 NOT_POOLED = (
     "seed",
     "data.seed",
+    "compare",
     "run_name",
     "experiment_name",
     "task_name",

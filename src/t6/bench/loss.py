@@ -25,8 +25,6 @@ from t6.bench.common import DTYPES, environment, model_config_of, resolve_device
 from t6.bench.train_step import bench_one, chunk_tokens
 from t6.memory import peak_rss
 
-LIGER_CHUNKS = 1024  # any number: with chunk_tokens=None the loss would be the all-at-once reference
-
 
 def setting(text: str) -> int | str | None:
     """One --chunks entry: none, a number of tokens, or liger."""
@@ -39,9 +37,15 @@ def measure(args: argparse.Namespace, chunk: int | str | None) -> dict:
         torch.set_num_threads(args.threads)
     device = torch.device(resolve_device(args.device))
     mcfg = model_config_of(args.attention, args.size, args.override)
-    impl = "liger" if chunk == "liger" else "chunked"
-    tokens = LIGER_CHUNKS if chunk == "liger" else chunk  # liger picks its own chunk; this only keeps the path on
-    run = argparse.Namespace(**{**vars(args), "loss_chunk_tokens": tokens, "loss_impl": impl, "compile": False})
+    liger = chunk == "liger"  # Liger sizes its own chunks
+    run = argparse.Namespace(
+        **{
+            **vars(args),
+            "loss_chunk_tokens": None if liger else chunk,
+            "loss_impl": "liger" if liger else "chunked",
+            "compile": False,
+        }
+    )
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times, _ = bench_one(mcfg, run, str(device))

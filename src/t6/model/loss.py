@@ -161,10 +161,11 @@ def linear_cross_entropy(
     chunk_tokens: int | None = 1024,
     impl: str = "auto",
 ) -> torch.Tensor:
-    """Mean cross-entropy of logits h Wᵀ against targets, never holding more than chunk_tokens rows
-    of logits. h [..., d], weight [V, d], targets [...] (IGNORE_INDEX = -100 skipped).
-    chunk_tokens=None is the plain F.cross_entropy path over all logits at once (the reference);
-    impl: "auto" (Liger's fused kernel on CUDA, the chunks here elsewhere), "chunked" or "liger"."""
+    """Mean cross-entropy of logits h Wᵀ against targets. h [..., d], weight [V, d], targets [...]
+    (IGNORE_INDEX = -100 skipped). impl picks the implementation: "auto" (Liger's fused kernel on CUDA,
+    the chunked path elsewhere), "chunked" or "liger". The chunked path never holds more than
+    chunk_tokens rows of logits; chunk_tokens=None makes it the plain F.cross_entropy over all logits
+    at once (the reference). Liger sizes its own chunks."""
     h, targets = h.reshape(-1, h.shape[-1]), targets.reshape(-1)  # [N, d], [N]
     if chunk_tokens is not None and chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens={chunk_tokens} must be a positive number of tokens or None")
@@ -173,12 +174,11 @@ def linear_cross_entropy(
     if torch.is_autocast_enabled(device_type):  # the matmuls in the autocast dtype, as nn.Linear would
         dtype = torch.get_autocast_dtype(device_type)
         h, weight = h.to(dtype), weight.to(dtype)
-    if chunk_tokens is None:
-        with torch.autocast(device_type, enabled=False):
-            return F.cross_entropy((h @ weight.t()).to(_acc_dtype(h)), targets, ignore_index=IGNORE_INDEX)
     with torch.autocast(device_type, enabled=False):
         if liger:
             return _liger(h, weight, targets)
+        if chunk_tokens is None:
+            return F.cross_entropy((h @ weight.t()).to(_acc_dtype(h)), targets, ignore_index=IGNORE_INDEX)
         if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
             return _ChunkedLinearCrossEntropy.apply(h, weight, targets, chunk_tokens)
         n_valid = _count(targets)  # evaluation: the loss alone, chunk by chunk

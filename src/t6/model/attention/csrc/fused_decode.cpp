@@ -40,9 +40,6 @@ inline void rows_to_float(const T* src, int N, int n, float* dst, int n_pad) {
   for (int r = 0; r < N; ++r) to_float(src + (int64_t)r * n, dst + (int64_t)r * n_pad, n);
 }
 
-constexpr int LANES = 16;  // head counts are padded to a multiple of this, so loops over heads have no scalar tail
-inline int padded(int h) { return (h + LANES - 1) / LANES * LANES; }
-
 // e^(x - n ln 2) for x - n ln 2 in about [-ln2/2, ln2/2] (a Cephes-style polynomial, relative
 // error ~2e-7), on a vector of floats: the body of exp_nonpositive below.
 template <typename T>
@@ -92,7 +89,7 @@ void check_cache(const torch::Tensor& t, const char* name) {
 
 // ---- The block loops on float vectors of the machine's width (GCC/Clang vector extensions:
 // 16 floats in a zmm register with AVX-512, 8 in a ymm with AVX, 4 with SSE or NEON). Head counts
-// and widths are padded to multiples of 16 with zeros, so every loop below runs over whole vectors.
+// and widths are padded with zeros to whole vectors (padded() below).
 
 #if defined(__AVX512F__)
 constexpr int VLEN = 16;
@@ -104,6 +101,9 @@ constexpr int NV = 2;  // 4 heads x 2 = 8 of the 16 ymm registers
 constexpr int VLEN = 4;
 constexpr int NV = 4;  // 4 heads x 4 = 16 of the 32 NEON registers (SSE: 16, some spill)
 #endif
+// Head counts and widths are padded to a multiple of the vector width, so loops over them have no
+// scalar tail (MLA's 23 heads at medium: 24 with AVX2, 32 with AVX-512).
+inline int padded(int h) { return (h + VLEN - 1) / VLEN * VLEN; }
 typedef float vf __attribute__((vector_size(VLEN * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(VLEN * sizeof(int32_t))));
 typedef float vfu __attribute__((vector_size(VLEN * sizeof(float)), aligned(4)));  // loads/stores at any float offset
@@ -160,7 +160,7 @@ inline vf exp_nonpositive(vf x) {
 }
 
 // acc[i, :] += sum_n w[n, i] v[n, :] for i < hp (a multiple of TILE_H), columns dp (a multiple of
-// 16): register tiles of TILE_H heads x C vectors of columns.
+// VLEN): register tiles of TILE_H heads x C vectors of columns.
 template <int C>
 inline void accumulate_tile(float* acc, int dp, int i0, int j0, const float* w, int hp, const float* v, int64_t ldv, int N) {
   vf a[TILE_H][C];
@@ -180,7 +180,7 @@ inline void accumulate_tile(float* acc, int dp, int i0, int j0, const float* w, 
 }
 
 // y[m, :] = sum_k x[m, k] z[k, :] for rows m < M (x row stride ldx; z [K, hp], y [M, hp], hp a
-// multiple of 16): register tiles of 4 rows x C vectors of columns; y has room for M rounded up to 4.
+// multiple of VLEN): register tiles of 4 rows x C vectors of columns; y has room for M rounded up to 4.
 template <int C>
 inline void rows_gemm_tile(const float* x, int ldx, int K, const float* z, int hp, int M, int j0, float* y) {
   for (int m0 = 0; m0 < M; m0 += 4) {
@@ -299,10 +299,10 @@ void tpa_kernel(const torch::Tensor& q_a, const torch::Tensor& q_b, const torch:
   const bool* mk = mask.defined() ? mask.data_ptr<bool>() : nullptr;
   const int64_t mk_b = mask.defined() ? mask.stride(0) : 0;
   at::parallel_for(0, B * parts, 1, [&](int64_t lo, int64_t hi) {
-    // A_K, A_V rows of a block as float, [n R, h] unpadded: the vector of heads i0..i0+15 read at
+    // A_K, A_V rows of a block as float, [n R, h] unpadded: the vector of heads i0..i0+VLEN-1 read at
     // row h + i0 runs into the next row's first heads (or the zero slack after the last row); they
     // land in the padding heads h..hp, whose query (A_Q, q^T) is zero, so no real head sees them.
-    std::vector<float> ak(BLOCK * RK * h + LANES, 0.f), av(BLOCK * RV * h + LANES, 0.f);
+    std::vector<float> ak(BLOCK * RK * h + VLEN, 0.f), av(BLOCK * RV * h + VLEN, 0.f);
     std::vector<float> bk(BLOCK * RK * dp, 0.f), bv(BLOCK * RV * dp, 0.f), sc(BLOCK * hp), w(BLOCK * RV * hp);
     std::vector<float> g(BLOCK * RK * std::max(RQ, 1)), qb((BLOCK * RK + 3) * hp);
     for (int64_t task = lo; task < hi; ++task) {

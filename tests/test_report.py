@@ -399,6 +399,21 @@ def test_a_curve_of_one_point_is_drawn_with_a_marker(tmp_path):
     assert blue.sum() > 110  # the marker in the axes and in the legend (72 pixels without markers: the legend alone)
 
 
+def test_every_line_of_a_sweep_of_all_mechanisms_has_its_own_style():
+    """Fourteen mechanisms (every registered one) on one figure: matplotlib's cycle repeats its ten
+    colours, which drew MHA and another mechanism alike; colours then line styles keep each apart."""
+    import matplotlib
+    import matplotlib.colors
+
+    from t6.report.plots import line_style
+
+    styles = [line_style(i) for i in range(40)]
+    assert len(set(styles)) == 40
+    default_cycle = [matplotlib.colors.to_hex(c) for c in matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]]
+    assert [color for color, _ in styles[:10]] == default_cycle  # the first ten look as matplotlib draws them
+    assert {style for _, style in styles[:10]} == {"-"}
+
+
 def test_report_folder_has_no_spaces():
     cli = load_cli()
     assert cli.folder_name("sweep 2026-01-02_03-04-05") == "sweep-2026-01-02_03-04-05"

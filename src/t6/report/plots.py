@@ -15,6 +15,16 @@ def _tokens_axis(value: float, _pos=None) -> str:
     return f"{value:g}"
 
 
+COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
+LINESTYLES = ["-", "--", ":", "-."]
+
+
+def line_style(i: int) -> tuple[str, str]:
+    """(colour, line style) of the i-th line: matplotlib's ten default colours, then the same
+    colours dashed, dotted, dash-dotted, so up to 40 lines (a sweep of every mechanism) stay apart."""
+    return COLORS[i % len(COLORS)], LINESTYLES[(i // len(COLORS)) % len(LINESTYLES)]
+
+
 def plot_curves(groups: dict[str, list[RunData]], key: str, path: Path) -> list[str]:
     """One figure: `key` vs training tokens, a line per group (mean over seeds, band ± std).
     Returns the problems (groups not drawn and why)."""
@@ -25,8 +35,9 @@ def plot_curves(groups: dict[str, list[RunData]], key: str, path: Path) -> list[
     from matplotlib.ticker import FuncFormatter
 
     problems = []
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
-    for label, runs in groups.items():
+    many = len(groups) > 6  # the legend goes beside the axes, and the bands fade, where it would cover lines
+    fig, ax = plt.subplots(figsize=(9.5 if many else 7, 4.5), dpi=120)
+    for i, (label, runs) in enumerate(groups.items()):
         try:
             data = curve(runs, key)
         except KeyError as err:
@@ -38,16 +49,24 @@ def plot_curves(groups: dict[str, list[RunData]], key: str, path: Path) -> list[
             continue
         x, mean, std = data
         few = len(x) <= 20  # markers where a line has few points (one point draws no line at all)
-        (line,) = ax.plot(
-            x, mean, label=f"{label} (n={len(runs)})", linewidth=1.4, marker="o" if few else None, markersize=4
+        color, linestyle = line_style(i)
+        ax.plot(
+            x,
+            mean,
+            label=f"{label} (n={len(runs)})",
+            color=color,
+            linestyle=linestyle,
+            linewidth=1.4,
+            marker="o" if few else None,
+            markersize=4,
         )
         if len(runs) > 1:
             ax.fill_between(
                 x,
                 [m - s for m, s in zip(mean, std)],
                 [m + s for m, s in zip(mean, std)],
-                color=line.get_color(),
-                alpha=0.2,
+                color=color,
+                alpha=0.08 if many else 0.2,
                 linewidth=0,
             )
     ax.set_xlabel("training tokens")
@@ -56,7 +75,7 @@ def plot_curves(groups: dict[str, list[RunData]], key: str, path: Path) -> list[
     ax.xaxis.set_major_formatter(FuncFormatter(_tokens_axis))
     ax.grid(alpha=0.3)
     if ax.lines:
-        ax.legend()
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small") if many else ax.legend()
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -10,21 +10,16 @@ two GEMMs alone (no softmax, no projections), is a practical floor for an unfuse
 """
 
 import argparse
-import time
 
 import torch
+
+from t6.bench.common import time_call
 
 
 def best(fn, calls: int = 5, rounds: int = 5) -> float:
     """Seconds per call, the best of `rounds` rounds of `calls` calls after one warm-up call."""
     fn()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - start) / calls)
-    return min(times)
+    return min(time_call(fn, calls, "cpu") for _ in range(rounds))
 
 
 def main() -> None:

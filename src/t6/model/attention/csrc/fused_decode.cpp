@@ -23,7 +23,6 @@
 namespace {
 
 constexpr int BLOCK = 32;     // tokens per block (scores, softmax update, value accumulation)
-constexpr int TILE_H = 4;     // heads per register tile of the value accumulation
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 template <typename T>
@@ -93,12 +92,15 @@ void check_cache(const torch::Tensor& t, const char* name) {
 
 #if defined(__AVX512F__)
 constexpr int VLEN = 16;
-constexpr int NV = 4;  // vectors of columns per value tile: 4 heads x 4 = 16 of the 32 zmm registers
+constexpr int TILE_H = 4;  // heads per value tile
+constexpr int NV = 4;      // vectors of columns per value tile: 4 heads x 4 = 16 of the 32 zmm registers
 #elif defined(__AVX__)
 constexpr int VLEN = 8;
-constexpr int NV = 2;  // 4 heads x 2 = 8 of the 16 ymm registers
+constexpr int TILE_H = 6;  // 6 heads x 2 = 12 of the 16 ymm registers (+2 value rows, 1 weight)
+constexpr int NV = 2;
 #else
 constexpr int VLEN = 4;
+constexpr int TILE_H = 4;
 constexpr int NV = 4;  // 4 heads x 4 = 16 of the 32 NEON registers (SSE: 16, some spill)
 #endif
 // Head counts and widths are padded to a multiple of the vector width, so loops over them have no
@@ -159,23 +161,23 @@ inline vf exp_nonpositive(vf x) {
   return x < -87.f ? splat(0.f) : p * scale;
 }
 
-// acc[i, :] += sum_n w[n, i] v[n, :] for i < hp (a multiple of TILE_H), columns dp (a multiple of
-// VLEN): register tiles of TILE_H heads x C vectors of columns.
-template <int C>
+// acc[i, :] += sum_n w[n, i] v[n, :] for heads i0..i0+TH-1, columns j0.. (C vectors): a register
+// tile of TH heads x C vectors of columns.
+template <int TH, int C>
 inline void accumulate_tile(float* acc, int dp, int i0, int j0, const float* w, int hp, const float* v, int64_t ldv, int N) {
-  vf a[TILE_H][C];
-  for (int ii = 0; ii < TILE_H; ++ii)
+  vf a[TH][C];
+  for (int ii = 0; ii < TH; ++ii)
     for (int k = 0; k < C; ++k) a[ii][k] = load(acc + (int64_t)(i0 + ii) * dp + j0 + VLEN * k);
   for (int n = 0; n < N; ++n) {
     vf vn[C];
     for (int k = 0; k < C; ++k) vn[k] = load(v + n * ldv + j0 + VLEN * k);
     const float* wn = w + (int64_t)n * hp + i0;
-    for (int ii = 0; ii < TILE_H; ++ii) {
+    for (int ii = 0; ii < TH; ++ii) {
       const vf c = splat(wn[ii]);
       for (int k = 0; k < C; ++k) a[ii][k] += c * vn[k];
     }
   }
-  for (int ii = 0; ii < TILE_H; ++ii)
+  for (int ii = 0; ii < TH; ++ii)
     for (int k = 0; k < C; ++k) store(acc + (int64_t)(i0 + ii) * dp + j0 + VLEN * k, a[ii][k]);
 }
 
@@ -231,17 +233,29 @@ struct Prefetch {
   }
 };
 
-// acc [hp, dp] for the heads i < h rounded up to TILE_H (the padding heads beyond are skipped);
-// w [N, hp], v rows N x dp with stride ldv.
+// One row of tiles: heads i0..i0+TH-1, every column.
+template <int TH>
+void accumulate_heads(float* acc, int dp, int i0, const float* w, int hp, const float* v, int64_t ldv, int N) {
+  int j0 = 0;
+  for (; j0 + NV * VLEN <= dp; j0 += NV * VLEN) accumulate_tile<TH, NV>(acc, dp, i0, j0, w, hp, v, ldv, N);
+  for (; j0 < dp; j0 += VLEN) accumulate_tile<TH, 1>(acc, dp, i0, j0, w, hp, v, ldv, N);
+}
+
+// acc [hp, dp] for the heads i < h rounded up to 2 (hp, a whole number of vectors, is even; the
+// padding heads beyond are skipped): tiles of TILE_H heads, then of 2; w [N, hp], v rows N x dp
+// with stride ldv.
 void accumulate_v(float* acc, int h, int hp, int dp, const float* w, const float* v, int64_t ldv, int N,
                   Prefetch& pf) {
-  const int h4 = (h + TILE_H - 1) / TILE_H * TILE_H;
-  const int per_tile = 1 + (int)(pf.total / 64) / (h4 / TILE_H);
-  for (int i0 = 0; i0 < h4; i0 += TILE_H) {
+  const int h2 = (h + 1) / 2 * 2;
+  const int per_tile = 1 + (int)(pf.total / 64) / ((h2 + TILE_H - 1) / TILE_H);
+  int i0 = 0;
+  for (; i0 + TILE_H <= h2; i0 += TILE_H) {
     pf.lines(per_tile);
-    int j0 = 0;
-    for (; j0 + NV * VLEN <= dp; j0 += NV * VLEN) accumulate_tile<NV>(acc, dp, i0, j0, w, hp, v, ldv, N);
-    for (; j0 < dp; j0 += VLEN) accumulate_tile<1>(acc, dp, i0, j0, w, hp, v, ldv, N);
+    accumulate_heads<TILE_H>(acc, dp, i0, w, hp, v, ldv, N);
+  }
+  for (; i0 < h2; i0 += 2) {
+    pf.lines(per_tile);
+    accumulate_heads<2>(acc, dp, i0, w, hp, v, ldv, N);
   }
 }
 

@@ -9,7 +9,7 @@ proportional to the context is written. Per cached token s and head i (TPA):
     scores[s, i] = sum_r A_K[s, r, i] qb[s, r, i],  qb[s, r, i] = sum_r' (B_K[s, r] . B_Q[r']) A_Q[r', i]
                                                  (or B_K[s, r] . q_i for a full query, TPA-KVonly)
     m, l, acc    <- running max, denominator and [h, d_h] numerator, rescaled by exp(m_old - m_new)
-    acc[i, :]   += sum_r P[s, i] A_V[s, r, i] B_V[s, r, :]          (register tiles of 4 heads x 2-4 vectors of columns)
+    acc[i, :]   += sum_r P[s, i] A_V[s, r, i] B_V[s, r, :]    (register tiles: 4-6 heads x 2-4 vectors)
 
 and the result is acc / (l R_V). MLA: scores[s, i] = q_lat[i] . c_kv[s] + q_rope[i] . k_rope[s],
 acc[i, :] += P[s, i] c_kv[s, :]. The query scales are folded into the query by the caller.

@@ -16,6 +16,10 @@ from t6.model.attention.fused_decode import latent_decode, reference_latent_deco
 from t6.model.t6 import left_pad
 
 LENGTHS = [2, 31, 32, 33, 100, 257]  # around the C++ kernel's 32-token blocks and its thread split
+# head counts that pad to 1, 4 and 6 vectors of 8 floats (AVX2; 1, 2 and 3 of 16 with AVX-512), which
+# take the operators' different register tiles (value tiles of 6 heads and of 2; score tiles of 2 rows x
+# 6 vectors, 3 x 4, 4 x 3 and 4 x 1)
+HEADS = (7, 30, 45)
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
 
@@ -72,14 +76,16 @@ def test_each_cpu_gets_its_own_build(monkeypatch):
 def test_tpa_decode_equals_the_eager_reference(dtype, factored):
     requires_extension()
     gen = torch.Generator().manual_seed(0)
-    for B in (1, 3):
-        for S in LENGTHS:
-            args = tpa_inputs(B, S, factored, dtype, gen)
-            for mask in (None, padding_mask(B, S, gen)):
-                fast = tpa_decode(*args, mask)  # [B, h, d_h]
-                ref = reference_tpa_decode(*(a if a is None else a.float() for a in args), mask)
-                assert fast.shape == (B, 7, 16) and fast.dtype == dtype
-                torch.testing.assert_close(fast.float(), ref, **TOL[dtype], msg=f"B={B} S={S} mask={mask is not None}")
+    for h in HEADS:
+        for B in (1, 3):
+            for S in LENGTHS:
+                args = tpa_inputs(B, S, factored, dtype, gen, h=h)
+                for mask in (None, padding_mask(B, S, gen)):
+                    fast = tpa_decode(*args, mask)  # [B, h, d_h]
+                    ref = reference_tpa_decode(*(a if a is None else a.float() for a in args), mask)
+                    assert fast.shape == (B, h, 16) and fast.dtype == dtype
+                    msg = f"h={h} B={B} S={S} mask={mask is not None}"
+                    torch.testing.assert_close(fast.float(), ref, **TOL[dtype], msg=msg)
 
 
 def test_tpa_decode_masks_padding_exactly():
@@ -97,10 +103,10 @@ def test_tpa_decode_masks_padding_exactly():
 def test_latent_decode_equals_the_eager_reference(dtype):
     requires_extension()
     gen = torch.Generator().manual_seed(2)
-    h, d_r = 5, 8
+    d_r = 8
     # d_c a whole number of vectors (fp32 rows read in place) and not (rows converted); GLA's latent head:
     # one of several per token, a strided view
-    for d_c, heads in ((48, 1), (42, 2)):
+    for h, d_c, heads in ((5, 48, 1), (5, 42, 2), (23, 48, 1), (45, 42, 2)):
         for B in (1, 3):
             for S in LENGTHS:
                 q_lat = (torch.randn(B, h, d_c, generator=gen) * 0.2).to(dtype)
@@ -110,7 +116,7 @@ def test_latent_decode_equals_the_eager_reference(dtype):
                 for mask in (None, padding_mask(B, S, gen)):
                     fast = latent_decode(q_lat, q_rope, c_kv, k_rope, mask)  # [B, h, d_c]
                     ref = reference_latent_decode(q_lat.float(), q_rope.float(), c_kv.float(), k_rope.float(), mask)
-                    torch.testing.assert_close(fast.float(), ref, **TOL[dtype], msg=f"d_c={d_c} B={B} S={S}")
+                    torch.testing.assert_close(fast.float(), ref, **TOL[dtype], msg=f"h={h} d_c={d_c} B={B} S={S}")
 
 
 def test_operators_are_registered_with_schema_and_fake_implementations():

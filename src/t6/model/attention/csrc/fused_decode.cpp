@@ -205,7 +205,8 @@ inline void rows_gemm_tile(const float* x, int ldx, int K, const float* z, int h
 
 // With AVX2 (measured on a Zen 3 EPYC) a broadcast costs a slot of the vector units, so the tiles
 // are as wide as the columns allow: 2 rows x 6 vectors, 3 x 4, then 4 x 3 (broadcasts per FMA 1/6,
-// 1/4, 1/3; TPA's 48 heads, TPA-KVonly's 32). Elsewhere 4 rows x 3, 2 or 1 vectors (measured on a Xeon).
+// 1/4, 1/3: TPA's 47 medium heads padded to 48 take 2 x 6, TPA-KVonly's 29 -> 32 take 3 x 4, MLA's
+// 23 -> 24 take 4 x 3). Elsewhere tiles of 4 rows x 3, 2 or 1 vectors (measured on a Xeon).
 constexpr bool WIDE_ROW_TILES = VLEN == 8;
 
 void rows_gemm(const float* x, int ldx, int K, const float* z, int hp, int M, float* y) {

@@ -15,14 +15,17 @@ def _tokens_axis(value: float, _pos=None) -> str:
     return f"{value:g}"
 
 
-COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
 LINESTYLES = ["-", "--", ":", "-."]
 
 
 def line_style(i: int) -> tuple[str, str]:
-    """(colour, line style) of the i-th line: matplotlib's ten default colours, then the same
-    colours dashed, dotted, dash-dotted, so up to 40 lines (a sweep of every mechanism) stay apart."""
-    return COLORS[i % len(COLORS)], LINESTYLES[(i // len(COLORS)) % len(LINESTYLES)]
+    """(colour, line style) of the i-th line: matplotlib's colour cycle (ten colours by default), then
+    the same colours dashed, dotted, dash-dotted, so up to 40 lines (a sweep of every mechanism) stay apart."""
+    import matplotlib
+    import matplotlib.colors
+
+    colors = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
+    return matplotlib.colors.to_hex(colors[i % len(colors)]), LINESTYLES[(i // len(colors)) % len(LINESTYLES)]
 
 
 def plot_curves(groups: dict[str, list[RunData]], key: str, path: Path) -> list[str]:

@@ -13,7 +13,7 @@ import argparse
 
 import torch
 
-from t6.bench.common import time_call
+from t6.bench.common import model_config_of, time_call
 
 
 def best(fn, calls: int = 5, rounds: int = 5) -> float:
@@ -30,7 +30,8 @@ def main() -> None:
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
     peak = 2 * 1024**3 / best(lambda: a @ b) / 1e9
     print(f"threads {args.threads}: square 1024 matmul {peak:.1f} GFLOP/s")
-    h, d_c, d_rope = 23, 256, 32
+    mla = model_config_of("mla", "medium")  # the heads and widths from the configs
+    h, d_c, d_rope = mla.n_head, mla.attention_options["kv_lora_rank"], mla.attention_options["rope_dim"]
     for S in (16384, 32768):
         cache = torch.randn(S, d_c + d_rope)  # [S, d_c + d_rope]: latents and RoPE keys
         q = torch.randn(h, d_c + d_rope)  # [h, d_c + d_rope]: the absorbed query

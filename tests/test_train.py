@@ -10,7 +10,8 @@ import torch
 
 from t6.data.corpus import TINY_SHAKESPEARE, prepare_text_corpus
 from t6.data.shards import ShardError
-from t6.train import SAMPLES_ARTIFACT, check_samples, greedy_samples, summary, train
+from t6.samples import SAMPLES_ARTIFACT, check_samples, greedy_samples
+from t6.train import summary, train
 
 from conftest import CONF
 

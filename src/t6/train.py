@@ -15,7 +15,6 @@ import lightning as L
 import torch
 from hydra.utils import instantiate
 from lightning.pytorch.loggers import MLFlowLogger
-from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -25,15 +24,14 @@ from t6.callbacks import PreemptionCheckpoint
 from t6.checkpoint import resolve_ckpt_path
 from t6.config import flatten, model_config
 from t6.data.batching import accumulation_steps, check_batch_settings, sequences_per_step
-from t6.data.tokenizer import gpt2_encoding
 from t6.distributed import destroy_process_group
 from t6.evaluation.callback import build_eval_callback
-from t6.generate import generate_text
 from t6.model.facts import model_facts
 from t6.model.load import WARM_START_FORMAT, read_checkpoint
 from t6.model.loss import use_liger
 from t6.module import T6LitModule
 from t6.quiet import quiet_libraries
+from t6.samples import SAMPLES_ARTIFACT, check_samples, log_samples
 from t6.sweep import attach_to_sweep, sweep_job_info
 from t6.tracking import (
     SystemMetrics,
@@ -208,69 +206,6 @@ def check_learning_rate(cfg: DictConfig) -> None:
             f"optimizer.lr={lr} differs from lr_ablation.max_lr={max_lr}, the schedule's peak; set the peak with "
             f"lr_ablation.max_lr={lr} (and lr_ablation.min_lr), and leave optimizer.lr to follow it"
         )
-
-
-SAMPLES_ARTIFACT = "samples.txt"
-
-
-def check_samples(cfg: DictConfig) -> None:
-    """samples.prompts (non-empty strings) and samples.max_new_tokens fit the model's context, before training."""
-    samples = cfg.get("samples")
-    if samples is None:
-        return
-    prompts, new = samples.get("prompts"), samples.get("max_new_tokens")
-    if not OmegaConf.is_list(prompts) or not prompts or not all(isinstance(p, str) and p for p in prompts):
-        raise ValueError(
-            f"samples.prompts={prompts} must be a non-empty list of non-empty strings "
-            "(e.g. samples.prompts='[ROMEO:]'), or samples=null for no samples"
-        )
-    if not isinstance(new, int) or isinstance(new, bool) or new < 1:
-        raise ValueError(f"samples.max_new_tokens={new} must be a positive integer")
-    enc = gpt2_encoding()
-    longest = max(len(enc.encode_ordinary(p)) for p in prompts)
-    if longest >= cfg.size.block_size:
-        raise ValueError(
-            f"samples: a prompt of {longest} tokens leaves no room in size.block_size={cfg.size.block_size}; "
-            "shorten samples.prompts"
-        )
-
-
-def greedy_samples(model: torch.nn.Module, samples: DictConfig) -> list[str]:
-    """Each of samples.prompts continued greedily (temperature 0) by samples.max_new_tokens tokens at most
-    (fewer where the prompt and they would pass the model's block size). One prompt at a time: no
-    padding, so every attention option can generate them."""
-    was_training = model.training
-    model.eval()
-    enc, block = gpt2_encoding(), model.cfg.block_size
-    try:
-        return [
-            generate_text(model, [p], min(int(samples.max_new_tokens), block - len(enc.encode_ordinary(p))), 0.0)[0]
-            for p in samples.prompts
-        ]
-    finally:
-        model.train(was_training)
-
-
-def samples_text(texts: list[str], step: int) -> str:
-    """The samples.txt artifact: one block per prompt."""
-    blocks = [f"=== sample {i + 1} (greedy, after step {step})\n{text}" for i, text in enumerate(texts)]
-    return "\n\n".join(blocks) + "\n"
-
-
-def log_samples(cfg: DictConfig, trainer: L.Trainer, model: torch.nn.Module, mlflow: MLFlowLogger | None) -> list[str]:
-    """Rank 0, after training: the greedy samples, logged as samples.txt in the MLflow run (when there is one)."""
-    if cfg.get("samples") is None or not trainer.is_global_zero:
-        return []
-    if isinstance(trainer.strategy, FSDPStrategy):
-        log.info(
-            "samples: none under FSDP (each rank holds a shard of the weights); generate from the checkpoint "
-            "with python generate.py ckpt_path=... temperature=0"
-        )
-        return []
-    texts = greedy_samples(model, cfg.samples)
-    if mlflow is not None:
-        mlflow.experiment.log_text(mlflow.run_id, samples_text(texts, trainer.global_step), SAMPLES_ARTIFACT)
-    return texts
 
 
 def check_no_dataset(cfg: DictConfig) -> None:

@@ -1,0 +1,79 @@
+"""Greedy samples after training: checked before the run, generated on rank 0 at its end, and logged
+to the MLflow run as `samples.txt` (the closing summary prints the first)."""
+
+from __future__ import annotations
+
+import logging
+
+import lightning as L
+import torch
+from lightning.pytorch.loggers import MLFlowLogger
+from lightning.pytorch.strategies import FSDPStrategy
+from omegaconf import DictConfig, OmegaConf
+
+from t6.data.tokenizer import gpt2_encoding
+from t6.generate import generate_text
+
+log = logging.getLogger(__name__)
+
+SAMPLES_ARTIFACT = "samples.txt"
+
+
+def check_samples(cfg: DictConfig) -> None:
+    """samples.prompts (non-empty strings) and samples.max_new_tokens fit the model's context, before training."""
+    samples = cfg.get("samples")
+    if samples is None:
+        return
+    prompts, new = samples.get("prompts"), samples.get("max_new_tokens")
+    if not OmegaConf.is_list(prompts) or not prompts or not all(isinstance(p, str) and p for p in prompts):
+        raise ValueError(
+            f"samples.prompts={prompts} must be a non-empty list of non-empty strings "
+            "(e.g. samples.prompts='[ROMEO:]'), or samples=null for no samples"
+        )
+    if not isinstance(new, int) or isinstance(new, bool) or new < 1:
+        raise ValueError(f"samples.max_new_tokens={new} must be a positive integer")
+    enc = gpt2_encoding()
+    longest = max(len(enc.encode_ordinary(p)) for p in prompts)
+    if longest >= cfg.size.block_size:
+        raise ValueError(
+            f"samples: a prompt of {longest} tokens leaves no room in size.block_size={cfg.size.block_size}; "
+            "shorten samples.prompts"
+        )
+
+
+def greedy_samples(model: torch.nn.Module, samples: DictConfig) -> list[str]:
+    """Each of samples.prompts continued greedily (temperature 0) by samples.max_new_tokens tokens at most
+    (fewer where the prompt and they would pass the model's block size). One prompt at a time: no
+    padding, so every attention option can generate them."""
+    was_training = model.training
+    model.eval()
+    enc, block = gpt2_encoding(), model.cfg.block_size
+    try:
+        return [
+            generate_text(model, [p], min(int(samples.max_new_tokens), block - len(enc.encode_ordinary(p))), 0.0)[0]
+            for p in samples.prompts
+        ]
+    finally:
+        model.train(was_training)
+
+
+def samples_text(texts: list[str], step: int) -> str:
+    """The samples.txt artifact: one block per prompt."""
+    blocks = [f"=== sample {i + 1} (greedy, after step {step})\n{text}" for i, text in enumerate(texts)]
+    return "\n\n".join(blocks) + "\n"
+
+
+def log_samples(cfg: DictConfig, trainer: L.Trainer, model: torch.nn.Module, mlflow: MLFlowLogger | None) -> list[str]:
+    """Rank 0, after training: the greedy samples, logged as samples.txt in the MLflow run (when there is one)."""
+    if cfg.get("samples") is None or not trainer.is_global_zero:
+        return []
+    if isinstance(trainer.strategy, FSDPStrategy):
+        log.info(
+            "samples: none under FSDP (each rank holds a shard of the weights); generate from the checkpoint "
+            "with python generate.py ckpt_path=... temperature=0"
+        )
+        return []
+    texts = greedy_samples(model, cfg.samples)
+    if mlflow is not None:
+        mlflow.experiment.log_text(mlflow.run_id, samples_text(texts, trainer.global_step), SAMPLES_ARTIFACT)
+    return texts

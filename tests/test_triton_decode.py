@@ -6,6 +6,7 @@ split. This checks the kernels' semantics, not the compiled GPU code."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -91,3 +92,39 @@ def test_triton_latent_decode_equals_the_eager_reference(kernels, dtype):
             fast = kernels.latent_decode(q_lat, q_rope, c_kv, k_rope, mask, block_s=16)
             ref = reference_latent_decode(q_lat.float(), q_rope.float(), c_kv.float(), k_rope.float(), mask)
             torch.testing.assert_close(fast.float(), ref, **TOL[dtype], msg=f"B={B} S={S}")
+
+
+class ConstexprLog:
+    """Wraps a kernel: records the compile-time constants (tl.constexpr parameters) of each launch,
+    then launches it. Triton compiles one kernel per distinct set of them."""
+
+    def __init__(self, kernel):
+        self.kernel, self.seen = kernel, set()
+        self.signature = inspect.signature(kernel.fn)
+        self.names = [n for n, p in self.signature.parameters.items() if "constexpr" in str(p.annotation)]
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            bound = self.signature.bind(*args, **kwargs).arguments
+            self.seen.add(tuple((n, bound[n]) for n in self.names))
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+def test_one_compiled_kernel_serves_every_context_length(kernels, monkeypatch):
+    """Decoding token after token must not compile a new kernel as the context (hence the number of
+    splits) grows: the constexprs of a model's launches are the same at every length."""
+    gen = torch.Generator().manual_seed(2)
+    tpa, latent = ConstexprLog(kernels._tpa_kernel), ConstexprLog(kernels._latent_kernel)
+    monkeypatch.setattr(kernels, "_tpa_kernel", tpa)
+    monkeypatch.setattr(kernels, "_latent_kernel", latent)
+    lengths = (1, 17, 40, 100)  # 1, 2, 3 and 7 splits in 16-token blocks (off CUDA: up to 8 programs)
+    for S in lengths:
+        kernels.tpa_decode(*tpa_inputs(1, S, True, torch.float32, gen, h=5, d=16, R_Q=2, R_K=2, R_V=1), None, 16)
+        c_kv, k_rope = torch.randn(1, S, 24, generator=gen), torch.randn(1, S, 8, generator=gen)
+        kernels.latent_decode(
+            torch.randn(1, 3, 24, generator=gen), torch.randn(1, 3, 8, generator=gen), c_kv, k_rope, None, 16
+        )
+    assert {kernels._partials(1, S, 8, 16, 16, torch.device("cpu"))[1] for S in lengths} == {1, 2, 3, 7}
+    assert len(tpa.seen) == 1 and len(latent.seen) == 1, (tpa.seen, latent.seen)

@@ -4,9 +4,12 @@
 FlashTPA-style split-K: the cached sequence is split across programs (grid = batch x splits);
 each program streams its share in blocks of BLOCK_S tokens with an online softmax over all
 heads at once and writes a partial (max, denominator, numerator); the partials are combined
-afterwards (`combine`). The cache may be fp32, bf16 or fp16 (arithmetic in fp32); batch >= 1;
-an optional bool key mask [B, S] hides padding. Correctness is tested on the CPU through
-Triton's interpreter (TRITON_INTERPRET=1) against the eager reference.
+afterwards (`combine`). The cache may be fp32, bf16 or fp16, loaded and accumulated in fp32 (the
+operands of tl.dot take Triton's default fp32 input precision, TF32 on tensor cores); batch >= 1;
+an optional bool key mask [B, S] hides padding. The compile-time constants are the model's shapes
+only, never the context length or the number of splits, so one compiled kernel serves a whole
+generation. Correctness is tested on the CPU through Triton's interpreter (TRITON_INTERPRET=1)
+against the eager reference.
 """
 
 from __future__ import annotations
@@ -53,7 +56,6 @@ def _tpa_kernel(
     HP: tl.constexpr,
     DP: tl.constexpr,
     BLOCK_S: tl.constexpr,
-    SPLITS: tl.constexpr,
 ):
     b = tl.program_id(0)
     split = tl.program_id(1)
@@ -120,7 +122,7 @@ def _tpa_kernel(
             ).to(tl.float32)  # [BLOCK_S, DP]
             acc += tl.dot(tl.trans(p * av), bv)  # sum_s P[s, i] A_V[s, r, i] B_V[s, r]: [HP, DP]
         m = m_new
-    out = b * SPLITS + split
+    out = b * tl.num_programs(1) + split  # this program's partial: [B, splits] row-major
     tl.store(m_ptr + out * HP + heads, m)
     tl.store(l_ptr + out * HP + heads, l)
     tl.store(acc_ptr + out * HP * DP + heads[:, None] * DP + dims[None, :], acc)
@@ -151,7 +153,6 @@ def _latent_kernel(
     DCP: tl.constexpr,
     DRP: tl.constexpr,
     BLOCK_S: tl.constexpr,
-    SPLITS: tl.constexpr,
 ):
     b = tl.program_id(0)
     split = tl.program_id(1)
@@ -200,7 +201,7 @@ def _latent_kernel(
         l = l * corr + tl.sum(p, axis=0)
         acc = acc * corr[:, None] + tl.dot(tl.trans(p), c)  # [HP, DCP]
         m = m_new
-    out = b * SPLITS + split
+    out = b * tl.num_programs(1) + split  # this program's partial: [B, splits] row-major
     tl.store(m_ptr + out * HP + heads, m)
     tl.store(l_ptr + out * HP + heads, l)
     tl.store(acc_ptr + out * HP * DCP + heads[:, None] * DCP + cdims[None, :], acc)
@@ -215,9 +216,9 @@ def combine(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor) -> torch.Tensor
     return (acc * scale[..., None]).sum(1) / (l * scale).sum(1)[..., None]  # [B, HP, W]
 
 
-def _splits(B: int, S: int, block: int) -> int:
+def _splits(B: int, S: int, block: int, dev: torch.device) -> int:
     """Enough programs to fill the device at batch 1; at least one block of tokens each."""
-    sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 4
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
     return max(1, min(triton.cdiv(S, block), triton.cdiv(2 * sms, B)))
 
 
@@ -232,7 +233,7 @@ def _partials(B: int, S: int, HP: int, width: int, block_s: int, dev):
     """The split of the cached sequence across programs and each program's partial softmax state:
     (tokens per program, programs, running max m [B, splits, HP], sum l [B, splits, HP],
     accumulator acc [B, splits, HP, width]), all fp32."""
-    splits = _splits(B, S, block_s)
+    splits = _splits(B, S, block_s, dev)
     per = triton.cdiv(triton.cdiv(S, splits), block_s) * block_s  # whole blocks per program
     splits = triton.cdiv(S, per)
     m = torch.empty(B, splits, HP, dtype=torch.float32, device=dev)
@@ -286,7 +287,6 @@ def tpa_decode(q_a, q_b, a_k, b_k, a_v, b_v, key_mask, block_s: int = 32) -> tor
         HP=HP,
         DP=DP,
         BLOCK_S=block_s,
-        SPLITS=splits,
     )
     return (combine(m, l, acc)[:, :H, :D] / R_V).to(q_b.dtype)  # [B, h, d_h]
 
@@ -325,6 +325,5 @@ def latent_decode(q_lat, q_rope, c_kv, k_rope, key_mask, block_s: int = 32) -> t
         DCP=DCP,
         DRP=DRP,
         BLOCK_S=block_s,
-        SPLITS=splits,
     )
     return combine(m, l, acc)[:, :H, :DC].to(q_lat.dtype)  # [B, h, d_c]

@@ -82,6 +82,31 @@ def test_dockerfile_is_pinned_and_runs_as_a_user():
             assert (ROOT / src).exists(), src
 
 
+def pins(lines) -> dict[str, str]:
+    """{normalized name: version} of the `name==version` requirements among lines."""
+    found = {}
+    for line in lines:
+        m = re.match(r"\s*([A-Za-z0-9_.\-]+)(\[[^\]]*\])?==([^\s;#]+)", line)
+        if m:
+            found[re.sub(r"[-_.]+", "-", m.group(1).lower())] = m.group(3)
+    return found
+
+
+def test_every_direct_pin_agrees_with_constraints_and_the_torch_installs():
+    """pyproject's pins, constraints.txt (what a fresh machine resolves) and the torch version the
+    Makefile and the Dockerfile install first must agree: two versions of one package make pip's
+    resolution impossible on the machine that hits them (triton is pinned to the version torch's
+    CUDA build requires, which the CPU build does not declare)."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    direct = pins(project["dependencies"] + [r for rs in project["optional-dependencies"].values() for r in rs])
+    constraints = pins((ROOT / "constraints.txt").read_text().splitlines())
+    assert {k: constraints.get(k) for k in direct} == direct
+    for installer in ("Makefile", "docker/Dockerfile"):
+        assert re.findall(r"torch==([\w.+]+)", (ROOT / installer).read_text()) == [direct["torch"]], installer
+
+
 @pytest.mark.parametrize("option", sorted(p.stem for p in (CONF / "dataset").glob("*.yaml")))
 def test_prepare_datasets_compose(option, tmp_path):
     from omegaconf import OmegaConf

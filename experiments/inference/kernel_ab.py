@@ -28,7 +28,7 @@ def build(source: Path, tag: str):
         name=f"t6_fused_decode_{tag}",
         sources=[str(source)],
         extra_cflags=fused_decode.CFLAGS,
-        extra_ldflags=["-fopenmp"],
+        extra_ldflags=fused_decode.LDFLAGS,
         build_directory=str(folder),
     )
 

@@ -46,6 +46,7 @@ CSRC = Path(__file__).parent / "csrc" / "fused_decode.cpp"
 CFLAGS = ["-O3", "-march=native", "-fopenmp"] + (
     ["-mprefer-vector-width=512"] if platform.machine() in ("x86_64", "AMD64") else []
 )
+LDFLAGS = ["-fopenmp"]  # ATen's OpenMP pool runs the threads
 
 
 def cpu_features() -> str:
@@ -89,7 +90,7 @@ def cpu_extension():
                 name="t6_fused_decode",
                 sources=[str(CSRC)],
                 extra_cflags=CFLAGS,
-                extra_ldflags=["-fopenmp"],
+                extra_ldflags=LDFLAGS,
                 build_directory=str(build_dir),
                 verbose=False,
             )

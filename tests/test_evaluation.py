@@ -50,6 +50,8 @@ def direct_logprob(model: T6, ctx: list[int], cont: list[int]) -> tuple[float, b
 def test_loglikelihood_equals_model_logprob_including_long_contexts():
     model = random_model(block_size=64)
     lm = T6LM(model=model, batch_size=3)
+    # lm_eval's --batch_size forms: N, "N", auto, auto:N (auto has no search here: 16)
+    assert [T6LM(model=model, batch_size=b).batch_size for b in ("8", "auto", "auto:4", None)] == [8, 16, 16, 16]
     g = torch.Generator().manual_seed(1)
     requests = []
     for ctx_len, cont_len in [(5, 1), (30, 4), (63, 1), (100, 7), (250, 12), (1, 64)]:  # some beyond block_size

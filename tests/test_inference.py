@@ -8,7 +8,7 @@ import torch
 
 from t6.bench.common import compose, model_configs
 from t6.data.tokenizer import EOT
-from t6.generate import generate_text, run
+from t6.generate import generate_text, generation_device, run
 from t6.model import T6, ModelConfig
 from t6.model.attention import available, get_attention_class
 from t6.model.facts import kv_elements_per_token
@@ -162,6 +162,18 @@ def write_checkpoint(model: T6, path) -> None:
     )
 
 
+def test_generate_entry_loads_the_model_on_the_device_asked_for(tmp_path, monkeypatch):
+    cfg = ModelConfig(attention="mha", n_layer=1, d_model=64, n_head=4, vocab_size=50304, block_size=64)
+    write_checkpoint(T6(cfg), tmp_path / "last.ckpt")
+    seen = []
+    monkeypatch.setattr("t6.generate.generate_text", lambda model, *args: seen.append(model.embed.weight.device) or [])
+    run(compose("generate", [f"ckpt_path={tmp_path / 'last.ckpt'}", "device=meta"]))
+    assert seen == [torch.device("meta")]
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device=cuda:1: this machine has no CUDA GPU"):
+            run(compose("generate", [f"ckpt_path={tmp_path / 'last.ckpt'}", "device=cuda:1"]))
+
+
 def test_generate_entry_loads_a_checkpoint_and_prints_text(tmp_path):
     cfg = ModelConfig(attention="mha", n_layer=2, d_model=64, n_head=4, vocab_size=50304, block_size=64)
     torch.manual_seed(0)
@@ -177,6 +189,7 @@ def test_generate_entry_loads_a_checkpoint_and_prints_text(tmp_path):
         [f"ckpt_path={tmp_path / 'last.ckpt'}", "max_new_tokens=4", "temperature=0", "prompt=[ROMEO:,JULIET:]"],
     )
     assert run(gen_cfg)[:1] == generate_text(loaded, ["ROMEO:"], 4, temperature=0)
+    assert gen_cfg.device == "auto" and generation_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
     with pytest.raises(FileNotFoundError, match="ckpt_path="):
         load_model(tmp_path / "missing.ckpt")
     torch.save({"state_dict": {}}, tmp_path / "bad.ckpt")

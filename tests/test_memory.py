@@ -224,7 +224,7 @@ def test_corrupted_checkpoint_in_generate_eval_and_convert(corrupted):
     with pytest.raises(ValueError, match=re.escape(f"ckpt_path='{corrupted}' is not a readable checkpoint")):
         load_model(corrupted)
     with pytest.raises(ValueError, match=re.escape(f"checkpoint='{corrupted}' is not a readable checkpoint")):
-        load_model(corrupted, "checkpoint")
+        load_model(corrupted, what="checkpoint")
     with pytest.raises(ValueError, match=re.escape(f"ckpt_path='{corrupted}' is not a readable checkpoint")):
         convert_checkpoint(corrupted, "gqa", 1)
 

@@ -102,7 +102,7 @@ def main() -> None:
 
     converted = []
     for path in sorted((runs_dir / "converted").glob("*.ckpt")):
-        model = load_model(path, "converted checkpoint")
+        model = load_model(path, what="converted checkpoint")
         converted.append((path.stem, model.cfg, mean_loss(model, loader)))
     torch.manual_seed(0)
     random_loss = mean_loss(T6(ModelConfig(**converted[0][1].__dict__)), loader) if converted else float("nan")

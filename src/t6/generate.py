@@ -7,6 +7,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from t6.data.tokenizer import EOT, gpt2_encoding
+from t6.memory import choose_device
 from t6.model import T6
 from t6.model.load import load_model
 from t6.model.t6 import left_pad
@@ -47,13 +48,21 @@ def generate_text(
     return texts
 
 
+def generation_device(device: str) -> str:
+    """`device=auto`: a CUDA GPU when there is one, else the CPU; `cuda[:N]` without CUDA is an error."""
+    chosen = choose_device(device)[0]
+    if chosen.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={device}: this machine has no CUDA GPU; use device=cpu (or device=auto)")
+    return chosen
+
+
 def run(cfg: DictConfig) -> list[str]:
     """Generate from the `generate` config (conf/generate.yaml); returns the texts."""
     if OmegaConf.is_missing(cfg, "ckpt_path") or not cfg.ckpt_path:
         raise ValueError("ckpt_path is required: python generate.py ckpt_path=/path/to/last.ckpt prompt='ROMEO:'")
     prompts = cfg.prompt if OmegaConf.is_list(cfg.prompt) else [cfg.prompt]
     torch.manual_seed(cfg.seed)
-    model = load_model(cfg.ckpt_path, cfg.device)
+    model = load_model(cfg.ckpt_path, device=generation_device(cfg.device))
     return generate_text(
         model,
         [str(p) for p in prompts],

@@ -53,11 +53,14 @@ class T6LM(TemplateLM):
                 "give the t6 model exactly one of model= or checkpoint= (e.g. --model_args checkpoint=PATH)"
             )
         if model is None:
-            model = load_model(checkpoint, "checkpoint", device or ("cuda" if torch.cuda.is_available() else "cpu"))
+            model = load_model(
+                checkpoint, what="checkpoint", device=device or ("cuda" if torch.cuda.is_available() else "cpu")
+            )
         self.model = model
         self._device = next(model.parameters()).device if device is None else torch.device(device)
         self.model.to(self._device)
-        self.batch_size = 16 if batch_size in (None, "auto") else int(str(batch_size).split(":")[0])
+        # lm_eval's --batch_size: N, auto or auto:N (re-search N times); T6 has no search, auto means 16
+        self.batch_size = 16 if batch_size is None or str(batch_size).startswith("auto") else int(batch_size)
         self.max_gen_toks = int(max_gen_toks)
         if not isinstance(share_prefix, bool):
             raise ValueError(

@@ -97,6 +97,6 @@ def build_model(ckpt: dict, what: str, path, device: str | torch.device = "cpu")
     return model.to(device).eval()
 
 
-def load_model(path, what: str = "ckpt_path", device: str | torch.device = "cpu") -> T6:
+def load_model(path, *, what: str = "ckpt_path", device: str | torch.device = "cpu") -> T6:
     """The T6 held by a training or warm-start checkpoint, on `device`, in eval mode."""
     return build_model(read_checkpoint(path, what, map_location="cpu", mmap=True), what, path, device)

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlflow
 import pytest
@@ -35,6 +36,18 @@ def test_precision_auto_follows_the_device():
     assert precision == "bf16-mixed" and "AMX" in why  # oneDNN's bf16 matmuls on AMX tiles
     precision, why = memory.choose_precision("16-mixed", "cuda", bf16_supported=yes)
     assert precision == "16-mixed" and "explicit" in why  # an explicit precision wins
+
+
+def test_bf16_means_hardware_bf16_not_emulation(monkeypatch):
+    """torch's own check on an imitated GPU: a V100 (7.0) can create bf16 tensors, but only an Ampere
+    (8.0) or later computes them on tensor cores; precision=auto must give the V100 32-true."""
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "_check_bf16_tensor_supported", lambda device: True)  # emulation works
+    for major, supported in ((7, False), (8, True), (9, True)):
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d, major=major: SimpleNamespace(major=major))
+        assert memory.cuda_bf16_supported() is supported
 
 
 def test_default_trainer_lets_lightning_choose_and_cpu_gpu_stay_explicit(tmp_path):

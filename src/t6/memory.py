@@ -38,7 +38,9 @@ MARGIN = (
 
 
 def cuda_bf16_supported() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    """bf16 in hardware (compute capability 8.0 and later). torch's default also says yes for older GPUs
+    (V100, T4) that can hold bf16 tensors but compute them without tensor cores, far slower than fp32."""
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
 
 
 def cpu_amx_bf16() -> bool:

@@ -94,19 +94,26 @@ def test_triton_latent_decode_equals_the_eager_reference(kernels, dtype):
             torch.testing.assert_close(fast.float(), ref, **TOL[dtype], msg=f"B={B} S={S}")
 
 
-class ConstexprLog:
-    """Wraps a kernel: records the compile-time constants (tl.constexpr parameters) of each launch,
-    then launches it. Triton compiles one kernel per distinct set of them."""
+class CompileLog:
+    """Wraps a kernel: records, for each launch, what Triton compiles a kernel for (one compiled kernel
+    per distinct record): the compile-time constants (tl.constexpr parameters) and, for every integer
+    argument not in the kernel's do_not_specialize, its value class (== 1, divisible by 16)."""
 
     def __init__(self, kernel):
         self.kernel, self.seen = kernel, set()
         self.signature = inspect.signature(kernel.fn)
         self.names = [n for n, p in self.signature.parameters.items() if "constexpr" in str(p.annotation)]
+        self.free = set(kernel.kwargs.get("do_not_specialize") or ())  # the interpreter keeps jit's options
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             bound = self.signature.bind(*args, **kwargs).arguments
-            self.seen.add(tuple((n, bound[n]) for n in self.names))
+            classes = {
+                (n, v == 1, v % 16 == 0)
+                for n, v in bound.items()
+                if type(v) is int and n not in self.names and n not in self.free
+            }
+            self.seen.add((tuple((n, bound[n]) for n in self.names), frozenset(classes)))
             return self.kernel[grid](*args, **kwargs)
 
         return launch
@@ -114,17 +121,18 @@ class ConstexprLog:
 
 def test_one_compiled_kernel_serves_every_context_length(kernels, monkeypatch):
     """Decoding token after token must not compile a new kernel as the context (hence the number of
-    splits) grows: the constexprs of a model's launches are the same at every length."""
+    splits) grows: what Triton specializes a launch on is the same at every length."""
     gen = torch.Generator().manual_seed(2)
-    tpa, latent = ConstexprLog(kernels._tpa_kernel), ConstexprLog(kernels._latent_kernel)
+    tpa, latent = CompileLog(kernels._tpa_kernel), CompileLog(kernels._latent_kernel)
     monkeypatch.setattr(kernels, "_tpa_kernel", tpa)
     monkeypatch.setattr(kernels, "_latent_kernel", latent)
-    lengths = (1, 17, 40, 100)  # 1, 2, 3 and 7 splits in 16-token blocks (off CUDA: up to 8 programs)
+    lengths = (1, 17, 32, 40, 100)  # 1, 2, 2, 3 and 7 splits in 16-token blocks (off CUDA: up to 8 programs)
     for S in lengths:
         kernels.tpa_decode(*tpa_inputs(1, S, True, torch.float32, gen, h=5, d=16, R_Q=2, R_K=2, R_V=1), None, 16)
-        c_kv, k_rope = torch.randn(1, S, 24, generator=gen), torch.randn(1, S, 8, generator=gen)
+        c_kv, k_rope = torch.randn(1, 128, 24, generator=gen)[:, :S], torch.randn(1, 128, 8, generator=gen)[:, :S]
+        mask = torch.ones(1, S, dtype=torch.bool)  # a view of a preallocated cache; the mask's row stride is S
         kernels.latent_decode(
-            torch.randn(1, 3, 24, generator=gen), torch.randn(1, 3, 8, generator=gen), c_kv, k_rope, None, 16
+            torch.randn(1, 3, 24, generator=gen), torch.randn(1, 3, 8, generator=gen), c_kv, k_rope, mask, 16
         )
     assert {kernels._partials(1, S, 8, 16, 16, torch.device("cpu"))[1] for S in lengths} == {1, 2, 3, 7}
     assert len(tpa.seen) == 1 and len(latent.seen) == 1, (tpa.seen, latent.seen)

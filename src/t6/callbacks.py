@@ -231,7 +231,7 @@ class ThroughputMonitor(LightningThroughputMonitor):
         if trainer.fit_loop._should_accumulate() or not trainer._logger_connector.should_update_logs:
             return
         if trainer.strategy.root_device.type == "cuda":
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(trainer.strategy.root_device)
         self._throughputs[stage].update(
             time=time.perf_counter() - self._t0s[stage],
             batches=self._batches[stage],

@@ -78,7 +78,7 @@ def layer_kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
 
 def time_call(fn, steps: int, device: str | torch.device) -> float:
     """Seconds per call of fn, averaged over `steps` calls (CUDA synchronized before and after)."""
-    sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
+    sync = (lambda: torch.cuda.synchronize(device)) if str(device).startswith("cuda") else (lambda: None)
     sync()
     start = time.perf_counter()
     for _ in range(steps):
@@ -178,7 +178,7 @@ def write_json(path: Path | None, payload: dict) -> None:
 def environment(device: str) -> dict:
     return {
         "torch": torch.__version__,
-        "device": device if not device.startswith("cuda") else torch.cuda.get_device_name(),
+        "device": device if not device.startswith("cuda") else torch.cuda.get_device_name(device),
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
     }

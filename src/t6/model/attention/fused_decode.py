@@ -201,15 +201,19 @@ def reference_latent_decode(q_lat, q_rope, c_kv, k_rope, key_mask) -> torch.Tens
     return torch.bmm(probs, c_kv).to(q_lat.dtype)  # [B, h, d_c]
 
 
+# A Triton launch runs on the current CUDA device, not the tensors' (triton.runtime.jit): the guard
+# makes it the tensors' device, so a model on cuda:1 decodes on cuda:1.
 @tpa_decode.register_kernel("cuda")
 def _(q_a, q_b, a_k, b_k, a_v, b_v, key_mask):
     from t6.model.attention import triton_decode
 
-    return triton_decode.tpa_decode(q_a, q_b, a_k, b_k, a_v, b_v, key_mask)
+    with torch.cuda.device(q_b.device):
+        return triton_decode.tpa_decode(q_a, q_b, a_k, b_k, a_v, b_v, key_mask)
 
 
 @latent_decode.register_kernel("cuda")
 def _(q_lat, q_rope, c_kv, k_rope, key_mask):
     from t6.model.attention import triton_decode
 
-    return triton_decode.latent_decode(q_lat, q_rope, c_kv, k_rope, key_mask)
+    with torch.cuda.device(q_lat.device):
+        return triton_decode.latent_decode(q_lat, q_rope, c_kv, k_rope, key_mask)

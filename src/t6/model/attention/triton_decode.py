@@ -7,7 +7,8 @@ heads at once and writes a partial (max, denominator, numerator); the partials a
 afterwards (`combine`). The cache may be fp32, bf16 or fp16, loaded and accumulated in fp32 (the
 operands of tl.dot take Triton's default fp32 input precision, TF32 on tensor cores); batch >= 1;
 an optional bool key mask [B, S] hides padding. The compile-time constants are the model's shapes
-only, never the context length or the number of splits, so one compiled kernel serves a whole
+only, never the context length or the number of splits, and the integer arguments that follow the
+context length are excluded from Triton's specialization, so one compiled kernel serves a whole
 generation. Correctness is tested on the CPU through Triton's interpreter (TRITON_INTERPRET=1)
 against the eager reference.
 """
@@ -18,12 +19,16 @@ import torch
 import triton
 import triton.language as tl
 
+# Integer arguments that change with the context length. Triton otherwise compiles a variant of a kernel
+# for each value class of an integer argument (1, divisible by 16, other): a new compile at S = 16.
+CONTEXT_ARGS = ["S", "s_mask_b"]
+
 
 def _pow2(n: int, least: int = 16) -> int:
     return max(least, triton.next_power_of_2(n))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=CONTEXT_ARGS)
 def _tpa_kernel(
     qa_ptr,
     qb_ptr,
@@ -128,7 +133,7 @@ def _tpa_kernel(
     tl.store(acc_ptr + out * HP * DP + heads[:, None] * DP + dims[None, :], acc)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=CONTEXT_ARGS)
 def _latent_kernel(
     ql_ptr,
     qr_ptr,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from t6.bench.common import compose, model_configs
 from t6.data.tokenizer import EOT
@@ -52,6 +53,34 @@ def test_cached_greedy_generation_equals_recomputation_token_for_token(name):
     for t in range(10):  # the logits of every cached step agree with recomputation
         torch.testing.assert_close(logits, ref_logits[t], rtol=1e-5, atol=1e-5)
         logits = model(ref[:, 7 + t : 8 + t], 7 + t, caches)[:, -1]
+
+
+class ScalarReads(TorchDispatchMode):
+    """Counts tensor -> Python number reads (`int(t)`, `.item()`, `bool(t)`): on a GPU each one makes the
+    host wait until the device has caught up, so a decode step holding one per layer is latency-bound."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_decode_step_never_reads_a_tensor_back_to_the_host(name):
+    model = tiny(name)
+    padded = get_attention_class(name).supports_key_mask
+    caches = model.build_kv_caches(2, 12)
+    if padded:
+        for cache in caches:
+            cache.key_mask = torch.tensor([[False] * 3 + [True] * 9, [True] * 12])  # [B, 12]: a left-padded row
+    model(torch.randint(0, 256, (2, 5)), 0, caches)  # prefill
+    with ScalarReads() as reads:
+        model(torch.randint(0, 256, (2, 1)), 5, caches)  # one decode step
+        model(torch.randint(0, 256, (2, 3)), 6, caches)  # a few tokens at once (the eval adapter's continuations)
+    assert reads.count == 0
 
 
 @pytest.mark.parametrize("name", NAMES)

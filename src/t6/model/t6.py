@@ -78,6 +78,8 @@ class T6(nn.Module):
                 "truncate the input or use a model with a larger size.block_size"
             )
         pos = torch.arange(start_pos, start_pos + T, device=idx.device)  # [T]
+        for cache in caches or ():
+            cache.expect(pos, start_pos + T)  # the caches' new length, known here without a device sync
         x = self.embed(idx)  # [B, T, d]
         for i, block in enumerate(self.blocks):
             x = block(x, pos, None if caches is None else caches[i])  # [B, T, d]

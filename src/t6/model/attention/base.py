@@ -112,6 +112,7 @@ class KVCache:
         # Optional bool [B, max_len]: False marks padding (left-padded prompts of different
         # lengths); attentions with `supports_key_mask` never attend to those positions.
         self.key_mask: torch.Tensor | None = None
+        self._known_end: tuple[torch.Tensor, int] | None = None  # see `expect`
         self.tensors = {}
         for name, shape in spec.items():
             if name in head_major:
@@ -120,10 +121,20 @@ class KVCache:
                 full = (batch_size, max_len, *shape)  # [B, max_len, *shape]
             self.tensors[name] = torch.zeros(full, dtype=dtype, device=device)
 
+    def expect(self, pos: torch.Tensor, end: int) -> None:
+        """The model built `pos` from Python ints and says where it ends (pos[-1] + 1 = end): `update`
+        and `attn_mask` take `end` from here for that tensor instead of reading pos[-1] back, which on
+        a GPU makes the host wait for the device, twice per layer and token."""
+        self._known_end = (pos, end)
+
+    def _end(self, pos: torch.Tensor) -> int:
+        known = self._known_end
+        return known[1] if known is not None and known[0] is pos else int(pos[-1]) + 1
+
     def update(self, pos: torch.Tensor, **new: torch.Tensor) -> list[torch.Tensor]:
         """Write new[name] [B, T, *shape] at positions pos [T]; return each cache up to pos[-1]
         in its own layout: [B, end, *shape] (token-major) or [B, n, end, *rest] (head-major)."""
-        end = int(pos[-1]) + 1
+        end = self._end(pos)
         if end > self.max_len:
             raise ValueError(f"position {end - 1} is past the KV cache length {self.max_len}")
         views = []
@@ -144,13 +155,14 @@ class KVCache:
         out.max_len, out.spec, out.seq_dims = self.max_len, dict(self.spec), dict(self.seq_dims)
         out.tensors = {name: t.index_select(0, index) for name, t in self.tensors.items()}  # [B', ...]
         out.key_mask = None if self.key_mask is None else self.key_mask.index_select(0, index)  # [B', max_len]
+        out._known_end = None
         return out
 
     def attn_mask(self, pos: torch.Tensor) -> torch.Tensor | None:
         """Bool [B or 1, T, end] for new queries at positions pos [T] against the cache up to
         pos[-1]: causal, and blind to padding (a padded query sees itself, so it stays finite).
         None when every query may see every cached token (one new token, no padding)."""
-        end = int(pos[-1]) + 1
+        end = self._end(pos)
         mask = causal_mask(pos, end)[None] if len(pos) > 1 else None  # [1, T, end]
         if self.key_mask is not None:
             keys = self.key_mask[:, None, :end]  # [B, 1, end]

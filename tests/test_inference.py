@@ -84,6 +84,20 @@ def test_a_decode_step_never_reads_a_tensor_back_to_the_host(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_under_autocast_the_cache_holds_the_compute_dtype_and_decoding_still_equals_recomputation(name):
+    """Evaluation during bf16-mixed training runs under autocast with fp32 parameters: the caches hold
+    bf16, what the layers compute, not fp32 copies that every step would cast back."""
+    model = tiny(name)
+    prompt = torch.randint(0, 256, (2, 7))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        dtypes = {t.dtype for cache in model.build_kv_caches(2, 17) for t in cache.tensors.values()}
+        ref, _ = recompute_greedy(model, prompt, 8)
+        assert torch.equal(model.generate(prompt, 8, temperature=0), ref)
+    assert dtypes == {torch.bfloat16}
+    assert {t.dtype for cache in model.build_kv_caches(2, 17) for t in cache.tensors.values()} == {torch.float32}
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_allocated_cache_holds_the_declared_count_per_token(name):
     """The caches decoding writes hold exactly the mechanism's cache_spec per token: the count
     summary.py, the benchmarks and the reports print (t6.model.facts)."""

@@ -88,10 +88,14 @@ class T6(nn.Module):
         return self.lm_head(self.norm(x))  # [B, T, vocab]
 
     def build_kv_caches(self, batch_size: int, max_len: int | None = None, dtype=None, device=None) -> list[KVCache]:
-        """One cache per layer, allocated once; each attention decides what it stores."""
+        """One cache per layer, allocated once; each attention decides what it stores. The cache holds
+        what the layers compute: the autocast dtype under autocast (e.g. evaluation during bf16-mixed
+        training), else the parameters' dtype."""
         max_len = max_len or self.cfg.block_size
+        device = torch.device(device or self.embed.weight.device)
+        if dtype is None and torch.is_autocast_enabled(device.type):
+            dtype = torch.get_autocast_dtype(device.type)
         dtype = dtype or self.embed.weight.dtype
-        device = device or self.embed.weight.device
         return [block.attn.build_kv_cache(batch_size, max_len, dtype, device) for block in self.blocks]
 
     def num_params(self, non_embedding: bool = False) -> int:

@@ -148,6 +148,24 @@ def test_gqa_ends_are_mha_and_mqa(kv_heads, other, tmp_path):
     assert gqa.build_kv_caches(1, 8)[0].elements_per_token() == ref.build_kv_caches(1, 8)[0].elements_per_token()
 
 
+def test_grouped_heads_expanded_where_sdpa_cannot_broadcast_them(monkeypatch):
+    """On CUDA in fp32, SDPA broadcasts grouped heads only in its math kernel ([B, h, T, T] scores):
+    K/V are expanded there instead. Both forms give the same attention."""
+    from t6.model.attention import base
+
+    assert base.sdpa_broadcasts_groups("cpu", torch.float32) and base.sdpa_broadcasts_groups("cuda", torch.bfloat16)
+    assert base.sdpa_broadcasts_groups("cuda", torch.float16) and not base.sdpa_broadcasts_groups("cuda", torch.float32)
+    q, k, v = torch.randn(2, 6, 9, 8), torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 8)  # 3 query heads per KV head
+    pos = torch.arange(9)
+    broadcast = base.Attention.attend(q, k, v, pos, None)  # [B, h, T, d]
+    monkeypatch.setattr(base, "sdpa_broadcasts_groups", lambda device_type, dtype: False)
+    torch.testing.assert_close(base.Attention.attend(q, k, v, pos, None), broadcast)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1), is_causal=True
+    )
+    torch.testing.assert_close(broadcast, ref)
+
+
 def test_mla_caches_latents_not_heads(tmp_path):
     model = random_model(tmp_path, "attention=mla", "size.n_head=4", "attention.options.kv_lora_rank=48")
     cache = model.build_kv_caches(1, 8)[0]

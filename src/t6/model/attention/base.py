@@ -177,6 +177,14 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
+def sdpa_broadcasts_groups(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether SDPA's fast kernels take grouped K/V heads as they are (enable_gqa) for queries: on the CPU
+    yes; on CUDA only FlashAttention does (fp16/bf16). An fp32 CUDA input would fall back to the math
+    kernel, which keeps [B, h, T, T] scores per layer for backward; expanded K/V [B, h, T, d] run the
+    memory-efficient kernel instead."""
+    return device_type != "cuda" or dtype in (torch.float16, torch.bfloat16)
+
+
 def causal_mask(pos: torch.Tensor, end: int) -> torch.Tensor:
     """Boolean mask [T, end]: query at absolute position pos[i] may see keys 0..pos[i]."""
     return torch.arange(end, device=pos.device)[None, :] <= pos[:, None]
@@ -233,6 +241,10 @@ class Attention(nn.Module):
         gqa = k.shape[1] != q.shape[1]
         padded = isinstance(cached, KVCache) and cached.key_mask is not None
         if not padded and (not cached or T == S):
+            if gqa and not sdpa_broadcasts_groups(q.device.type, q.dtype):
+                g = q.shape[1] // k.shape[1]
+                k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)  # [B, h, S, d] each
+                gqa = False
             return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=gqa)
         if isinstance(cached, KVCache):
             mask = cached.attn_mask(pos)  # [B or 1, T, S] or None

@@ -3,8 +3,10 @@
 Each case runs `t6.train.train` in a fresh subprocess (the real Trainer, model, optimizer and
 data; no logger, checkpoints or downstream evaluation) for a few optimizer steps at a fixed
 micro-batch without accumulation, then reports the preflight's estimate and the measured peak:
-CPU peak RSS (VmHWM, the process's own high-water mark), or `torch.cuda.max_memory_allocated`
-on a GPU (plus the CUDA context, which `mem_get_info` counts).
+CPU peak RSS (VmHWM, the process's own high-water mark), or on a GPU the caching allocator's peak
+`torch.cuda.max_memory_reserved`: what the step takes out of the free memory the preflight budgets
+(`mem_get_info`, read after the CUDA context exists), fragmentation included; the peak of live
+tensors (`max_memory_allocated`) is reported beside it.
 
     python -m t6.bench.memory --case tiny:8 --case small:1 --case medium:1
 """
@@ -71,8 +73,9 @@ def measure(size: str, batch: int, attention: str = "tpa", steps: int = 2, extra
         },
     }
     if objects["hardware"]["device"] == "cuda":
-        result["measured"] = torch.cuda.max_memory_allocated()
-        result["measure"] = "torch.cuda.max_memory_allocated"
+        result["measured"] = torch.cuda.max_memory_reserved()
+        result["allocated"] = torch.cuda.max_memory_allocated()
+        result["measure"] = f"torch.cuda.max_memory_reserved (tensors: {result['allocated'] / GIB:.2f}G allocated)"
     else:
         result["measured"] = peak_rss()
         result["measure"] = "peak RSS (VmHWM)"

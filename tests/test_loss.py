@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from t6.model.loss import IGNORE_INDEX, linear_cross_entropy, use_liger
+from t6.model.loss import IGNORE_INDEX, liger_chunk_rows, linear_cross_entropy, use_liger
 
 from conftest import random_model
 
@@ -123,6 +124,31 @@ def test_liger_loss_and_gradients_equal_the_chunked_path(autocast):
         torch.testing.assert_close(got, ref, **tol, msg=name)
 
 
+@pytest.mark.skipif(not INTERPRETED, reason="needs Triton's interpreter from the start: the subprocess test runs it")
+def test_liger_holds_the_rows_of_logits_the_memory_estimate_counts():
+    """t6.memory counts liger_chunk_rows(N, V, d) rows of logits for Liger's loss: the rows of every
+    [rows, V] product Liger forms (recorded at the dispatcher)."""
+
+    class Products(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.rows = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.mm.out) and out.shape[-1] == V:
+                self.rows.add(out.shape[0])
+            return out
+
+    V, d = 300, 32
+    for N in (120, 7, 1000):
+        h, w = leaves(torch.randn(N, d), torch.randn(V, d) * 0.3)
+        with Products() as seen:
+            linear_cross_entropy(h, w, torch.randint(0, V, (N,)), impl="liger").backward()
+        full = liger_chunk_rows(N, V, d)
+        assert max(seen.rows) == full and seen.rows <= {full, N % full}, (N, seen.rows)
+
+
 def test_liger_runs_in_the_triton_interpreter():
     """The test above in a fresh process with TRITON_INTERPRET=1 (triton reads it when its kernels are
     defined, at import, and this process has imported triton already)."""
@@ -136,11 +162,13 @@ def test_liger_runs_in_the_triton_interpreter():
             "-q",
             "-p",
             "no:cacheprovider",
-            f"{__file__}::test_liger_loss_and_gradients_equal_the_chunked_path",
+            "-k",
+            "test_liger_loss_and_gradients_equal_the_chunked_path or test_liger_holds_the_rows",
+            str(__file__),
         ],
         env={**os.environ, "TRITON_INTERPRET": "1"},
         capture_output=True,
         text=True,
         cwd=Path(__file__).parents[1],
     )
-    assert done.returncode == 0 and "2 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 0 and "3 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]

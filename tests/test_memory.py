@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from t6 import memory
+from t6.model.loss import liger_chunk_rows
 from t6.train import summary, train
 
 from conftest import compose_config
@@ -102,6 +103,14 @@ def test_estimate_adds_up_and_scales_as_the_memory_does():
     head = 50304 * 64 * 4
     assert c1.activations - head < one.activations - 64 * 50304 * 4  # no [tokens, vocab] tensor kept
     assert c2.activations - c1.activations == pytest.approx(c1.activations - head, rel=0.05)  # the rest is linear
+    # Liger's kernel (loss_impl on CUDA) sizes its own chunk: ~ tokens x d / V rows of logits in the matmul dtype,
+    # whatever loss_chunk_tokens says; it saves what the chunked path saves.
+    lg = memory.estimate_step_memory(mcfg, 4, 64, precision="bf16-mixed", loss_chunk_tokens=None, liger=True)
+    rows = liger_chunk_rows(4 * 64, 50304, 64)
+    assert rows == 1 and lg.loss_transient == 50304 * 2  # ceil(256 tokens / ceil(V / d) = 786) rows
+    assert lg.loss_at(1024) == 128 * 50304 * 2  # 65536 tokens / 786 -> 84, rounded up to 128 rows
+    same = memory.estimate_step_memory(mcfg, 4, 64, precision="bf16-mixed", loss_chunk_tokens=rows)
+    assert lg.activations == same.activations
     sharded = memory.estimate_step_memory(mcfg, 1, 64, shards=4)
     assert (sharded.params, sharded.grads, sharded.optimizer) == (one.params // 4, one.grads // 4, one.optimizer // 4)
     ckpt = memory.estimate_step_memory(mcfg, 1, 64, activation_checkpointing=True)

@@ -7,7 +7,7 @@
   traced on fake (meta) tensors: parameters, gradients, optimizer state, the tensors autograd
   saves for backward (measured per block by a trace, not guessed), the logits of the loss
   (one chunk of `loss_chunk_tokens` tokens x vocab at a time, t6.model.loss; all tokens when
-  None), and the optimizer step's temporaries; FSDP shards
+  None; Liger's own chunk when the loss runs as its kernel), and the optimizer step's temporaries; FSDP shards
   parameters, gradients and optimizer state; activation checkpointing keeps only each
   block's input plus one block being recomputed.
 - `available_memory`: what the device can give: CPU MemAvailable (capped by the cgroup's
@@ -24,9 +24,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 import torch
+
+from t6.model.loss import liger_chunk_rows
 
 GIB = 2**30
 MARGIN = (
@@ -99,9 +102,10 @@ class StepMemory:
     head_grad: int  # the tied embedding/head gradient, the first one backward writes
     accumulate: int = 1  # with accumulation every gradient is alive during backward
     runtime: int = 0  # the process itself (CPU: its resident size before training)
-    loss_bytes_per_token: int = 0  # loss_transient per token of logits alive at once ...
+    loss_bytes_per_token: int = 0  # loss_transient per row of logits alive at once ...
     loss_chunk_tokens: int | None = None  # ... which is at most this many tokens (None: every token)
     seq_len: int = 0
+    loss_rows: Callable[[int], int] | None = None  # ... or, when given, this function of the tokens (Liger)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -123,6 +127,8 @@ class StepMemory:
     def loss_at(self, batch: int) -> int:
         """loss_transient at another micro-batch: linear in the tokens up to one chunk."""
         tokens = batch * self.seq_len
+        if self.loss_rows is not None:
+            return self.loss_bytes_per_token * self.loss_rows(tokens)
         return self.loss_bytes_per_token * (
             tokens if self.loss_chunk_tokens is None else min(tokens, self.loss_chunk_tokens)
         )
@@ -252,8 +258,10 @@ def estimate_step_memory(
     device: str = "cpu",
     runtime: int = 0,
     loss_chunk_tokens: int | None = None,
+    liger: bool = False,
 ) -> StepMemory:
-    """Peak bytes of one training step per device (see the module docstring)."""
+    """Peak bytes of one training step per device (see the module docstring). liger: the loss runs as
+    Liger's fused kernel (loss_impl, CUDA), which sizes its own chunks (loss_chunk_tokens is not used)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from t6.model import T6
@@ -261,6 +269,10 @@ def estimate_step_memory(
     pdtype, cdtype = param_dtype(precision), compute_dtype(precision)
     mixed = str(precision).endswith("-mixed")
     pbytes = torch.tensor([], dtype=pdtype).element_size()
+    loss_rows = None
+    if liger:  # it saves what the chunked path saves (dh [N, d] and dW [V, d]); trace that at Liger's chunk
+        loss_rows = partial(liger_chunk_rows, vocab=model_cfg.vocab_size, d=model_cfg.d_model)
+        loss_chunk_tokens = loss_rows(batch * seq_len)
     with FakeTensorMode(allow_non_fake_inputs=True):
         default = torch.get_default_dtype()
         torch.set_default_dtype(pdtype)  # parameters created in their storage dtype
@@ -279,7 +291,11 @@ def estimate_step_memory(
         activations = outside + sum(blocks)
     tokens = batch * seq_len
     cbytes = torch.tensor([], dtype=cdtype).element_size()
-    if loss_chunk_tokens is None:
+    if liger:
+        # one chunk's logits in the matmul dtype, turned into their gradient in place
+        per_token = model_cfg.vocab_size * cbytes
+        loss_transient = loss_rows(tokens) * per_token
+    elif loss_chunk_tokens is None:
         # nll_loss's and log_softmax's gradients ([tokens, vocab] fp32), plus the cast back when the logits are not fp32
         per_token = model_cfg.vocab_size * (4 + 4 + (cbytes if cbytes != 4 else 0))
         loss_transient = tokens * per_token
@@ -313,6 +329,7 @@ def estimate_step_memory(
         loss_bytes_per_token=per_token,
         loss_chunk_tokens=loss_chunk_tokens,
         seq_len=seq_len,
+        loss_rows=loss_rows,
         notes=notes,
     )
 

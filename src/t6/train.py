@@ -178,6 +178,7 @@ def plan_micro_batch(
             device=device,
             runtime=runtime,
             loss_chunk_tokens=cfg.get("loss_chunk_tokens"),
+            liger=use_liger(cfg.get("loss_impl", "auto"), device),
         )
 
     return memory.fit_micro_batch(estimate, requested, per_device, available, source, ways_out)

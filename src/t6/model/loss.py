@@ -144,6 +144,15 @@ def use_liger(impl: str, device_type: str) -> bool:
     return impl == "liger" or (impl == "auto" and device_type == "cuda")
 
 
+def liger_chunk_rows(tokens: int, vocab: int, d: int) -> int:
+    """Rows of logits Liger's fused linear cross-entropy holds at once for `tokens` rows of h [tokens, d]:
+    the next power of two of tokens / ceil(V / d), at most `tokens`, so about the size of h
+    (liger_kernel.ops.fused_linear_cross_entropy, the pinned version; tests/test_loss.py checks it)."""
+    shrink = -(-vocab // d)  # ceil(V / d)
+    rows = -(-tokens // shrink)  # ceil(tokens / shrink)
+    return min(tokens, 1 << (rows - 1).bit_length())  # rounded up to a power of two
+
+
 def _liger(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Liger-Kernel's fused linear cross-entropy: h [N, d], weight [V, d], targets [N] -> mean loss [];
     the head's gradient accumulates in fp32 as in the chunked path."""

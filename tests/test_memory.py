@@ -60,6 +60,8 @@ def test_default_trainer_lets_lightning_choose_and_cpu_gpu_stay_explicit(tmp_pat
         trainer = compose_config([f"trainer={name}"], tmp_path).trainer
         assert trainer.accelerator == "gpu" and trainer.precision == "auto"
         assert trainer.plugins[0]._target_ == "t6.checkpoint.AtomicCheckpointIO"  # inherited from the default
+    ddp = compose_config(["trainer=ddp"], tmp_path).trainer.strategy  # gradients as views into DDP's buckets
+    assert ddp._target_ == "lightning.pytorch.strategies.DDPStrategy" and ddp.gradient_as_bucket_view is True
 
 
 def test_run_announces_device_precision_batch_and_schedule(make_cfg, caplog):
@@ -111,6 +113,8 @@ def test_estimate_adds_up_and_scales_as_the_memory_does():
     assert lg.loss_at(1024) == 128 * 50304 * 2  # 65536 tokens / 786 -> 84, rounded up to 128 rows
     same = memory.estimate_step_memory(mcfg, 4, 64, precision="bf16-mixed", loss_chunk_tokens=rows)
     assert lg.activations == same.activations
+    buckets = memory.estimate_step_memory(mcfg, 1, 64, loss_chunk_tokens=None, ddp_buckets=True)
+    assert buckets.total - one.total == buckets.buckets == one.grads and "DDP buckets" in buckets.describe()
     sharded = memory.estimate_step_memory(mcfg, 1, 64, shards=4)
     assert (sharded.params, sharded.grads, sharded.optimizer) == (one.params // 4, one.grads // 4, one.optimizer // 4)
     ckpt = memory.estimate_step_memory(mcfg, 1, 64, activation_checkpointing=True)

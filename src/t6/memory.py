@@ -8,8 +8,9 @@
   saves for backward (measured per block by a trace, not guessed), the logits of the loss
   (one chunk of `loss_chunk_tokens` tokens x vocab at a time, t6.model.loss; all tokens when
   None; Liger's own chunk when the loss runs as its kernel), and the optimizer step's temporaries; FSDP shards
-  parameters, gradients and optimizer state; activation checkpointing keeps only each
-  block's input plus one block being recomputed.
+  parameters, gradients and optimizer state; DDP adds its all-reduce buckets unless the
+  gradients are views into them; activation checkpointing keeps only each block's input plus
+  one block being recomputed.
 - `available_memory`: what the device can give: CPU MemAvailable (capped by the cgroup's
   limit), CUDA `torch.cuda.mem_get_info`.
 - `fit_micro_batch`: the largest micro-batch that fits and divides the per-device share of the
@@ -102,6 +103,7 @@ class StepMemory:
     head_grad: int  # the tied embedding/head gradient, the first one backward writes
     accumulate: int = 1  # with accumulation every gradient is alive during backward
     runtime: int = 0  # the process itself (CPU: its resident size before training)
+    buckets: int = 0  # DDP's all-reduce buckets, a second copy of the gradients (unless they are views into them)
     loss_bytes_per_token: int = 0  # loss_transient per row of logits alive at once ...
     loss_chunk_tokens: int | None = None  # ... which is at most this many tokens (None: every token)
     seq_len: int = 0
@@ -122,7 +124,7 @@ class StepMemory:
 
     @property
     def total(self) -> int:
-        return self.runtime + self.params + self.optimizer + max(self.backward_peak, self.step_peak)
+        return self.runtime + self.params + self.optimizer + self.buckets + max(self.backward_peak, self.step_peak)
 
     def loss_at(self, batch: int) -> int:
         """loss_transient at another micro-batch: linear in the tokens up to one chunk."""
@@ -141,6 +143,8 @@ class StepMemory:
             ("activations", self.activations),
             ("loss", self.loss_transient),
         ]
+        if self.buckets:
+            parts.append(("DDP buckets", self.buckets))
         if self.runtime:
             parts.append(("process", self.runtime))
         inner = ", ".join(f"{name} {gib(value)}" for name, value in parts)
@@ -259,9 +263,11 @@ def estimate_step_memory(
     runtime: int = 0,
     loss_chunk_tokens: int | None = None,
     liger: bool = False,
+    ddp_buckets: bool = False,
 ) -> StepMemory:
     """Peak bytes of one training step per device (see the module docstring). liger: the loss runs as
-    Liger's fused kernel (loss_impl, CUDA), which sizes its own chunks (loss_chunk_tokens is not used)."""
+    Liger's fused kernel (loss_impl, CUDA), which sizes its own chunks (loss_chunk_tokens is not used).
+    ddp_buckets: DDP keeps its all-reduce buckets beside the gradients (gradient_as_bucket_view off)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from t6.model import T6
@@ -315,6 +321,10 @@ def estimate_step_memory(
         notes.append(f"FSDP: parameters, gradients and optimizer state sharded {shards} ways")
     if activation_checkpointing:
         notes.append("activation checkpointing: block inputs kept, one block recomputed")
+    if ddp_buckets:
+        notes.append(
+            "DDP: all-reduce buckets beside the gradients (trainer.strategy.gradient_as_bucket_view=true saves them)"
+        )
     return StepMemory(
         batch=batch,
         params=params // shards,
@@ -326,6 +336,7 @@ def estimate_step_memory(
         head_grad=embedding // shards,
         accumulate=accumulate,
         runtime=runtime,
+        buckets=grads if ddp_buckets else 0,
         loss_bytes_per_token=per_token,
         loss_chunk_tokens=loss_chunk_tokens,
         seq_len=seq_len,

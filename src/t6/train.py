@@ -148,6 +148,8 @@ def plan_micro_batch(
     )
     checkpointing = bool(isinstance(strategy, DictConfig) and strategy.get("activation_checkpointing"))
     shards = world if fsdp else 1
+    bucket_view = bool(isinstance(strategy, DictConfig) and strategy.get("gradient_as_bucket_view"))
+    ddp_buckets = world > 1 and not fsdp and not bucket_view  # data parallel: DDP, whatever named it
     if device == "cuda":
         index = trainer.strategy.root_device.index or 0
         available, source = memory.available_memory("cuda", index)
@@ -179,6 +181,7 @@ def plan_micro_batch(
             runtime=runtime,
             loss_chunk_tokens=cfg.get("loss_chunk_tokens"),
             liger=use_liger(cfg.get("loss_impl", "auto"), device),
+            ddp_buckets=ddp_buckets,
         )
 
     return memory.fit_micro_batch(estimate, requested, per_device, available, source, ways_out)

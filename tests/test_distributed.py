@@ -218,10 +218,12 @@ def test_ddp_evaluation_splits_the_requests_and_scores_like_one_process(tmp_path
 
 
 def test_torchrun_launched_ddp_trains_and_resumes(tmp_path, shared_data_dir):
-    """torch.distributed.run starts both ranks (as on a cluster); Lightning joins its process group."""
+    """torch.distributed.run starts both ranks (as on a cluster); Lightning joins its process group. Each
+    rank plans its micro-batch alone (batch_size=auto), and the ranks compare plans at setup."""
 
     def torchrun(*overrides: str) -> None:
-        args, env = command(tmp_path, shared_data_dir, *DDP, *overrides)
+        auto = ("data.batch_size=auto", "data.global_batch_size=8")
+        args, env = command(tmp_path, shared_data_dir, *DDP, *auto, *overrides)
         args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *args[1:]]
         proc = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

@@ -295,3 +295,41 @@ def test_experiment_opens_as_model_training_and_runs_log_system_metrics(make_cfg
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
     metrics = client.get_run(objects["mlflow"].run_id).data.metrics
     assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= set(metrics)
+
+
+def _compare_plans(rank: int, batches: tuple[int, int], port: int, out: Path) -> None:
+    """One rank of a 2-process gloo group: SameMicroBatch.setup through Lightning's own all_gather."""
+    import torch.distributed as dist
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from t6.callbacks import SameMicroBatch
+
+    dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
+    trainer = SimpleNamespace(world_size=2, strategy=DDPStrategy(parallel_devices=[torch.device("cpu")] * 2))
+    try:
+        SameMicroBatch(batches[rank], (40 - 10 * rank) * 2**30).setup(trainer, None, "fit")
+        (out / f"rank{rank}").write_text("ok")
+    except MemoryError as e:
+        (out / f"rank{rank}").write_text(str(e))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("batches", [(8, 8), (8, 4)], ids=["same", "different"])
+def test_ranks_that_planned_different_micro_batches_stop_together_before_training(batches, tmp_path):
+    """data.batch_size=auto plans on each device's free memory; two ranks with different plans would
+    hang at their first unpaired collective. Both must raise, naming the batch that fits both."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_compare_plans, args=(batches, port, tmp_path), nprocs=2, start_method="fork")
+    said = [(tmp_path / f"rank{r}").read_text() for r in range(2)]
+    if batches[0] == batches[1]:
+        assert said == ["ok", "ok"]
+    else:
+        assert said[0] == said[1] and "rank 0: 8 (40.0 GiB free), rank 1: 4 (30.0 GiB free)" in said[0]
+        assert "set data.batch_size=4, which fits every device" in said[0]

@@ -20,7 +20,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from t6 import memory
-from t6.callbacks import PreemptionCheckpoint
+from t6.callbacks import PreemptionCheckpoint, SameMicroBatch
 from t6.checkpoint import resolve_ckpt_path
 from t6.config import flatten, model_config
 from t6.data.batching import accumulation_steps, check_batch_settings, sequences_per_step
@@ -326,6 +326,8 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     plan = plan_micro_batch(cfg, mcfg, trainer, datamodule, hardware, model)
     if plan is not None:
         datamodule.batch_size = plan.batch
+        if plan.auto and trainer.world_size > 1:  # each rank planned alone: they compare plans at setup
+            trainer.callbacks.append(SameMicroBatch(plan.batch, plan.available))
     with open_dict(cfg):
         cfg.data.batch_size = datamodule.batch_size  # logged, and stored in checkpoints, as the number used
     accumulate = datamodule.accumulation(trainer.world_size)

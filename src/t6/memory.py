@@ -7,10 +7,10 @@
   traced on fake (meta) tensors: parameters, gradients, optimizer state, the tensors autograd
   saves for backward (measured per block by a trace, not guessed), the logits of the loss
   (one chunk of `loss_chunk_tokens` tokens x vocab at a time, t6.model.loss; all tokens when
-  None; Liger's own chunk when the loss runs as its kernel), and the optimizer step's temporaries; FSDP shards
-  parameters, gradients and optimizer state; DDP adds its all-reduce buckets unless the
-  gradients are views into them; activation checkpointing keeps only each block's input plus
-  one block being recomputed.
+  None; Liger's own chunk when the loss runs as its kernel), and the optimizer step's
+  temporaries; FSDP shards parameters, gradients and optimizer state; DDP adds its all-reduce
+  buckets unless the gradients are views into them; activation checkpointing keeps only each
+  block's input plus one block being recomputed.
 - `available_memory`: what the device can give: CPU MemAvailable (capped by the cgroup's
   limit), CUDA `torch.cuda.mem_get_info`.
 - `fit_micro_batch`: the largest micro-batch that fits and divides the per-device share of the

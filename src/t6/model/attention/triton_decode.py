@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 # Integer arguments that change with the context length. Triton otherwise compiles a variant of a kernel
-# for each value class of an integer argument (1, divisible by 16, other): a new compile at S = 16.
+# for each value class of an integer argument (1, a multiple of 16, other), so a growing S compiles again.
 CONTEXT_ARGS = ["S", "s_mask_b"]
 
 

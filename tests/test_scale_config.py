@@ -28,7 +28,7 @@ def test_slurm_launcher_starts_one_task_per_gpu_of_the_trainer():
 
 def test_paper_medium_run_composes(make_cfg):
     cfg = make_cfg("attention=tpa", "size=medium", "trainer=ddp", "data=fineweb_edu", small=False)
-    assert cfg.trainer.strategy == "ddp" and cfg.trainer.devices == 8 and cfg.trainer.precision == "auto"
+    assert cfg.trainer.strategy.gradient_as_bucket_view and cfg.trainer.devices == 8 and cfg.trainer.precision == "auto"
     assert cfg.data.global_batch_size == 480 and cfg.data.seq_len == 1024 and cfg.data.batch_size == "auto"
     dm = instantiate(cfg.data, batch_size=12)
     assert (

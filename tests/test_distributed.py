@@ -185,6 +185,11 @@ def test_fsdp_trains_clips_skips_evaluates_and_resumes_like_ddp(tmp_path, shared
     }
     assert groups["fsdp"] == groups["ddp"] == groups["resumed"]
     assert [(kind, wd) for kind, wd, _ in groups["fsdp"]] == [("matrix", 0.1), ("embedding", 0.1), ("norm", 0.0)]
+    # Adam's moments keyed alike (the index of a parameter in the optimizer's groups), so either run resumes the other
+    ddp_state, fsdp_state = (last[name]["optimizer_states"][0]["state"] for name in ("ddp", "fsdp"))
+    assert sorted(ddp_state) == sorted(fsdp_state)
+    for i, moments in ddp_state.items():
+        torch.testing.assert_close(fsdp_state[i]["exp_avg"], moments["exp_avg"], rtol=1e-3, atol=1e-6, msg=str(i))
     for name in ("fsdp", "resumed"):  # whole tensors, the same values (up to summation order, which Adam's
         for key, ref in last["ddp"]["state_dict"].items():  # normalized step amplifies where a gradient is ~0)
             torch.testing.assert_close(last[name]["state_dict"][key], ref, rtol=1e-4, atol=5e-5, msg=f"{name} {key}")

@@ -83,8 +83,8 @@ class T6FSDPStrategy(FSDPStrategy):
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer -> the torch optimizer
         with full_state_dict_context(self.model, rank0_only=True):
             state = FSDP.optim_state_dict(self.model, optimizer)
-            if self.global_rank == 0:  # keyed by parameter index, as a plain run saves it
-                state = FSDP.rekey_optim_state_dict(state, OptimStateKeyType.PARAM_ID, self.model)
+            if self.global_rank == 0:  # keyed by parameter index in the optimizer's order, as a plain run saves it
+                state = FSDP.rekey_optim_state_dict(state, OptimStateKeyType.PARAM_ID, self.model, optim=optimizer)
             return state
 
     def load_checkpoint(self, checkpoint_path, weights_only=None):
@@ -106,7 +106,9 @@ class T6FSDPStrategy(FSDPStrategy):
         with full_state_dict_context(self.model, rank0_only=False):
             for optimizer, state in zip(self.optimizers, states):
                 if state["state"] and isinstance(next(iter(state["state"])), int):  # saved by a plain (non-FSDP) run
-                    state = FSDP.rekey_optim_state_dict(state, OptimStateKeyType.PARAM_NAME, self.model)
+                    state = FSDP.rekey_optim_state_dict(
+                        state, OptimStateKeyType.PARAM_NAME, self.model, optim=optimizer
+                    )  # its indices follow the optimizer's parameter groups, not model.parameters()
                 optimizer.load_state_dict(
                     FSDP.optim_state_dict_to_load(model=self.model, optim=optimizer, optim_state_dict=state)
                 )

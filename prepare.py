@@ -28,8 +28,7 @@ def main(cfg: DictConfig) -> None:
     )
     tokens = sum(s["tokens"] for s in manifest.shards)
     print(f"{d.out_dir}: {len(manifest.shards)} shards, {tokens:,} tokens (shard 0 is validation)")
-    if d.name == "local":
-        print(f"train on it with: python train.py data=local data.data_dir={d.out_dir}")
+    print(f"train on it with: python train.py data={d.data_config} data.data_dir={d.out_dir}")
 
 
 if __name__ == "__main__":

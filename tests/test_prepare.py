@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -133,32 +136,37 @@ def five_mb_jsonl(tmp_path_factory):
 
 @pytest.mark.slow  # tokenizes 5 MB and trains twice (~1 min on 2 cores)
 def test_a_small_local_file_prepares_and_trains_with_the_defaults(five_mb_jsonl, tmp_path, monkeypatch, caplog):
-    """prepare.py dataset=local (shard size from the data), then train.py data=local, both with their defaults."""
+    """`python prepare.py dataset=local ...` as typed (shard size from the data) prints the train command, which
+    trains with the data=local defaults."""
     import logging
 
     from omegaconf import open_dict
 
     from t6.train import train
 
-    from conftest import TEST_SIZE, compose_config
+    from conftest import ROOT, TEST_SIZE, compose_config
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    d = compose_config(["dataset=local", f"dataset.data_files={five_mb_jsonl}"], tmp_path, "prepare").dataset
-    manifest = prepare.prepare_dataset(
-        d.out_dir,
-        path=d.path,
-        config=d.config,
-        split=d.split,
-        data_files=d.data_files,
-        text_field=d.text_field,
-        shard_tokens=d.shard_tokens,
-        max_tokens=d.max_tokens,
-        num_proc=d.num_proc,
-        progress_bar=False,
+    done = subprocess.run(
+        [
+            sys.executable,
+            "prepare.py",
+            "dataset=local",
+            f"dataset.data_files={five_mb_jsonl}",
+            f"paths.root_dir={tmp_path}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
-    counts = [s["tokens"] for s in manifest.shards]
+    assert done.returncode == 0, done.stderr[-3000:]
+    out_dir = tmp_path / "data" / "local"
+    hint = done.stdout.strip().splitlines()[-1]  # the command it prints, as a user would copy it
+    assert hint == f"train on it with: python train.py data=local data.data_dir={out_dir}"
+    counts = [s["tokens"] for s in Manifest.load(out_dir).shards]
     assert 8 <= len(counts) <= 12 and counts[0] < sum(counts) / 5  # ~10 shards, validation ~10%
-    assert not (tmp_path / "data" / "local" / prepare.PROGRESS).exists()  # the manifest marks it done
+    assert not (out_dir / prepare.PROGRESS).exists()  # the manifest marks it done
 
     run = [
         "trainer.max_steps=3",
@@ -169,8 +177,8 @@ def test_a_small_local_file_prepares_and_trains_with_the_defaults(five_mb_jsonl,
         "callbacks.rich_progress_bar=null",
         "callbacks.rich_model_summary=null",
     ]
-    cfg = compose_config(["data=local", *TEST_SIZE, *run], tmp_path)
-    assert cfg.data.data_dir == d.out_dir and cfg.data.global_batch_size is None
+    cfg = compose_config([*hint.split("python train.py ")[1].split(), *TEST_SIZE, *run], tmp_path)
+    assert cfg.data.global_batch_size is None
     with caplog.at_level(logging.INFO, logger="t6.train"):
         metrics, objects = train(cfg)
     assert objects["trainer"].global_step == 3 and objects["trainer"].accumulate_grad_batches == 1
@@ -231,3 +239,35 @@ def test_auto_shard_size_follows_the_files(tmp_path):
     assert prepare.auto_shard_tokens(str(small)) == 100_000
     assert prepare.auto_shard_tokens([str(small), str(small)]) == 200_000
     assert prepare.auto_shard_tokens(str(missing)) == prepare.auto_shard_tokens(None) == 100_000_000
+
+
+@pytest.mark.parametrize(
+    "builder, file, fix",
+    [
+        ("json", "corpus.txt", "dataset.path=text (one document per line)"),
+        ("json", "a.parquet", "dataset.path=parquet"),
+        ("text", "docs.jsonl.gz", "dataset.path=json"),
+    ],
+)
+def test_a_file_of_another_kind_than_the_builder_names_the_builder(builder, file, fix, tmp_path):
+    (tmp_path / file).write_text("To be, or not to be\n")
+    with pytest.raises(ValueError, match=re.escape(f"set {fix}")):
+        prepare.prepare_dataset(tmp_path / "out", path=builder, config=None, data_files=str(tmp_path / file))
+    assert not (tmp_path / "out").exists()  # nothing written
+
+
+def test_a_text_file_prepares_with_the_text_builder(tmp_path):
+    lines = [line for line in TINY_SHAKESPEARE.read_text().splitlines()[:400] if line]
+    (tmp_path / "corpus.txt").write_text("\n".join(lines) + "\n")
+    manifest = prepare.prepare_dataset(
+        tmp_path / "out",
+        path="text",
+        config=None,
+        data_files=str(tmp_path / "corpus.txt"),
+        shard_tokens=SHARD,
+        num_proc=1,
+        progress_bar=False,
+    )
+    enc = gpt2_encoding()
+    expected = np.concatenate([np.array([EOT, *enc.encode_ordinary(line)], dtype=np.uint16) for line in lines])
+    assert len(manifest.shards) >= 2 and np.array_equal(tokens_of(tmp_path / "out"), expected)

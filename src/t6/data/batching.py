@@ -29,11 +29,15 @@ def check_batch_settings(batch_size, global_batch_size, seq_len) -> None:
             "or auto (the largest that fits the device's memory); e.g. data.batch_size=8"
         )
     if global_batch_size is not None and not _positive_int(global_batch_size):
-        raise ValueError(f"data.global_batch_size={global_batch_size!r} must be a positive number of sequences per "
-                         "optimizer step, or null (data.batch_size x devices)")
+        raise ValueError(
+            f"data.global_batch_size={global_batch_size!r} must be a positive number of sequences per "
+            "optimizer step, or null (data.batch_size x devices)"
+        )
     if batch_size == "auto" and global_batch_size is None:
-        raise ValueError("data.batch_size=auto needs data.global_batch_size (the sequences per optimizer step it keeps "
-                         "through gradient accumulation); set it, or give data.batch_size a number")
+        raise ValueError(
+            "data.batch_size=auto needs data.global_batch_size (the sequences per optimizer step it keeps "
+            "through gradient accumulation); set it, or give data.batch_size a number"
+        )
     if not _positive_int(seq_len):
         raise ValueError(f"data.seq_len={seq_len!r} must be a positive number of tokens")
 
@@ -54,8 +58,10 @@ def sequences_per_step(batch_size: int | str, global_batch_size: int | None, wor
     if batch_size == "auto":
         raise ValueError("data.batch_size=auto needs data.global_batch_size (the sequences per optimizer step)")
     if world_size is None:
-        raise ValueError("data.global_batch_size=null means data.batch_size x the number of devices, which is not a "
-                         "number here (trainer.devices=auto or -1); set data.global_batch_size or trainer.devices=N")
+        raise ValueError(
+            "data.global_batch_size=null means data.batch_size x the number of devices, which is not a "
+            "number here (trainer.devices=auto or -1); set data.global_batch_size or trainer.devices=N"
+        )
     return int(batch_size) * int(world_size)
 
 

@@ -13,11 +13,10 @@ ranks of a torchrun / SLURM job that all start on fresh data make them once.
 
 from __future__ import annotations
 
+import fcntl
 from pathlib import Path
 
 import lightning as L
-import fcntl
-
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
@@ -53,7 +52,9 @@ class TrainStream(IterableDataset):
     DataLoader worker (k of K), only the samples of the rank's batches k, k + K, ... of
     `batch_size` samples each, which the DataLoader interleaves back into the stream's order."""
 
-    def __init__(self, windows: Windows, seed: int, shuffle: bool, start: int, rank: int, world_size: int, batch_size: int = 1):
+    def __init__(
+        self, windows: Windows, seed: int, shuffle: bool, start: int, rank: int, world_size: int, batch_size: int = 1
+    ):
         self.windows, self.seed, self.shuffle = windows, seed, shuffle
         self.start, self.rank, self.world_size, self.batch_size = start, rank, world_size, batch_size
 
@@ -68,7 +69,10 @@ class TrainStream(IterableDataset):
                 s = self.start + self.rank + (batch * B + j) * W  # the global sample index
                 epoch, i = divmod(s, n)
                 if self.shuffle and epoch != perm_epoch:
-                    perm_epoch, perm = epoch, np.random.default_rng((self.seed, epoch)).permutation(n)  # same on every rank
+                    perm_epoch, perm = (
+                        epoch,
+                        np.random.default_rng((self.seed, epoch)).permutation(n),
+                    )  # same on every rank
                 yield self.windows.get(int(perm[i]) if self.shuffle else i)
             batch += workers
 
@@ -143,7 +147,9 @@ class TokenDataModule(L.LightningDataModule):
                     raise
                 raise ShardError(f"{err}; prepare it with: {self.prepare_command}") from err
             self.train_windows = Windows(manifest.open(self.data_dir, "train", tokenizer_id()), self.seq_len)
-            self.val_set = ValWindows(Windows(manifest.open(self.data_dir, "val", tokenizer_id()), self.seq_len), self.val_windows)
+            self.val_set = ValWindows(
+                Windows(manifest.open(self.data_dir, "val", tokenizer_id()), self.seq_len), self.val_windows
+            )
 
     def samples_seen(self) -> int:
         """Global samples consumed so far: optimizer steps x global batch."""
@@ -163,11 +169,18 @@ class TokenDataModule(L.LightningDataModule):
                 "data.global_batch_size and number of devices"
             )
         stream = TrainStream(self.train_windows, self.seed, self.shuffle, start, rank, world, self.batch_size)
-        return DataLoader(stream, batch_size=self.batch_size, generator=self.loader_generator(), **self.loader_options())
+        return DataLoader(
+            stream, batch_size=self.batch_size, generator=self.loader_generator(), **self.loader_options()
+        )
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, generator=self.loader_generator(),
-                          **self.loader_options())
+        return DataLoader(
+            self.val_set,
+            batch_size=self.batch_size,
+            shuffle=False,
+            generator=self.loader_generator(),
+            **self.loader_options(),
+        )
 
     def loader_options(self) -> dict:
         trainer = self.trainer

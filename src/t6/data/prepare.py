@@ -15,9 +15,9 @@ import json
 import logging
 import multiprocessing as mp
 import os
+from collections.abc import Iterator
 from itertools import islice
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
@@ -64,6 +64,30 @@ def auto_shard_tokens(data_files: str | list[str] | None) -> int:
     return max(1, min(MAX_SHARD_TOKENS, estimate // AUTO_SHARDS))
 
 
+# The `datasets` builder that reads a local file of each kind (dataset.path).
+FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".csv": "csv"}
+COMPRESSED = (".gz", ".bz2", ".xz", ".zst")
+
+
+def check_builder(path: str, data_files: str | list[str] | None) -> None:
+    """A local file read by another builder than its kind fails deep in pyarrow (a 40-line JSON parse
+    traceback for a .txt file under dataset.path=json): name the builder to use instead."""
+    if data_files is None or path not in FILE_BUILDERS.values():
+        return
+    for file in [data_files] if isinstance(data_files, str) else list(data_files):
+        name = Path(str(file)).name.lower()
+        for ext in COMPRESSED:
+            name = name.removesuffix(ext)
+        kind = Path(name).suffix
+        builder = FILE_BUILDERS.get(kind)
+        if builder is not None and builder != path:
+            per_line = " (one document per line)" if builder == "text" else ""
+            raise ValueError(
+                f"dataset.data_files={str(file)!r} is a {kind} file, which dataset.path={path} cannot read; "
+                f"set dataset.path={builder}{per_line}"
+            )
+
+
 def _restartable(saved: dict, source: dict) -> bool:
     """A progress file of the same data and tokenizer whose only difference is the shard size or token limit."""
     same = ("path", "config", "split", "data_files", "text_field")
@@ -94,9 +118,17 @@ def prepare_dataset(
     import datasets
     from tqdm import tqdm
 
+    check_builder(path, data_files)
     out_dir = Path(out_dir)
-    source = {"path": path, "config": config, "split": split, "data_files": data_files, "text_field": text_field,
-              "shard_tokens": shard_tokens, "max_tokens": max_tokens}
+    source = {
+        "path": path,
+        "config": config,
+        "split": split,
+        "data_files": data_files,
+        "text_field": text_field,
+        "shard_tokens": shard_tokens,
+        "max_tokens": max_tokens,
+    }
     if shard_tokens == "auto":
         shard_tokens = auto_shard_tokens(data_files)
         log.info("dataset.shard_tokens=auto: %d tokens per shard", shard_tokens)
@@ -109,7 +141,9 @@ def prepare_dataset(
         manifest = None
     if manifest is not None:
         if manifest.source != source or manifest.tokenizer != tokenizer_id():
-            raise ShardError(f"{out_dir} already holds a different data set ({manifest.source}); choose another dataset.out_dir")
+            raise ShardError(
+                f"{out_dir} already holds a different data set ({manifest.source}); choose another dataset.out_dir"
+            )
         log.info("%s is already prepared", out_dir)
         return manifest
 
@@ -124,20 +158,35 @@ def prepare_dataset(
             state = saved
             log.info("resuming: %d shards already finished in %s", len(state["shards"]), out_dir)
         elif _restartable(saved, source):  # the same data, re-run with another shard size or token limit
-            log.warning("%s: an unfinished run with shard_tokens=%s, max_tokens=%s; starting over with shard_tokens=%s, "
-                        "max_tokens=%s", out_dir, saved["source"].get("shard_tokens"), saved["source"].get("max_tokens"),
-                        source["shard_tokens"], max_tokens)
+            log.warning(
+                "%s: an unfinished run with shard_tokens=%s, max_tokens=%s; starting over with shard_tokens=%s, "
+                "max_tokens=%s",
+                out_dir,
+                saved["source"].get("shard_tokens"),
+                saved["source"].get("max_tokens"),
+                source["shard_tokens"],
+                max_tokens,
+            )
             _discard(out_dir, progress_file)
         else:
-            raise ShardError(f"{progress_file} is an unfinished run over another data set or tokenizer "
-                             f"({saved.get('source')}); delete {out_dir} or choose another dataset.out_dir")
+            raise ShardError(
+                f"{progress_file} is an unfinished run over another data set or tokenizer "
+                f"({saved.get('source')}); delete {out_dir} or choose another dataset.out_dir"
+            )
 
     ds = datasets.load_dataset(path, name=config, split=split, data_files=data_files, streaming=True)
     if state["next_doc"]:
         ds = ds.skip(state["next_doc"])
     texts = (row[text_field] for row in ds)
     done_tokens = sum(s["tokens"] for s in state["shards"])
-    bar = tqdm(total=max_tokens, initial=done_tokens, unit="tok", unit_scale=True, disable=not progress_bar, desc=str(out_dir.name))
+    bar = tqdm(
+        total=max_tokens,
+        initial=done_tokens,
+        unit="tok",
+        unit_scale=True,
+        disable=not progress_bar,
+        desc=str(out_dir.name),
+    )
 
     buffer: list[np.ndarray] = []
     buffered = 0
@@ -152,7 +201,9 @@ def prepare_dataset(
     def flush(tokens: np.ndarray, next_doc: int, next_offset: int) -> None:
         i = len(state["shards"])
         write_shard(out_dir / shard_name(i), tokens)
-        state["shards"].append({"file": shard_name(i), "split": "val" if i == 0 else "train", "tokens": int(tokens.size)})
+        state["shards"].append(
+            {"file": shard_name(i), "split": "val" if i == 0 else "train", "tokens": int(tokens.size)}
+        )
         state["next_doc"], state["next_offset"] = next_doc, next_offset
         save_progress()
 
@@ -169,7 +220,9 @@ def prepare_dataset(
                 for tokens in docs:
                     offset, skip_tokens = skip_tokens, 0  # tokens of this document already in earlier shards
                     while offset < tokens.size and (limit is None or limit > 0):
-                        take = min(tokens.size - offset, shard_tokens - buffered, limit if limit is not None else shard_tokens)
+                        take = min(
+                            tokens.size - offset, shard_tokens - buffered, limit if limit is not None else shard_tokens
+                        )
                         buffer.append(tokens[offset : offset + take])
                         buffered, offset = buffered + take, offset + take
                         limit = None if limit is None else limit - take
@@ -189,17 +242,25 @@ def prepare_dataset(
             write_shard(out_dir / shard_name(0), tokens[:val])
             state["shards"].append({"file": shard_name(0), "split": "val", "tokens": int(val)})
             buffer, buffered = [tokens[val:]], tokens.size - val
-            log.info("the data set fits one shard of %d tokens: split into %d validation and %d training tokens",
-                     shard_tokens, val, buffered)
+            log.info(
+                "the data set fits one shard of %d tokens: split into %d validation and %d training tokens",
+                shard_tokens,
+                val,
+                buffered,
+            )
     if buffered:
         flush(np.concatenate(buffer), doc, 0)
     bar.close()
     if len(state["shards"]) < 2:
         total = sum(s["tokens"] for s in state["shards"])
         _discard(out_dir, progress_file)  # nothing a re-run could continue from
-        raise ValueError(f"{path} ({data_files or config}) gave {total} tokens: too few for a validation and a training shard")
+        raise ValueError(
+            f"{path} ({data_files or config}) gave {total} tokens: too few for a validation and a training shard"
+        )
     manifest = Manifest(tokenizer=tokenizer_id(), source=source, shards=state["shards"])
     manifest.save(out_dir)
     progress_file.unlink(missing_ok=True)  # the manifest marks the data set done
-    log.info("prepared %s: %d shards, %d tokens", out_dir, len(state["shards"]), sum(s["tokens"] for s in state["shards"]))
+    log.info(
+        "prepared %s: %d shards, %d tokens", out_dir, len(state["shards"]), sum(s["tokens"] for s in state["shards"])
+    )
     return manifest

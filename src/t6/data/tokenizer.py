@@ -39,7 +39,10 @@ def gpt2_encoding() -> tiktoken.Encoding:
         )
     ranks = load_tiktoken_bpe(str(GPT2_RANKS), expected_hash=GPT2_RANKS_SHA256)
     return tiktoken.Encoding(
-        name="gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens={"<|endoftext|>": EOT},
+        name="gpt2",
+        pat_str=GPT2_PATTERN,
+        mergeable_ranks=ranks,
+        special_tokens={"<|endoftext|>": EOT},
         explicit_n_vocab=50257,
     )
 

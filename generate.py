@@ -4,7 +4,7 @@
 import hydra
 from omegaconf import DictConfig
 
-from t6.generate import run
+from t6.inference.generate import run
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="generate")

@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 
 from t6.report import build_report, find_runs, load_decode_records, load_runs, log_report
-from t6.sweep import read_sweep_file
+from t6.tracking.sweep import read_sweep_file
 
 ROOT = Path(os.environ.get("T6_ROOT") or Path(__file__).resolve().parent)  # as train.py: the project, or $T6_ROOT
 
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
     import mlflow
 
-    from t6.tracking import check_tracking_uri
+    from t6.tracking.mlflow import check_tracking_uri
 
     check_tracking_uri(args.tracking_uri)
     client = mlflow.MlflowClient(tracking_uri=args.tracking_uri)

@@ -11,14 +11,14 @@ from omegaconf import DictConfig
 
 import t6.config  # noqa: F401  (registers the config resolvers)
 from t6.config import model_config
-from t6.summary import render, summarize
+from t6.report.summary import render, summarize
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="summary")
 def main(cfg: DictConfig) -> dict:
     row = summarize(model_config(cfg), cfg.attention.name, cfg.size.name, cfg.cache_dtype, cfg.flops_seq_len)
     if cfg.output == "table" and HydraConfig.get().mode == RunMode.MULTIRUN:
-        return row  # t6.summary.ComparisonTable prints every job's row as one table at the end
+        return row  # t6.report.summary.ComparisonTable prints every job's row as one table at the end
     print(render(row, cfg.output), flush=True)
     return row
 

@@ -12,8 +12,9 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 import t6.config  # noqa: E402,F401  (registers the config resolvers)
-from t6.distributed import env_rank, hydra_job_scope  # noqa: E402
-from t6.train import discard_unused_run_dir, summary, train  # noqa: E402
+from t6.hardware.probes import env_rank  # noqa: E402
+from t6.run.launch import hydra_job_scope  # noqa: E402
+from t6.run.train import discard_unused_run_dir, summary, train  # noqa: E402
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")

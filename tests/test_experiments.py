@@ -66,7 +66,7 @@ def test_paper_recipes_checkpoint_at_recipe_scale(name):
 
 
 def test_last_link_points_at_the_newest_checkpoint_and_resumes(make_cfg, tmp_path):
-    from t6.train import train
+    from t6.run.train import train
 
     overrides = [
         "callbacks.model_checkpoint.save_last=link",
@@ -106,7 +106,7 @@ def test_cpu_comparison_sweeps_six_attentions_and_three_seeds_at_one_budget():
 
 
 def test_a_recipes_declared_sweep_names_its_child_runs():
-    from t6.sweep import swept_keys
+    from t6.tracking.sweep import swept_keys
 
     cfg = compose_recipe("cpu_comparison")
     keys = swept_keys(["trainer.max_steps=5", "size=tiny"], cfg.hydra.sweeper.params)
@@ -118,8 +118,8 @@ def test_a_recipes_declared_sweep_names_its_child_runs():
 @pytest.mark.parametrize("name", RECIPES)
 def test_every_recipe_runs_without_tracking(name):
     """`experiment=NAME logger=none`: a recipe's own `logger.mlflow.*` settings leave no half logger behind."""
-    from t6.tracking import mlflow_config
-    from t6.train import instantiate_dict
+    from t6.run.train import instantiate_dict
+    from t6.tracking.mlflow import mlflow_config
 
     cfg = compose_recipe(name, "logger=none")
     assert mlflow_config(cfg) is None and instantiate_dict(cfg.get("logger")) == []
@@ -129,7 +129,7 @@ def test_every_recipe_runs_without_tracking(name):
 def test_a_recipe_trains_with_logger_none(tmp_path, shared_data_dir, monkeypatch):
     from omegaconf import open_dict
 
-    from t6.train import train
+    from t6.run.train import train
 
     from conftest import TEST_RUN, TEST_SIZE, compose_config
 

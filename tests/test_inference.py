@@ -9,13 +9,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from t6.bench.common import compose, model_configs
 from t6.data.tokenizer import EOT
-from t6.generate import generate_text, generation_device, run
+from t6.inference.generate import generate_text, generation_device, run
 from t6.model import T6, ModelConfig
 from t6.model.attention import available, get_attention_class
 from t6.model.facts import kv_elements_per_token
 from t6.model.load import load_model
 from t6.model.t6 import left_pad
-from t6.summary import summarize
+from t6.report.summary import summarize
 
 NAMES = available()  # every registered mechanism
 TPA = ["tpa", "tpa_kvonly"]
@@ -209,7 +209,9 @@ def test_generate_entry_loads_the_model_on_the_device_asked_for(tmp_path, monkey
     cfg = ModelConfig(attention="mha", n_layer=1, d_model=64, n_head=4, vocab_size=50304, block_size=64)
     write_checkpoint(T6(cfg), tmp_path / "last.ckpt")
     seen = []
-    monkeypatch.setattr("t6.generate.generate_text", lambda model, *args: seen.append(model.embed.weight.device) or [])
+    monkeypatch.setattr(
+        "t6.inference.generate.generate_text", lambda model, *args: seen.append(model.embed.weight.device) or []
+    )
     run(compose("generate", [f"ckpt_path={tmp_path / 'last.ckpt'}", "device=meta"]))
     assert seen == [torch.device("meta")]
     if not torch.cuda.is_available():

@@ -14,9 +14,9 @@ import mlflow
 import pytest
 import torch
 
-from t6 import memory
+from t6.hardware import device, memory, probes
 from t6.model.loss import liger_chunk_rows
-from t6.train import summary, train
+from t6.run.train import summary, train
 
 from conftest import compose_config
 
@@ -25,17 +25,17 @@ from conftest import compose_config
 
 def test_precision_auto_follows_the_device():
     yes, no = (lambda: True), (lambda: False)
-    assert memory.choose_device("auto", cuda_available=yes)[0] == "cuda"
-    assert memory.choose_device("auto", cuda_available=no)[0] == "cpu"
-    assert memory.choose_device("cpu", cuda_available=yes)[0] == "cpu"
-    assert memory.choose_device("gpu", cuda_available=no)[0] == "cuda"
-    assert memory.choose_precision("auto", "cuda", bf16_supported=yes)[0] == "bf16-mixed"
-    assert memory.choose_precision("auto", "cuda", bf16_supported=no)[0] == "32-true"  # e.g. a V100
-    assert memory.choose_precision("auto", "cpu", bf16_supported=yes, cpu_bf16=no)[0] == "32-true"
-    assert memory.choose_precision(None, "cpu", cpu_bf16=no)[0] == "32-true"
-    precision, why = memory.choose_precision("auto", "cpu", bf16_supported=no, cpu_bf16=yes)
+    assert device.choose_device("auto", cuda_available=yes)[0] == "cuda"
+    assert device.choose_device("auto", cuda_available=no)[0] == "cpu"
+    assert device.choose_device("cpu", cuda_available=yes)[0] == "cpu"
+    assert device.choose_device("gpu", cuda_available=no)[0] == "cuda"
+    assert device.choose_precision("auto", "cuda", bf16_supported=yes)[0] == "bf16-mixed"
+    assert device.choose_precision("auto", "cuda", bf16_supported=no)[0] == "32-true"  # e.g. a V100
+    assert device.choose_precision("auto", "cpu", bf16_supported=yes, cpu_bf16=no)[0] == "32-true"
+    assert device.choose_precision(None, "cpu", cpu_bf16=no)[0] == "32-true"
+    precision, why = device.choose_precision("auto", "cpu", bf16_supported=no, cpu_bf16=yes)
     assert precision == "bf16-mixed" and "AMX" in why  # oneDNN's bf16 matmuls on AMX tiles
-    precision, why = memory.choose_precision("16-mixed", "cuda", bf16_supported=yes)
+    precision, why = device.choose_precision("16-mixed", "cuda", bf16_supported=yes)
     assert precision == "16-mixed" and "explicit" in why  # an explicit precision wins
 
 
@@ -48,7 +48,7 @@ def test_bf16_means_hardware_bf16_not_emulation(monkeypatch):
     monkeypatch.setattr(torch.cuda, "_check_bf16_tensor_supported", lambda device: True)  # emulation works
     for major, supported in ((7, False), (8, True), (9, True)):
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d, major=major: SimpleNamespace(major=major))
-        assert memory.cuda_bf16_supported() is supported
+        assert device.cuda_bf16_supported() is supported
 
 
 def test_default_trainer_lets_lightning_choose_and_cpu_gpu_stay_explicit(tmp_path):
@@ -59,13 +59,15 @@ def test_default_trainer_lets_lightning_choose_and_cpu_gpu_stay_explicit(tmp_pat
     for name in ("gpu", "ddp", "fsdp"):
         trainer = compose_config([f"trainer={name}"], tmp_path).trainer
         assert trainer.accelerator == "gpu" and trainer.precision == "auto"
-        assert trainer.plugins[0]._target_ == "t6.checkpoint.AtomicCheckpointIO"  # inherited from the default
+        assert (
+            trainer.plugins[0]._target_ == "t6.training.checkpoint_io.AtomicCheckpointIO"
+        )  # inherited from the default
     ddp = compose_config(["trainer=ddp"], tmp_path).trainer.strategy  # gradients as views into DDP's buckets
     assert ddp._target_ == "lightning.pytorch.strategies.DDPStrategy" and ddp.gradient_as_bucket_view is True
 
 
 def test_run_announces_device_precision_batch_and_schedule(make_cfg, caplog):
-    caplog.set_level(logging.INFO, logger="t6.train")
+    caplog.set_level(logging.INFO, logger="t6.run.train")
     _, objects = train(make_cfg("trainer.max_steps=2", "callbacks.model_checkpoint=null"))
     assert objects["hardware"]["precision"] == "32-true" and objects["trainer"].precision == "32-true"
     plan = caplog.text
@@ -127,10 +129,10 @@ def test_peak_rss_of_a_child_is_its_own_not_its_parents():
     """A child started by a process holding 1 GiB reports its own peak (ru_maxrss would not: Linux
     carries the parent's high-water mark across exec, as under a long pytest session)."""
     held = torch.ones(2**28)  # 1 GiB resident in this process
-    code = "from t6.memory import peak_rss, process_rss; print(peak_rss(), process_rss())"
+    code = "from t6.hardware.probes import peak_rss, process_rss; print(peak_rss(), process_rss())"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     peak, now = map(int, done.stdout.split())
-    assert memory.peak_rss() >= held.numel() * 4
+    assert probes.peak_rss() >= held.numel() * 4
     assert now <= peak < held.numel() * 4 // 2
 
 
@@ -147,8 +149,8 @@ def test_estimate_is_within_25_percent_of_the_measured_peak_at_tiny():
 
 def cap_memory(monkeypatch, bytes_available: int) -> None:
     """Present the machine as having bytes_available free (and the process as holding nothing)."""
-    monkeypatch.setattr(memory, "available_memory", lambda device, index=0: (bytes_available, "test cap"))
-    monkeypatch.setattr(memory, "process_rss", lambda: 0)
+    monkeypatch.setattr(probes, "available_memory", lambda device, index=0: (bytes_available, "test cap"))
+    monkeypatch.setattr(probes, "process_rss", lambda: 0)
 
 
 def test_auto_micro_batch_keeps_the_global_batch_and_the_optimization(make_cfg, monkeypatch):
@@ -226,7 +228,7 @@ def test_seq_len_longer_than_the_block_fails_before_training(make_cfg, tmp_path)
 @pytest.fixture
 def corrupted(tmp_path) -> Path:
     """A training checkpoint cut in half, as a full disk or a killed copy leaves it."""
-    from t6.module import T6LitModule
+    from t6.training.module import T6LitModule
 
     path = tmp_path / "broken.ckpt"
     module = T6LitModule(
@@ -277,7 +279,7 @@ def test_run_ends_with_validation_and_exactly_one_last_ckpt(make_cfg):
 
 
 def test_warmup_that_outlasts_the_run_is_reported(make_cfg, caplog):
-    caplog.set_level(logging.WARNING, logger="t6.train")
+    caplog.set_level(logging.WARNING, logger="t6.run.train")
     train(make_cfg("trainer.max_steps=2", "callbacks.model_checkpoint=null"))
     assert "lr_ablation.warmup_steps=10 >= trainer.max_steps=2" in caplog.text and "lr_ablation.max_lr" in caplog.text
 
@@ -302,7 +304,7 @@ def _compare_plans(rank: int, batches: tuple[int, int], port: int, out: Path) ->
     import torch.distributed as dist
     from lightning.pytorch.strategies import DDPStrategy
 
-    from t6.callbacks import SameMicroBatch
+    from t6.training.callbacks import SameMicroBatch
 
     dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
     trainer = SimpleNamespace(world_size=2, strategy=DDPStrategy(parallel_devices=[torch.device("cpu")] * 2))

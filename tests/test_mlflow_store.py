@@ -13,7 +13,7 @@ from conftest import ROOT
 
 STARTER = """
 import sys, time
-from t6.tracking import check_tracking_uri
+from t6.tracking.mlflow import check_tracking_uri
 uri, start, name = sys.argv[1], float(sys.argv[2]), sys.argv[3]
 time.sleep(max(0.0, start - time.time()))  # all three reach the fresh store at the same moment
 check_tracking_uri(uri)

@@ -20,8 +20,8 @@ from pathlib import Path
 import mlflow
 import pytest
 
-from t6.tracking import ui_path
-from t6.train import summary, train
+from t6.run.train import summary, train
+from t6.tracking.mlflow import ui_path
 
 from conftest import ROOT
 

@@ -30,7 +30,7 @@ from t6.report import (
     tokens_per_step,
 )
 from t6.report.stats import difference
-from t6.train import train
+from t6.run.train import train
 
 from conftest import ROOT
 
@@ -324,7 +324,7 @@ def test_build_report_without_finished_runs_says_so(tmp_path):
 
 
 def test_report_on_a_sweep_directory_reads_its_store_and_parent(store, tmp_path):
-    from t6.sweep import SWEEP_FILE
+    from t6.tracking.sweep import SWEEP_FILE
 
     client, ids = store["client"], store["ids"]
     cli = load_cli()

@@ -13,9 +13,9 @@ import pytest
 import torch
 from omegaconf import open_dict
 
-from t6.checkpoint import AtomicCheckpointIO
-from t6.fsdp import fsdp_strategy
-from t6.train import train
+from t6.run.train import train
+from t6.training.checkpoint_io import AtomicCheckpointIO
+from t6.training.fsdp import fsdp_strategy
 
 
 class Recorder(L.Callback):

@@ -6,9 +6,9 @@ import mlflow
 import pytest
 import torch
 
-from t6.generate import load_model
-from t6.tracking import log_model_choice
-from t6.train import train
+from t6.inference.generate import load_model
+from t6.run.train import train
+from t6.tracking.mlflow import log_model_choice
 
 
 def artifacts(run_id: str, uri: str) -> list[str]:

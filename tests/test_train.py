@@ -10,8 +10,8 @@ import torch
 
 from t6.data.corpus import TINY_SHAKESPEARE, prepare_text_corpus
 from t6.data.shards import ShardError
-from t6.samples import SAMPLES_ARTIFACT, check_samples, greedy_samples
-from t6.train import summary, train
+from t6.run.samples import SAMPLES_ARTIFACT, check_samples, greedy_samples
+from t6.run.train import summary, train
 
 from conftest import CONF
 
@@ -150,7 +150,7 @@ def test_unreachable_tracking_server_fails_fast(make_cfg, monkeypatch):
 
 
 def test_compiled_module_keeps_plain_checkpoint_keys():
-    from t6.module import T6LitModule
+    from t6.training.module import T6LitModule
 
     cfg = dict(attention="tpa", n_layer=1, d_model=64, n_head=2, vocab_size=128, block_size=16)
     plain, compiled = T6LitModule(model_config=cfg), T6LitModule(model_config=cfg, compile=True)
@@ -165,7 +165,7 @@ def test_compiled_module_keeps_plain_checkpoint_keys():
 def test_fsdp_reduces_gradients_in_fp32_under_mixed_precision():
     from lightning.pytorch.plugins.precision import FSDPPrecision
 
-    from t6.fsdp import fsdp_strategy
+    from t6.training.fsdp import fsdp_strategy
 
     strategy = fsdp_strategy()
     strategy.precision_plugin = FSDPPrecision("bf16-mixed")
@@ -175,8 +175,8 @@ def test_fsdp_reduces_gradients_in_fp32_under_mixed_precision():
 
 
 def test_throughput_monitor_logs_tokens_and_mfu_from_the_measured_flops(make_cfg):
-    from t6.callbacks import ThroughputMonitor
-    from t6.perf import flops_per_token
+    from t6.model.facts import flops_per_token
+    from t6.training.callbacks import ThroughputMonitor
 
     metrics, objects = train(make_cfg("callbacks.throughput.peak_tflops=0.5", "trainer.max_steps=6"))
     monitor = next(cb for cb in objects["trainer"].callbacks if isinstance(cb, ThroughputMonitor))

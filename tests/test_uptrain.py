@@ -13,7 +13,7 @@ import torch
 from t6.config import model_config
 from t6.model import T6, ModelConfig
 from t6.model.loss import mean_loss
-from t6.train import train
+from t6.run.train import train
 from t6.uptrain.convert import convert_checkpoint, convert_state_dict, load_warm_start, pool_heads, target_config
 from t6.uptrain.recipe import adopt_model_config, source_lr, uptrain_steps
 

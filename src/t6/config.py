@@ -104,3 +104,10 @@ def conf_dir() -> Path:
         f"no conf/ directory at {checkout} or {here}; run from the project's checkout "
         "or set T6_ROOT to the directory that holds conf/"
     )
+
+
+def in_multirun() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN

@@ -21,7 +21,7 @@ from omegaconf import open_dict
 from t6.bench.common import compose
 from t6.config import model_config
 from t6.model import T6
-from t6.optim import param_groups
+from t6.training.optim import param_groups
 
 
 def _config(overrides: list[str]):

@@ -23,7 +23,7 @@ import torch
 
 from t6.bench.common import DTYPES, environment, model_config_of, resolve_device, table, write_json
 from t6.bench.train_step import bench_one, chunk_tokens
-from t6.memory import peak_rss
+from t6.hardware.probes import peak_rss
 
 
 def setting(text: str) -> int | str | None:

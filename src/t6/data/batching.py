@@ -80,7 +80,7 @@ def sequences_per_device(batch_size: int | str, global_batch_size: int | None, w
 def accumulation_steps(batch_size: int | str, global_batch_size: int | None, world_size: int) -> int:
     """Gradient-accumulation steps so that batch_size x world_size x steps = the global batch."""
     if batch_size == "auto":
-        raise ValueError("data.batch_size=auto is resolved by the memory preflight before training (t6.train)")
+        raise ValueError("data.batch_size=auto is resolved by the memory preflight before training (t6.run.train)")
     if global_batch_size is None:
         return 1
     per_step = batch_size * world_size

@@ -27,8 +27,8 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from t6.evaluation.harness import EvalSpec, log_results, resolve_tasks, run_harness, spec_from_config
-from t6.fsdp import full_model
 from t6.model import T6
+from t6.training.fsdp import full_model
 
 log = logging.getLogger(__name__)
 

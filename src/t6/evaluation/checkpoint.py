@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 from t6.evaluation.callback import build_eval_callback
 from t6.evaluation.harness import log_results, run_harness
 from t6.model.load import build_model, read_checkpoint
-from t6.tracking import check_tracking_uri
+from t6.tracking.mlflow import check_tracking_uri
 
 
 def evaluate_checkpoint(cfg: DictConfig) -> tuple[dict[str, float], str]:

@@ -46,14 +46,32 @@ def kv_bytes_per_token(cfg: ModelConfig | T6, dtype: torch.dtype = torch.bfloat1
 
 
 def flops_per_token(cfg: ModelConfig | T6, seq_len: int | None = None, training: bool = True) -> float:
-    """FLOPs per token of one training step (forward + backward) or of one forward pass, over a
-    sequence of seq_len tokens (default: block_size), counted by torch.utils.flop_counter."""
-    from t6.perf import flops_per_token as train_flops
-    from t6.perf import forward_flops_per_token
+    """FLOPs per token of one training step (forward + backward of next-token cross-entropy) or of one
+    forward pass, over a sequence of seq_len tokens (default: block_size), as counted by
+    torch.utils.flop_counter.FlopCounterMode (matmuls, and attention's QK^T and AV in full, causal mask or
+    not; elementwise ops are not counted, as in the usual 6N + attention estimate). MFU = this x tokens/s /
+    peak FLOP/s. On a model with real tensors, its gradients are left untouched."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
 
     model = cfg if isinstance(cfg, T6) else meta_model(cfg)
     seq_len = seq_len or model.cfg.block_size
-    return train_flops(model, seq_len) if training else forward_flops_per_token(model, seq_len)
+    device = next(model.parameters()).device
+    idx = torch.randint(0, model.cfg.vocab_size, (1, seq_len + 1), device=device)
+    saved = [p.grad for p in model.parameters()]
+    counter = FlopCounterMode(display=False)
+    # the math SDPA backend is made of matmuls the counter sees on every device (CPU's fused kernel is not
+    # counted); no torch.no_grad for the forward count: the counter's module hooks reject no-grad views
+    try:
+        with counter, sdpa_kernel(SDPBackend.MATH):
+            logits = model(idx[:, :-1])  # [1, T, V]
+            if training:
+                F.cross_entropy(logits.flatten(0, 1).float(), idx[:, 1:].flatten()).backward()
+    finally:
+        for p, g in zip(model.parameters(), saved):
+            p.grad = g
+    return counter.get_total_flops() / seq_len
 
 
 def decode_flops_per_cached_token(cfg: ModelConfig | T6) -> float:

@@ -12,7 +12,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 from omegaconf import DictConfig, OmegaConf
 
 from t6.data.tokenizer import gpt2_encoding
-from t6.generate import generate_text
+from t6.inference.generate import generate_text
 
 log = logging.getLogger(__name__)
 

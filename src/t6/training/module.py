@@ -11,9 +11,9 @@ import torch
 from lightning.pytorch.loggers import MLFlowLogger
 from torchmetrics import MeanMetric
 
-from t6.fsdp import clip_grad_norm
 from t6.model import T6, ModelConfig
-from t6.optim import MuonWithAdamW, param_groups, param_kinds
+from t6.training.fsdp import clip_grad_norm
+from t6.training.optim import MuonWithAdamW, param_groups, param_kinds
 
 log = logging.getLogger(__name__)
 

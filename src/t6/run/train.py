@@ -19,28 +19,29 @@ from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from t6 import memory
-from t6.callbacks import PreemptionCheckpoint, SameMicroBatch
-from t6.checkpoint import resolve_ckpt_path
 from t6.config import flatten, model_config
 from t6.data.batching import accumulation_steps, check_batch_settings, sequences_per_step
-from t6.distributed import destroy_process_group
 from t6.evaluation.callback import build_eval_callback
+from t6.hardware import device as hw_device
+from t6.hardware import memory, probes
 from t6.model.facts import model_facts
 from t6.model.load import WARM_START_FORMAT, read_checkpoint
 from t6.model.loss import use_liger
-from t6.module import T6LitModule
-from t6.quiet import quiet_libraries
-from t6.samples import SAMPLES_ARTIFACT, check_samples, log_samples
-from t6.sweep import attach_to_sweep, sweep_job_info
-from t6.tracking import (
-    SystemMetrics,
+from t6.run.launch import destroy_process_group
+from t6.run.quiet import quiet_libraries
+from t6.run.resume import resolve_ckpt_path
+from t6.run.samples import SAMPLES_ARTIFACT, check_samples, log_samples
+from t6.tracking.mlflow import (
     check_tracking_uri,
     mlflow_config,
     save_and_upload_model,
     tag_training_experiment,
     ui_path,
 )
+from t6.tracking.sweep import attach_to_sweep, sweep_job_info
+from t6.tracking.system_metrics import SystemMetrics
+from t6.training.callbacks import PreemptionCheckpoint, SameMicroBatch
+from t6.training.module import T6LitModule
 from t6.uptrain.convert import load_warm_start
 from t6.uptrain.recipe import adopt_model_config
 
@@ -66,8 +67,8 @@ def read_checkpoint_meta(ckpt_path: str) -> dict:
 
 def choose_hardware(cfg: DictConfig) -> dict[str, str]:
     """Resolve trainer.precision=auto for the device trainer.accelerator will use (in cfg), and say why."""
-    device, device_why = memory.choose_device(cfg.trainer.get("accelerator", "auto"))
-    precision, precision_why = memory.choose_precision(cfg.trainer.get("precision", "auto"), device)
+    device, device_why = hw_device.choose_device(cfg.trainer.get("accelerator", "auto"))
+    precision, precision_why = hw_device.choose_precision(cfg.trainer.get("precision", "auto"), device)
     with open_dict(cfg):
         cfg.trainer.precision = precision
     return {"device": device, "device_why": device_why, "precision": precision, "precision_why": precision_why}
@@ -152,16 +153,16 @@ def plan_micro_batch(
     ddp_buckets = world > 1 and not fsdp and not bucket_view  # data parallel: DDP, whatever named it
     if device == "cuda":
         index = trainer.strategy.root_device.index or 0
-        available, source = memory.available_memory("cuda", index)
+        available, source = probes.available_memory("cuda", index)
         runtime = 0
     else:
-        available, source = memory.available_memory("cpu")
+        available, source = probes.available_memory("cpu")
         local = max(1, trainer.num_devices)
         if local > 1:
             available, source = available // local, f"{source} shared by {local} processes"
         # the process as it stands, less the model already built here (the estimate counts its parameters)
         built = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cpu")
-        runtime = max(0, memory.process_rss() - built)
+        runtime = max(0, probes.process_rss() - built)
     ways_out = (
         "a smaller data.batch_size (or data.batch_size=auto with data.global_batch_size), "
         "trainer=fsdp with trainer.strategy.activation_checkpointing=true, trainer=fsdp over more devices "
@@ -226,7 +227,7 @@ def first_job() -> bool:
     each later job's overrides)."""
     from hydra.core.hydra_config import HydraConfig
 
-    from t6.distributed import in_multirun
+    from t6.config import in_multirun
 
     return not in_multirun() or int(HydraConfig.get().job.num) == 0
 
@@ -260,7 +261,7 @@ def log_run_config(logger: MLFlowLogger, cfg: DictConfig, checkpoint_dir: str, m
 
 def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     """Train a T6 as configured. Returns (final metrics, the objects built: model, datamodule, trainer, ...)."""
-    quiet_libraries()  # drops a few library messages that say nothing about this run (t6.quiet)
+    quiet_libraries()  # drops a few library messages that say nothing about this run (t6.run.quiet)
     # 1. Validate everything that can be validated without training.
     # A warm start (init_from) takes the model shape and weights from a converted checkpoint,
     # with a fresh optimizer, schedule, step count and MLflow run tagged with its source.

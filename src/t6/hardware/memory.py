@@ -1,24 +1,18 @@
-"""What a training run needs from the machine, decided before the Trainer starts.
+"""The peak memory of one training step on one device, and the micro-batch that fits.
 
-- `choose_precision`: `trainer.precision: auto` -> `bf16-mixed` on a CUDA device with bf16
-  support or a CPU with AMX bf16 tiles, `32-true` otherwise (an explicit precision is kept), with
-  the reason.
-- `estimate_step_memory`: the peak memory of one training step on one device, from the model
-  traced on fake (meta) tensors: parameters, gradients, optimizer state, the tensors autograd
-  saves for backward (measured per block by a trace, not guessed), the logits of the loss
-  (one chunk of `loss_chunk_tokens` tokens x vocab at a time, t6.model.loss; all tokens when
-  None; Liger's own chunk when the loss runs as its kernel), and the optimizer step's
-  temporaries; FSDP shards parameters, gradients and optimizer state; DDP adds its all-reduce
-  buckets unless the gradients are views into them; activation checkpointing keeps only each
-  block's input plus one block being recomputed.
-- `available_memory`: what the device can give: CPU MemAvailable (capped by the cgroup's
-  limit), CUDA `torch.cuda.mem_get_info`.
+- `estimate_step_memory`: from the model traced on fake (meta) tensors: parameters, gradients,
+  optimizer state, the tensors autograd saves for backward (measured per block by a trace, not
+  guessed), the logits of the loss (one chunk of `loss_chunk_tokens` tokens x vocab at a time,
+  t6.model.loss; all tokens when None; Liger's own chunk when the loss runs as its kernel), and
+  the optimizer step's temporaries; FSDP shards parameters, gradients and optimizer state; DDP
+  adds its all-reduce buckets unless the gradients are views into them; activation
+  checkpointing keeps only each block's input plus one block being recomputed.
 - `fit_micro_batch`: the largest micro-batch that fits and divides the per-device share of the
   global batch (the global batch, hence the optimization, is unchanged: the rest is gradient
   accumulation), or a `MemoryError` naming the field, the estimate, the memory and the ways out.
 
 On CPU an out-of-memory is a SIGKILL with no message, so the estimate has to decide; on GPU
-it decides too (and Lightning's BatchSizeFinder could confirm it).
+it decides too. What the device can give comes from `t6.hardware.probes.available_memory`.
 """
 
 from __future__ import annotations
@@ -26,67 +20,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
-from pathlib import Path
 
 import torch
 
+from t6.hardware.device import compute_dtype, param_dtype
 from t6.model.loss import liger_chunk_rows
 
 GIB = 2**30
 MARGIN = (
     0.20  # keep this share of the available memory free: the estimate ran up to 17% under the measured peak (README)
 )
-
-
-# ----------------------------------------------------------------------------------- precision
-
-
-def cuda_bf16_supported() -> bool:
-    """bf16 in hardware (compute capability 8.0 and later). torch's default also says yes for older GPUs
-    (V100, T4) that can hold bf16 tensors but compute them without tensor cores, far slower than fp32."""
-    return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
-
-
-def cpu_amx_bf16() -> bool:
-    """A CPU with AMX tiles (Xeon Sapphire Rapids and later): oneDNN runs bf16 matmuls on them, measured
-    1.6x the fp32 rate on the head's [2048, 256] x [256, 50304] matmul and 1.3x a tiny training step."""
-    return torch.cpu._is_amx_tile_supported() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-
-
-def choose_device(accelerator: str, cuda_available: Callable[[], bool] = torch.cuda.is_available) -> tuple[str, str]:
-    """(device type, reason) for trainer.accelerator: `cuda` or `cpu` (other accelerators are named as given)."""
-    accelerator = str(accelerator)
-    if accelerator == "auto":
-        if cuda_available():
-            return "cuda", "accelerator=auto found a CUDA GPU"
-        return "cpu", "accelerator=auto found no GPU"
-    if accelerator in ("gpu", "cuda"):
-        return "cuda", f"accelerator={accelerator}"
-    return accelerator, f"accelerator={accelerator}"
-
-
-def choose_precision(
-    precision,
-    device: str,
-    bf16_supported: Callable[[], bool] = cuda_bf16_supported,
-    cpu_bf16: Callable[[], bool] = cpu_amx_bf16,
-) -> tuple[str, str]:
-    """(precision, reason): `auto` becomes bf16-mixed on a CUDA device with bf16 or a CPU with AMX
-    bf16 tiles, else 32-true."""
-    if precision is not None and str(precision) != "auto":
-        return str(precision), "set explicitly (trainer.precision)"
-    if device == "cuda":
-        if bf16_supported():
-            return "bf16-mixed", "precision=auto: the GPU supports bf16"
-        return "32-true", "precision=auto: the GPU has no bf16 support"
-    if device == "cpu":
-        if cpu_bf16():
-            return "bf16-mixed", "precision=auto: the CPU has AMX bf16 tiles"
-        return "32-true", "precision=auto: the CPU has no AMX bf16 tiles"
-    return "32-true", f"precision=auto on {device}"
-
-
-# ------------------------------------------------------------------------------ the estimate
 
 
 @dataclass
@@ -155,25 +98,9 @@ def gib(n: int | float) -> str:
     return f"{n / GIB:.2f} GiB"
 
 
-def compute_dtype(precision: str) -> torch.dtype:
-    p = str(precision)
-    if p.startswith("bf16"):
-        return torch.bfloat16
-    if p.startswith("16"):
-        return torch.float16
-    if p.startswith("64"):
-        return torch.float64
-    return torch.float32
-
-
-def param_dtype(precision: str) -> torch.dtype:
-    """Mixed precision keeps fp32 parameters; `-true` precisions store them in that dtype."""
-    return compute_dtype(precision) if str(precision).endswith("-true") else torch.float32
-
-
 def optimizer_state_bytes(model: torch.nn.Module, optimizer_target: str, dtype_bytes: int) -> tuple[int, int]:
     """(state bytes, largest per-tensor temporary) for the optimizer class named by its `_target_`."""
-    from t6.optim import param_groups
+    from t6.training.optim import param_groups
 
     name = optimizer_target.rsplit(".", 1)[-1].lower()
     total, largest = 0, 0
@@ -343,74 +270,6 @@ def estimate_step_memory(
         loss_rows=loss_rows,
         notes=notes,
     )
-
-
-# ------------------------------------------------------------------------- available memory
-
-
-def _read_int(path: Path) -> int | None:
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    return None if text in ("", "max") else int(text)
-
-
-def cgroup_free() -> int | None:
-    """Bytes left under this process's cgroup memory limit (v2, then v1), None without a limit."""
-    v2 = Path("/sys/fs/cgroup")
-    limit, used = _read_int(v2 / "memory.max"), _read_int(v2 / "memory.current")
-    if limit is None:
-        v1 = v2 / "memory"
-        limit, used = _read_int(v1 / "memory.limit_in_bytes"), _read_int(v1 / "memory.usage_in_bytes")
-        if limit is not None and limit >= 2**60:  # v1's "no limit"
-            limit = None
-    if limit is None or used is None:
-        return None
-    return max(0, limit - used)
-
-
-def meminfo_available() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/meminfo has no MemAvailable")
-
-
-def _status_bytes(field: str) -> int:
-    """A `kB` field of /proc/self/status in bytes (0 where there is none)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-def process_rss() -> int:
-    """This process's resident set size in bytes (what it already holds before training)."""
-    return _status_bytes("VmRSS")
-
-
-def peak_rss() -> int:
-    """This process's peak resident set size in bytes since it started its program (VmHWM).
-
-    Not `ru_maxrss`: Linux carries the parent's high-water mark across exec into it, so a child
-    started by a 2 GiB pytest process reports at least 2 GiB whatever it used itself."""
-    return _status_bytes("VmHWM")
-
-
-def available_memory(device: str, index: int = 0) -> tuple[int, str]:
-    """(bytes a training step may use, where that number comes from)."""
-    if device == "cuda":
-        free, total = torch.cuda.mem_get_info(index)
-        return free, f"torch.cuda.mem_get_info: {gib(free)} free of {gib(total)} on {torch.cuda.get_device_name(index)}"
-    avail = meminfo_available()
-    limit = cgroup_free()
-    if limit is not None and limit < avail:
-        return limit, f"cgroup memory limit: {gib(limit)} left"
-    return avail, f"MemAvailable {gib(avail)}"
-
-
-# --------------------------------------------------------------------------------- the choice
 
 
 @dataclass

@@ -7,7 +7,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from t6.data.tokenizer import EOT, gpt2_encoding
-from t6.memory import choose_device
+from t6.hardware.device import choose_device
 from t6.model import T6
 from t6.model.load import load_model
 from t6.model.t6 import left_pad

@@ -1,7 +1,6 @@
 """MLflow set-up: the logger factory used by conf/logger/mlflow.yaml, store checks that run
 before training so an unreachable tracking server fails in seconds, not hours, the tag that
-makes MLflow's UI open an experiment in its model-training view, and the run's system metrics
-(CPU, memory, disk, network, GPU when present) through MLflow's own monitor.
+makes MLflow's UI open an experiment in its model-training view, and the upload of the final model.
 
 A local SQLite store is created (schema and migrations) by the first process that reaches it,
 under an exclusive lock on `<db>.lock`: training ranks, sweep jobs and array jobs started at the
@@ -99,9 +98,9 @@ def mlflow_logger(
     system_metrics_interval_s: float = 10.0,
 ) -> MLFlowLogger:
     """MLFlowLogger for tracking_uri. A local SQLite store keeps its artifacts in artifact_dir
-    (MLflow would otherwise put them under the current directory). `t6.train.train` checks the
+    (MLflow would otherwise put them under the current directory). `t6.run.train.train` checks the
     store with `check_tracking_uri` before anything else is built; `system_metrics` (sampled every
-    `system_metrics_interval_s` seconds) is read by `t6.train`, which runs the monitor. log_model
+    `system_metrics_interval_s` seconds) is read by `t6.run.train`, which runs the monitor. log_model
     (see `log_model_choice`) is kept as the logger's `upload` and carried out by
     `save_and_upload_model` after training; Lightning's own upload (every checkpoint the
     ModelCheckpoint tracks) stays off."""
@@ -164,29 +163,3 @@ def tag_training_experiment(client, experiment_id: str) -> None:
     experiment = client.get_experiment(experiment_id)
     if experiment.tags.get(EXPERIMENT_KIND_TAG) != TRAINING_KIND:
         client.set_experiment_tag(experiment_id, EXPERIMENT_KIND_TAG, TRAINING_KIND)
-
-
-class SystemMetrics:
-    """MLflow's SystemMetricsMonitor on a run: `system/cpu_utilization_percentage`,
-    `system/system_memory_usage_megabytes`, disk and network, and `system/gpu_*` where
-    nvidia-ml-py finds a GPU, sampled every `interval_s` seconds while the run is RUNNING."""
-
-    def __init__(
-        self, run_id: str, tracking_uri: str, interval_s: float = 10.0, resume: bool = False, node_id: str | None = None
-    ):
-        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
-        self.monitor = SystemMetricsMonitor(
-            run_id,
-            sampling_interval=interval_s,
-            resume_logging=resume,
-            node_id=node_id,
-            tracking_uri=tracking_uri,
-        )
-
-    def __enter__(self) -> SystemMetrics:
-        self.monitor.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.monitor.finish()

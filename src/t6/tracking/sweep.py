@@ -46,8 +46,8 @@ class MLflowSweepCallback(Callback):
         self.experiment_name = experiment_name
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from t6.distributed import env_rank
-        from t6.tracking import (
+        from t6.hardware.probes import env_rank
+        from t6.tracking.mlflow import (
             EXPERIMENT_KIND_TAG,
             TRAINING_KIND,
             check_tracking_uri,
@@ -98,7 +98,7 @@ class MLflowSweepCallback(Callback):
         log.info("MLflow sweep: experiment %r, parent run %s", name, parent.info.run_id)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from t6.distributed import env_rank
+        from t6.hardware.probes import env_rank
 
         path = Path(config.hydra.sweep.dir) / SWEEP_FILE
         if env_rank() == 0 and path.is_file():
@@ -121,7 +121,7 @@ def sweep_job_info() -> dict | None:
     """For a job of a multirun: the sweep's MLflow experiment and parent run, plus this job's overrides."""
     from hydra.core.hydra_config import HydraConfig
 
-    from t6.distributed import in_multirun
+    from t6.config import in_multirun
 
     if not in_multirun():
         return None

@@ -1,4 +1,4 @@
-"""Multi-process plumbing around Lightning's own launchers (no process management of our own).
+"""Launching under Hydra and Lightning (no process management of our own).
 
 - `hydra_job_scope()`: Lightning's `ddp` strategy starts ranks 1..N-1 by re-running the entry
   script with `sys.argv`. Inside a Hydra multirun (`-m`), `sys.argv` is the whole sweep, so
@@ -7,8 +7,6 @@
   `train.py <this job's overrides> hydra.run.dir=<this job's dir>`. Afterwards it restores
   the argv and the rendezvous variables Lightning put into the environment, so the next job
   of the sweep launches its own process group.
-- `env_rank()`: the global rank a process will have, from the launcher's environment,
-  before any process group exists (torchrun, SLURM, Lightning's children).
 """
 
 from __future__ import annotations
@@ -21,25 +19,11 @@ from contextlib import contextmanager
 RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "PL_GLOBAL_SEED")
 
 
-def env_rank() -> int:
-    """Global rank from RANK (torchrun), LOCAL_RANK (Lightning's children), SLURM_PROCID; 0 otherwise.
-    Same order as Lightning's rank_zero_only."""
-    for key in ("RANK", "LOCAL_RANK", "SLURM_PROCID"):
-        if os.environ.get(key) is not None:
-            return int(os.environ[key])
-    return 0
-
-
-def in_multirun() -> bool:
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
-
-
 @contextmanager
 def hydra_job_scope() -> Iterator[None]:
     """Run one Hydra job so that Lightning's re-launched DDP ranks repeat this job, not the sweep."""
+    from t6.config import in_multirun
+
     if not in_multirun():
         yield
         return

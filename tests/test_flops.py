@@ -1,4 +1,4 @@
-"""t6.perf.flops_per_token against the closed form, and the loader benchmark end to end."""
+"""t6.model.facts.flops_per_token against the closed form, and the loader benchmark end to end."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 
 from t6.model import T6, ModelConfig
-from t6.perf import flops_per_token
+from t6.model.facts import flops_per_token
 
 
 @pytest.mark.parametrize("seq_len", [16, 32])

@@ -133,7 +133,7 @@ class ProgressLog(L.Callback):
 
 class ModelSummary(RichModelSummary):
     """Lightning's rich model summary without its FLOPs column and total, which read 0 for a module
-    without an example input (FLOPs per token: `python summary.py`, counted by t6.perf)."""
+    without an example input (FLOPs per token: `python summary.py`, counted by t6.model.facts)."""
 
     @staticmethod
     def summarize(

@@ -1,0 +1,1 @@
+"""Inference from a checkpoint: text generation."""

@@ -1,0 +1,36 @@
+"""Which checkpoint a run resumes from: `ckpt_path=PATH`, `ckpt_path=last`, or this run directory's
+last.ckpt (auto_resume)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def checkpoint_dir(cfg) -> Path:
+    """Where this run's ModelCheckpoint writes (the run directory's checkpoints/ by default)."""
+    ckpt_cb = (cfg.get("callbacks") or {}).get("model_checkpoint")
+    if ckpt_cb and ckpt_cb.get("dirpath"):
+        return Path(ckpt_cb.dirpath)
+    return Path(cfg.paths.output_dir) / "checkpoints"
+
+
+def resolve_ckpt_path(cfg) -> str | None:
+    """The checkpoint to resume from: `ckpt_path=PATH`; `ckpt_path=last` (this run directory's
+    last.ckpt, which must exist); or, with `auto_resume=true` and no ckpt_path, last.ckpt when
+    the run directory already has one (a re-run or requeued job with a fixed run dir)."""
+    requested = cfg.get("ckpt_path")
+    last = checkpoint_dir(cfg) / "last.ckpt"
+    if requested == "last":
+        if not last.is_file():
+            raise FileNotFoundError(
+                f"ckpt_path=last: {last} does not exist; point hydra.run.dir (or hydra.sweep.dir) at the "
+                "interrupted run's directory, or give ckpt_path=/path/to/file.ckpt"
+            )
+        return str(last)
+    if requested:
+        if not Path(requested).is_file():
+            raise FileNotFoundError(f"ckpt_path={requested!r} does not exist")
+        return str(requested)
+    if cfg.get("auto_resume", False) and last.is_file():
+        return str(last)
+    return None

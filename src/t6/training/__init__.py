@@ -1,0 +1,1 @@
+"""The Lightning layer: the LightningModule, optimizers, callbacks, progress, checkpoint IO and FSDP."""

@@ -1,6 +1,7 @@
 """Train a T6: `python train.py attention=tpa size=tiny` (see conf/train.yaml for every group)."""
 
 import os
+import pickle
 import signal
 import sys
 from pathlib import Path
@@ -11,20 +12,41 @@ import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-import t6.config  # noqa: E402,F401  (registers the config resolvers)
+from t6.config import in_multirun  # noqa: E402  (importing t6.config registers the config resolvers)
+from t6.data.shards import ShardError  # noqa: E402
 from t6.hardware.probes import env_rank  # noqa: E402
+from t6.run.cli import UserError, discard_unused_run_dir, entry, print_config_tree  # noqa: E402
 from t6.run.launch import hydra_job_scope  # noqa: E402
-from t6.run.train import discard_unused_run_dir, summary, train  # noqa: E402
+from t6.run.quiet import quiet_libraries  # noqa: E402
+
+# What a plan raises for a problem the user can fix: a setting, a missing or damaged file, an unreachable
+# store, a batch that cannot fit.
+PLAN_ERRORS = (ValueError, FileNotFoundError, ConnectionError, MemoryError, pickle.UnpicklingError, ShardError)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+    from t6.run.execute import execute
+    from t6.run.plan import plan_run
+    from t6.run.summary import closing_summary
+
+    quiet_libraries()
     try:
         with hydra_job_scope():  # DDP ranks started by Lightning repeat this job, not the whole sweep
-            metrics, objects = train(cfg)
-    except Exception:  # failed on its config before writing anything: no empty run folder left behind
+            try:
+                plan = plan_run(cfg)
+            except PLAN_ERRORS as err:
+                raise UserError(str(err)) from err
+            if (
+                plan.cfg.get("print_config")
+                and env_rank() == 0
+                and (not in_multirun() or HydraConfig.get().job.num == 0)
+            ):
+                print_config_tree(plan.cfg)  # once per sweep: Hydra prints each later job's overrides
+            metrics, objects = execute(plan)
+    except Exception:  # failed before writing anything: no empty run folder left behind
         if env_rank() == 0:
             discard_unused_run_dir(HydraConfig.get().runtime.output_dir)
         raise
@@ -34,9 +56,9 @@ def main(cfg: DictConfig) -> float | None:
         print(f"{what}: last.ckpt saved; run the same command again to resume", file=sys.stderr)
         sys.exit(128 + signum)  # 143 for SIGTERM, 130 for Ctrl-C: what schedulers and shells expect
     if objects["trainer"].is_global_zero:
-        print(summary(metrics, objects))
+        print(closing_summary(metrics, objects))
     return metrics.get("val/loss")  # for Hydra sweepers that optimize a value
 
 
 if __name__ == "__main__":
-    main()
+    entry(main)

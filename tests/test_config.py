@@ -11,6 +11,7 @@ from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
 from t6.config import model_config
 from t6.model import T6, ModelConfig
+from t6.model.config import ConfigError
 
 from conftest import CONF, compose_config
 
@@ -70,10 +71,13 @@ def test_cross_field_errors_name_every_field(tmp_path):
     cfg = compose_config(
         ["attention=tpa", "attention.options.k_rank=0", "size.head_dim=63", "size.n_layer=-1"], tmp_path
     )
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(ConfigError) as err:
         model_config(cfg)
-    msg = str(err.value)
-    assert "head_dim=63" in msg and "n_layer=-1" in msg
+    assert err.value.problems == [  # every problem at once, named as the command line names them
+        "size.n_layer=-1 must be a positive integer",
+        "size.head_dim=63 must be even (RoPE rotates pairs of dimensions)",
+        "attention.options.k_rank=0 must be a positive integer",
+    ]
     with pytest.raises(ValueError, match=r"attention.options.k_rank=0 must be a positive integer"):
         model_config(compose_config(["attention=tpa", "attention.options.k_rank=0"], tmp_path))
     with pytest.raises(ValueError, match=r"n_head=6 must be divisible by attention.options.n_kv_head=4"):
@@ -99,5 +103,5 @@ def test_mechanism_options_are_typed_with_presets_and_every_model_field_is_reach
         build("attention=tpa", "+attention.options.k_rnak=2")
     assert build("+size.rope_theta=500000").rope_theta == 500000
     assert build("+size.tie_embeddings=false").tie_embeddings is False
-    with pytest.raises(ValueError, match=r"size.rope_thetaa is not a model setting"):
+    with pytest.raises(ValueError, match=r"size.rope_thetaa is not a model setting \(did you mean size.rope_theta\?\)"):
         build("+size.rope_thetaa=500000")

@@ -118,7 +118,7 @@ def test_a_recipes_declared_sweep_names_its_child_runs():
 @pytest.mark.parametrize("name", RECIPES)
 def test_every_recipe_runs_without_tracking(name):
     """`experiment=NAME logger=none`: a recipe's own `logger.mlflow.*` settings leave no half logger behind."""
-    from t6.run.train import instantiate_dict
+    from t6.run.execute import instantiate_dict
     from t6.tracking.mlflow import mlflow_config
 
     cfg = compose_recipe(name, "logger=none")

@@ -20,7 +20,8 @@ from pathlib import Path
 import mlflow
 import pytest
 
-from t6.run.train import summary, train
+from t6.run.summary import closing_summary
+from t6.run.train import train
 from t6.tracking.mlflow import ui_path
 
 from conftest import ROOT
@@ -194,7 +195,7 @@ def test_mlflow_ui_shows_the_run_its_losses_and_eval_metrics(make_cfg, mlflow_se
     url = mlflow_server(cfg.logger.mlflow.tracking_uri)
     # The link the closing summary prints opens the run in MLflow's model-training view (runs,
     # models, registry), not its GenAI view (traces, sessions, judges, "Evaluation runs").
-    link = re.search(r"then http://127.0.0.1:5000/(\S+)", summary(metrics, objects)).group(1)
+    link = re.search(r"then http://127.0.0.1:5000/(\S+)", closing_summary(metrics, objects)).group(1)
     assert link == ui_path(experiment_id, run_id)
     for path in (ui_path(experiment_id), link):
         browser.get(f"{url}/{path}")

@@ -179,7 +179,7 @@ def test_a_small_local_file_prepares_and_trains_with_the_defaults(five_mb_jsonl,
     ]
     cfg = compose_config([*hint.split("python train.py ")[1].split(), *TEST_SIZE, *run], tmp_path)
     assert cfg.data.global_batch_size is None
-    with caplog.at_level(logging.INFO, logger="t6.run.train"):
+    with caplog.at_level(logging.INFO, logger="t6.run.execute"):
         metrics, objects = train(cfg)
     assert objects["trainer"].global_step == 3 and objects["trainer"].accumulate_grad_batches == 1
     assert np.isfinite(metrics["val/loss"]) and "gradient accumulation" not in caplog.text
@@ -188,7 +188,7 @@ def test_a_small_local_file_prepares_and_trains_with_the_defaults(five_mb_jsonl,
         cfg.data.global_batch_size = 4 * cfg.data.batch_size
         cfg.trainer.max_steps = 1
         cfg.paths.output_dir = str(tmp_path / "accumulate")
-    with caplog.at_level(logging.INFO, logger="t6.run.train"):
+    with caplog.at_level(logging.INFO, logger="t6.run.execute"):
         train(cfg)
     assert "gradient accumulation: 4 micro-batches per optimizer step" in caplog.text
 

@@ -13,9 +13,10 @@ import pytest
 import torch
 from omegaconf import open_dict
 
+from t6.run.summary import closing_summary
 from t6.run.train import train
 from t6.training.checkpoint_io import AtomicCheckpointIO
-from t6.training.fsdp import fsdp_strategy
+from t6.training.fsdp import T6FSDPStrategy
 
 
 class Recorder(L.Callback):
@@ -98,11 +99,6 @@ def test_sigterm_then_auto_resume_matches_an_uninterrupted_run(make_cfg, tmp_pat
     assert sorted(set(steps)) == list(range(8))
 
 
-def test_ckpt_path_last_needs_a_checkpoint(make_cfg):
-    with pytest.raises(FileNotFoundError, match="ckpt_path=last: .*last.ckpt does not exist"):
-        train(make_cfg("ckpt_path=last"))
-
-
 def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(make_cfg, tmp_path):
     cfg = in_dir(make_cfg("trainer.max_steps=8"), tmp_path / "nan", "nan=test_resume.NaNAt(5)")
     with pytest.raises(
@@ -168,7 +164,7 @@ def test_checkpoints_never_run_pickled_code(make_cfg, tmp_path, monkeypatch):
     with pytest.raises(pickle.UnpicklingError):  # Lightning's own resume path reads through the same plugin
         first["trainer"].strategy.checkpoint_io.load_checkpoint(evil)
     with pytest.raises(pickle.UnpicklingError):  # FSDP bypasses the plugin; its strategy reads the same way
-        fsdp_strategy().load_checkpoint(evil)
+        T6FSDPStrategy().load_checkpoint(evil)
     assert not marker.exists()
 
 
@@ -179,7 +175,7 @@ def test_resume_maps_the_checkpoint_instead_of_copying_it(tmp_path, monkeypatch)
     monkeypatch.setattr(torch, "load", lambda *a, **kw: calls.append(kw) or load(*a, **kw))
     AtomicCheckpointIO().load_checkpoint(path)
     with pytest.raises(AttributeError):  # reads the file, then needs the wrapped model it does not have here
-        fsdp_strategy().load_checkpoint(path)
+        T6FSDPStrategy().load_checkpoint(path)
     assert [(kw["weights_only"], kw["mmap"]) for kw in calls] == [(True, True), (True, True)]
 
 
@@ -196,3 +192,21 @@ def test_checkpoint_write_is_atomic(tmp_path):
         io.save_checkpoint({"blob": torch.ones(1000), "bad": Unpicklable()}, path)
     assert path.read_bytes() == before and list(tmp_path.iterdir()) == [path]
     assert io.load_checkpoint(path)["step"] == 1
+
+
+def test_run_ends_with_validation_and_exactly_one_last_ckpt(make_cfg):
+    cfg = make_cfg("trainer.max_steps=6", "trainer.val_check_interval=4")  # neither interval falls on step 6
+    metrics, objects = train(cfg)
+    client = mlflow.MlflowClient(tracking_uri=cfg.logger.mlflow.tracking_uri)
+    run_id = objects["mlflow"].run_id
+    assert [m.step for m in client.get_metric_history(run_id, "val/loss")] == [3, 5]  # step 4 and the final step 6
+    ckpt_dir = Path(objects["trainer"].checkpoint_callback.dirpath)
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["last.ckpt", "step000004.ckpt"]
+    assert torch.load(ckpt_dir / "last.ckpt", map_location="cpu", weights_only=True)["global_step"] == 6
+    text = closing_summary(metrics, objects)
+    assert f"final val/loss {metrics['val/loss']:.4f}" in text and f"checkpoint      {ckpt_dir / 'last.ckpt'}" in text
+    assert "warmup 10 of 6 steps" in text
+
+    _, again = train(make_cfg("trainer.max_steps=9", "ckpt_path=last"))  # resume in the same run dir
+    assert [p.name for p in ckpt_dir.iterdir() if p.name.startswith("last")] == ["last.ckpt"]  # never last-v1.ckpt
+    assert torch.load(ckpt_dir / "last.ckpt", map_location="cpu", weights_only=True)["global_step"] == 9

@@ -13,6 +13,7 @@ import torch
 from t6.config import model_config
 from t6.model import T6, ModelConfig
 from t6.model.loss import mean_loss
+from t6.run.plan import plan_run
 from t6.run.train import train
 from t6.uptrain.convert import convert_checkpoint, convert_state_dict, load_warm_start, pool_heads, target_config
 from t6.uptrain.recipe import adopt_model_config, source_lr, uptrain_steps
@@ -193,9 +194,9 @@ def test_train_tells_warm_start_from_resume(make_cfg, tmp_path):
     out = tmp_path / "mqa.ckpt"
     convert_checkpoint(ckpt, "mqa", out=out)
     with pytest.raises(ValueError, match="is a converted .warm-start. checkpoint: start from it with init_from="):
-        train(make_cfg(f"ckpt_path={out}"))
+        plan_run(make_cfg(f"ckpt_path={out}"))
     with pytest.raises(ValueError, match="is not a warm-start checkpoint .write one with `python convert.py`"):
-        train(make_cfg(f"init_from={ckpt}"))
+        plan_run(make_cfg(f"init_from={ckpt}"))
     odd = torch.load(out, weights_only=True)["model_config"]
     odd["rope_theta"] = 500000.0  # every ModelConfig field is a size.* key, so a warm start's is adopted
     cfg = make_cfg()
@@ -203,11 +204,11 @@ def test_train_tells_warm_start_from_resume(make_cfg, tmp_path):
     assert model_config(cfg).rope_theta == 500000.0
     lrs = ["lr_ablation.max_lr=1e-3", "lr_ablation.min_lr=1e-4"]
     with pytest.raises(ValueError, match="does not record how many tokens"):  # no run config, no data position
-        train(make_cfg("experiment=uptrain", f"init_from={out}", *lrs, small=False))
+        plan_run(make_cfg("experiment=uptrain", f"init_from={out}", *lrs, small=False))
     with pytest.raises(
         ValueError, match="records no lr_ablation.min_lr; set lr_ablation.max_lr and lr_ablation.min_lr"
     ):
-        train(make_cfg("experiment=uptrain", f"init_from={out}", "trainer.max_steps=2", small=False))
+        plan_run(make_cfg("experiment=uptrain", f"init_from={out}", "trainer.max_steps=2", small=False))
     with pytest.raises(FileNotFoundError, match="init_from='nope.ckpt' does not exist"):
         source_lr("nope.ckpt")
 

@@ -4,6 +4,7 @@ recipe's resolvers live with it, in t6.uptrain.recipe, which registers them when
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 from dataclasses import fields
@@ -14,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from t6.model import ModelConfig
 from t6.model.attention import available, get_mechanism, select
+from t6.model.config import ConfigError
 
 
 def _abspath(path: str) -> str:
@@ -61,18 +63,28 @@ SIZE_KEYS = {"name"}  # the size's label (logs, run names)
 def model_config(cfg: DictConfig) -> ModelConfig:
     """ModelConfig from the `size` and `attention` groups: every size.* key is a ModelConfig field
     (`name` aside), so `+size.rope_theta=500000` reaches the model and a misspelled key is an
-    error; raises one ValueError naming every bad field."""
+    error; raises one ConfigError naming every bad field."""
     size = OmegaConf.to_container(cfg.size, resolve=True)
     model_fields = {f.name for f in fields(ModelConfig)} - {"attention", "attention_options"}
-    unknown = sorted(set(size) - model_fields - SIZE_KEYS)
-    if unknown:
-        raise ValueError(f"size.{unknown[0]} is not a model setting; size.* takes {sorted(model_fields)}")
+    unknown = [
+        f"size.{key} is not a model setting" + (f" (did you mean size.{close[0]}?)" if close else "")
+        for key in sorted(set(size) - model_fields - SIZE_KEYS)
+        for close in [difflib.get_close_matches(key, sorted(model_fields), n=1)]
+    ]
     attention = cfg.attention
-    return ModelConfig(
-        **{k: v for k, v in size.items() if k in model_fields},
-        attention=attention.name,
-        attention_options=OmegaConf.to_container(attention.options, resolve=True) if attention.get("options") else {},
-    )
+    try:
+        mcfg = ModelConfig(
+            **{k: v for k, v in size.items() if k in model_fields},
+            attention=attention.name,
+            attention_options=OmegaConf.to_container(attention.options, resolve=True)
+            if attention.get("options")
+            else {},
+        )
+    except ConfigError as err:
+        raise ConfigError(err.what, unknown + err.problems) from None
+    if unknown:
+        raise ConfigError("Invalid model config", unknown + [f"size.* takes {sorted(model_fields)}"])
+    return mcfg
 
 
 def flatten(cfg: dict, prefix: str = "") -> dict[str, object]:

@@ -60,19 +60,20 @@ def measure(size: str, batch: int, attention: str = "tpa", steps: int = 2, extra
     finally:
         shutil.rmtree(out, ignore_errors=True)  # the run's files (GBs at medium) are not what is measured
     plan = objects["plan"]
+    estimate = plan.batch.memory.estimate
     result = {
         "size": size,
         "batch": batch,
         "attention": attention,
-        "precision": objects["hardware"]["precision"],
-        "device": objects["hardware"]["device"],
-        "estimate": plan.estimate.total,
+        "precision": plan.hardware.precision,
+        "device": plan.hardware.device,
+        "estimate": estimate.total,
         "components": {
-            k: getattr(plan.estimate, k)
+            k: getattr(estimate, k)
             for k in ("runtime", "params", "grads", "optimizer", "activations", "loss_transient")
         },
     }
-    if objects["hardware"]["device"] == "cuda":
+    if plan.hardware.device == "cuda":
         result["measured"] = torch.cuda.max_memory_reserved()
         result["allocated"] = torch.cuda.max_memory_allocated()
         result["measure"] = f"torch.cuda.max_memory_reserved (tensors: {result['allocated'] / GIB:.2f}G allocated)"

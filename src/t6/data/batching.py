@@ -21,25 +21,34 @@ def _positive_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
-def check_batch_settings(batch_size, global_batch_size, seq_len) -> None:
-    """Raise naming the field when a batch setting cannot work (before any data is read)."""
+def batch_problems(batch_size, global_batch_size, seq_len) -> list[str]:
+    """Every batch setting that cannot work, each naming its field (before any data is read)."""
+    problems = []
     if batch_size != "auto" and not _positive_int(batch_size):
-        raise ValueError(
+        problems.append(
             f"data.batch_size={batch_size!r} must be a positive number of sequences per device and micro-step, "
             "or auto (the largest that fits the device's memory); e.g. data.batch_size=8"
         )
     if global_batch_size is not None and not _positive_int(global_batch_size):
-        raise ValueError(
+        problems.append(
             f"data.global_batch_size={global_batch_size!r} must be a positive number of sequences per "
             "optimizer step, or null (data.batch_size x devices)"
         )
     if batch_size == "auto" and global_batch_size is None:
-        raise ValueError(
+        problems.append(
             "data.batch_size=auto needs data.global_batch_size (the sequences per optimizer step it keeps "
             "through gradient accumulation); set it, or give data.batch_size a number"
         )
     if not _positive_int(seq_len):
-        raise ValueError(f"data.seq_len={seq_len!r} must be a positive number of tokens")
+        problems.append(f"data.seq_len={seq_len!r} must be a positive number of tokens")
+    return problems
+
+
+def check_batch_settings(batch_size, global_batch_size, seq_len) -> None:
+    """Raise naming every batch setting that cannot work."""
+    problems = batch_problems(batch_size, global_batch_size, seq_len)
+    if problems:
+        raise ValueError("; ".join(problems))
 
 
 def world_size(devices, num_nodes: int | None = 1) -> int | None:
@@ -80,7 +89,7 @@ def sequences_per_device(batch_size: int | str, global_batch_size: int | None, w
 def accumulation_steps(batch_size: int | str, global_batch_size: int | None, world_size: int) -> int:
     """Gradient-accumulation steps so that batch_size x world_size x steps = the global batch."""
     if batch_size == "auto":
-        raise ValueError("data.batch_size=auto is resolved by the memory preflight before training (t6.run.train)")
+        raise ValueError("data.batch_size=auto is resolved by the memory preflight before training (t6.run.plan)")
     if global_batch_size is None:
         return 1
     per_step = batch_size * world_size

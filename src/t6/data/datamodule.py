@@ -138,6 +138,15 @@ class TokenDataModule(L.LightningDataModule):
                 fcntl.flock(lock, fcntl.LOCK_EX)  # the first process makes the shards; the others find them current
                 prepare_text_corpus(self.text_file, self.data_dir, self.val_fraction)
 
+    def check(self) -> None:
+        """Before anything is built, reading only: the text the shards are made from exists, or the
+        prepared shards are whole (manifest, headers, sizes; opened by memmap, nothing read into memory)."""
+        if self.text_file is not None:
+            if not self.text_file.is_file():
+                raise FileNotFoundError(f"data.text_file={str(self.text_file)!r} does not exist")
+            return
+        self.setup()
+
     def setup(self, stage: str | None = None) -> None:
         if self.train_windows is None:
             try:

@@ -1,9 +1,9 @@
 """Downstream evaluation during training, configured by the `eval` group.
 
-`build_eval_callback(cfg.eval)` runs before the Trainer exists: it builds the embedded tasks,
-checks every task name and loads every dataset, so a typo or a machine without the datasets
-fails in seconds rather than after hours of training. The callback then evaluates every
-`every_n_steps` optimizer steps and/or at the end of training.
+`check_eval_tasks(cfg.eval)` runs in the run's plan: it checks every task name and loads every
+dataset, so a typo or a machine without the datasets fails in seconds rather than after hours of
+training. `build_eval_callback(cfg.eval)` writes the embedded tasks and builds the callback, which
+evaluates every `every_n_steps` optimizer steps and/or at the end of training.
 
 Under DDP and FSDP every rank evaluates a whole, unwrapped T6 (the DDP replica itself; under FSDP
 a copy gathered from the shards, on every rank, freed afterwards) and scores its share of the
@@ -78,8 +78,20 @@ class DownstreamEval(L.Callback):
         return metrics
 
 
+def check_eval_tasks(eval_cfg: DictConfig | dict | None) -> None:
+    """Before training, reading only: every task of the `eval` group that is not built from the shipped
+    text (eval.local_tasks) exists, and its dataset loads."""
+    if not eval_cfg:
+        return
+    cfg = OmegaConf.to_container(eval_cfg, resolve=True) if isinstance(eval_cfg, DictConfig) else dict(eval_cfg)
+    others = [t for t in cfg.get("tasks") or [] if t not in (cfg.get("local_tasks") or {})]
+    if others:
+        resolve_tasks(spec_from_config({**cfg, "tasks": others}))
+
+
 def build_eval_callback(eval_cfg: DictConfig | dict | None) -> DownstreamEval | None:
-    """The callback of the `eval` group, with its tasks built and checked; None for `eval=none`."""
+    """The callback of the `eval` group, with its local tasks written and every task checked; None for
+    `eval=none`."""
     if not eval_cfg:
         return None
     cfg = OmegaConf.to_container(eval_cfg, resolve=True) if isinstance(eval_cfg, DictConfig) else dict(eval_cfg)

@@ -13,6 +13,11 @@ from collections.abc import Callable
 import torch
 
 
+def cuda_available() -> bool:
+    """A CUDA device this process can use."""
+    return torch.cuda.is_available()
+
+
 def cuda_bf16_supported() -> bool:
     """bf16 in hardware (compute capability 8.0 and later). torch's default also says yes for older GPUs
     (V100, T4) that can hold bf16 tensors but compute them without tensor cores, far slower than fp32."""
@@ -25,11 +30,12 @@ def cpu_amx_bf16() -> bool:
     return torch.cpu._is_amx_tile_supported() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def choose_device(accelerator: str, cuda_available: Callable[[], bool] = torch.cuda.is_available) -> tuple[str, str]:
-    """(device type, reason) for trainer.accelerator: `cuda` or `cpu` (other accelerators are named as given)."""
+def choose_device(accelerator: str, cuda: Callable[[], bool] | None = None) -> tuple[str, str]:
+    """(device type, reason) for trainer.accelerator: `cuda` or `cpu` (other accelerators are named as given).
+    cuda: whether a CUDA device is present (default `cuda_available`)."""
     accelerator = str(accelerator)
     if accelerator == "auto":
-        if cuda_available():
+        if (cuda or cuda_available)():
             return "cuda", "accelerator=auto found a CUDA GPU"
         return "cpu", "accelerator=auto found no GPU"
     if accelerator in ("gpu", "cuda"):
@@ -40,11 +46,12 @@ def choose_device(accelerator: str, cuda_available: Callable[[], bool] = torch.c
 def choose_precision(
     precision,
     device: str,
-    bf16_supported: Callable[[], bool] = cuda_bf16_supported,
-    cpu_bf16: Callable[[], bool] = cpu_amx_bf16,
+    bf16_supported: Callable[[], bool] | None = None,
+    cpu_bf16: Callable[[], bool] | None = None,
 ) -> tuple[str, str]:
     """(precision, reason): `auto` becomes bf16-mixed on a CUDA device with bf16 or a CPU with AMX
-    bf16 tiles, else 32-true."""
+    bf16 tiles, else 32-true (the probes default to `cuda_bf16_supported` and `cpu_amx_bf16`)."""
+    bf16_supported, cpu_bf16 = bf16_supported or cuda_bf16_supported, cpu_bf16 or cpu_amx_bf16
     if precision is not None and str(precision) != "auto":
         return str(precision), "set explicitly (trainer.precision)"
     if device == "cuda":

@@ -81,3 +81,12 @@ def env_rank() -> int:
         if os.environ.get(key) is not None:
             return int(os.environ[key])
     return 0
+
+
+def env_local_rank() -> int:
+    """This process's rank on its node, from the launcher's environment (LOCAL_RANK: torchrun and
+    Lightning's children; SLURM_LOCALID); 0 otherwise."""
+    for key in ("LOCAL_RANK", "SLURM_LOCALID"):
+        if os.environ.get(key) is not None:
+            return int(os.environ[key])
+    return 0

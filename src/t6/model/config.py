@@ -11,6 +11,15 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
+class ConfigError(ValueError):
+    """A configuration's problems, every one at once, each naming its field and the fix. Raised by the
+    model's config here and by a run's plan (t6.run.plan); entry scripts print it without a traceback."""
+
+    def __init__(self, what: str, problems: list[str]):
+        self.what, self.problems = what, list(problems)
+        super().__init__(f"{what}:\n  - " + "\n  - ".join(self.problems))
+
+
 @dataclass
 class ModelConfig:
     vocab_size: int = 50304  # GPT-2's 50257 tokens padded to a multiple of 64
@@ -34,30 +43,31 @@ class ModelConfig:
         self.attention_options = dict(self.attention_options or {})
         if self.ffn_hidden is None:
             self.ffn_hidden = int(8 * self.d_model / 3)
-        problems = []
+        problems = []  # named as the config names them: size.<field>, attention.options.<option>
         for name in ("vocab_size", "block_size", "n_layer", "d_model", "n_head", "head_dim", "ffn_hidden"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                problems.append(f"{name}={value!r} must be a positive integer")
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                problems.append(f"size.{name}={value!r} must be a positive integer")
         if isinstance(self.head_dim, int) and self.head_dim % 2:
-            problems.append(f"head_dim={self.head_dim} must be even (RoPE rotates pairs of dimensions)")
-        if self.rope_theta <= 0:
-            problems.append(f"rope_theta={self.rope_theta} must be positive")
-        if not problems:
-            # Deferred import: the attention registry imports this module.
-            from t6.model.attention import get_mechanism
+            problems.append(f"size.head_dim={self.head_dim} must be even (RoPE rotates pairs of dimensions)")
+        if not isinstance(self.rope_theta, (int, float)) or self.rope_theta <= 0:
+            problems.append(f"size.rope_theta={self.rope_theta!r} must be positive")
+        # Deferred import: the attention registry imports this module.
+        from t6.model.attention import Options, get_mechanism
 
-            try:
-                mechanism = get_mechanism(self.attention)
-            except KeyError as err:
-                problems.append(str(err.args[0]))
-            else:
-                options, problems = mechanism.options(self.attention_options)
-                if options is not None:
-                    problems = options.problems(self)
-                    self.attention_options = asdict(options)
+        try:
+            mechanism = get_mechanism(self.attention)
+        except KeyError as err:
+            problems.append(str(err.args[0]))
+        else:
+            options, option_problems = mechanism.options(self.attention_options)
+            if options is not None:
+                # a mechanism's cross-field checks read the sizes, so they run on valid sizes only
+                option_problems = options.problems(self) if not problems else Options.problems(options, self)
+                self.attention_options = asdict(options)
+            problems += option_problems
         if problems:
-            raise ValueError("Invalid model config:\n  - " + "\n  - ".join(problems))
+            raise ConfigError("Invalid model config", problems)
 
     def options(self):
         """The attention's typed options (its `Options` dataclass)."""

@@ -29,7 +29,10 @@ def resolve_ckpt_path(cfg) -> str | None:
         return str(last)
     if requested:
         if not Path(requested).is_file():
-            raise FileNotFoundError(f"ckpt_path={requested!r} does not exist")
+            raise FileNotFoundError(
+                f"ckpt_path={requested!r} does not exist; give a checkpoint file (e.g. "
+                "logs/train/runs/<time>/checkpoints/last.ckpt), or ckpt_path=last for this run directory's"
+            )
         return str(requested)
     if cfg.get("auto_resume", False) and last.is_file():
         return str(last)

@@ -29,8 +29,15 @@ def mlflow_config(cfg: DictConfig) -> DictConfig | None:
     return conf if isinstance(conf, DictConfig) and "_target_" in conf else None
 
 
-def check_tracking_uri(uri: str, timeout_s: float = 10.0) -> None:
-    """Fail early, naming the URI and the fix, when the tracking store cannot be reached."""
+def sqlite_file(uri: str) -> Path:
+    """The database file of a `sqlite:///PATH` URI, as SQLAlchemy reads it (sqlite:////abs/x.db is /abs/x.db;
+    urlparse's path would keep two leading slashes, which a file URI then reads as a host name)."""
+    return Path(uri.removeprefix("sqlite:///")).absolute()
+
+
+def check_tracking_store(uri: str, run_id: str | None = None, ckpt_path: str | None = None, timeout_s: float = 10.0):
+    """Fail early, naming the URI and the fix, when the tracking store cannot be reached, or does not hold
+    the run a resumed checkpoint continues. Reads only (`open_tracking_store` creates a local store)."""
     scheme = urlparse(uri).scheme
     if scheme in ("http", "https"):
         import urllib.request
@@ -43,18 +50,53 @@ def check_tracking_uri(uri: str, timeout_s: float = 10.0) -> None:
                 "--port 5000`) or unset MLFLOW_TRACKING_URI to use the local SQLite store"
             ) from err
     elif scheme == "sqlite":
-        path = Path(urlparse(uri).path)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise ConnectionError(f"cannot create the MLflow store directory {path.parent}: {err}") from err
-        init_sqlite_store(uri)
+        path = sqlite_file(uri)
+        existing = next(p for p in (path.parent, *path.parent.parents) if p.exists())
+        if not existing.is_dir() or not os.access(existing, os.W_OK):
+            raise ConnectionError(f"cannot create the MLflow store directory {path.parent}: {existing} is not writable")
     elif scheme in ("", "file"):
         if os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() != "true":
             raise ValueError(
                 f"tracking_uri={uri!r} is MLflow's deprecated file store; use sqlite:///ABSOLUTE/PATH/mlflow.db "
                 "or a tracking server"
             )
+    if run_id and not holds_run(uri, run_id):
+        raise ValueError(
+            f"ckpt_path={ckpt_path} continues MLflow run {run_id}, which the tracking store {uri} does not hold. "
+            "Either point MLFLOW_TRACKING_URI at the store the interrupted run logged to, or continue the training "
+            "(weights, optimizer, data position) as a new MLflow run with logger.mlflow.continue_run=false"
+        )
+
+
+def holds_run(uri: str, run_id: str) -> bool:
+    """Whether the store at uri has the run (a local store that does not exist yet has none)."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    if urlparse(uri).scheme == "sqlite" and not sqlite_file(uri).is_file():
+        return False
+    try:
+        MlflowClient(tracking_uri=uri).get_run(run_id)
+    except MlflowException:
+        return False
+    return True
+
+
+def open_tracking_store(uri: str) -> None:
+    """Create a local SQLite store (its directory, schema and migrations); nothing for a server."""
+    if urlparse(uri).scheme == "sqlite":
+        path = sqlite_file(uri)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ConnectionError(f"cannot create the MLflow store directory {path.parent}: {err}") from err
+        init_sqlite_store(uri)
+
+
+def check_tracking_uri(uri: str, timeout_s: float = 10.0) -> None:
+    """`check_tracking_store`, then create a local store: for scripts that log right away (eval, report)."""
+    check_tracking_store(uri, timeout_s=timeout_s)
+    open_tracking_store(uri)
 
 
 LOG_MODEL = ("final", "last", False)
@@ -80,7 +122,7 @@ def init_sqlite_store(uri: str) -> None:
     finds the schema in place; the lock is held only for that check."""
     from mlflow import MlflowClient
 
-    path = Path(urlparse(uri).path)
+    path = sqlite_file(uri)
     with open(path.with_name(path.name + ".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
@@ -94,19 +136,17 @@ def mlflow_logger(
     log_model: bool | str = False,
     tags: dict | None = None,
     run_id: str | None = None,
+    continue_run: bool = True,
     system_metrics: bool = True,
     system_metrics_interval_s: float = 10.0,
 ) -> MLFlowLogger:
-    """MLFlowLogger for tracking_uri. A local SQLite store keeps its artifacts in artifact_dir
-    (MLflow would otherwise put them under the current directory). `t6.run.train.train` checks the
-    store with `check_tracking_uri` before anything else is built; `system_metrics` (sampled every
-    `system_metrics_interval_s` seconds) is read by `t6.run.train`, which runs the monitor. log_model
-    (see `log_model_choice`) is kept as the logger's `upload` and carried out by
-    `save_and_upload_model` after training; Lightning's own upload (every checkpoint the
-    ModelCheckpoint tracks) stays off."""
+    """MLFlowLogger for tracking_uri. A local SQLite store keeps its artifacts beside its database (or in
+    artifact_dir). The run's plan (t6.run.plan) checks the store, chooses the run (`run_id`: the one a
+    resume continues, unless continue_run is false) and reads the system-metrics settings; log_model (see
+    `log_model_choice`) is kept as the logger's `upload` and carried out by `save_and_upload_model` after
+    training; Lightning's own upload (every checkpoint the ModelCheckpoint tracks) stays off."""
     from lightning.pytorch.loggers import MLFlowLogger
 
-    local = urlparse(tracking_uri).scheme == "sqlite"
     upload = log_model_choice(log_model)
     logger = MLFlowLogger(
         experiment_name=experiment_name,
@@ -114,7 +154,7 @@ def mlflow_logger(
         tracking_uri=tracking_uri,
         tags=dict(tags or {}),
         log_model=False,
-        artifact_location=Path(artifact_dir).as_uri() if (local and artifact_dir) else None,
+        artifact_location=artifact_location(tracking_uri, artifact_dir),
         run_id=run_id,
     )
     logger.upload = upload
@@ -122,26 +162,39 @@ def mlflow_logger(
     return logger
 
 
+def artifact_location(tracking_uri: str, artifact_dir: str | None = None) -> str | None:
+    """Where a new experiment in a local store keeps its artifacts: artifact_dir, else `artifacts/` beside
+    the database (MLflow would otherwise use the working directory); a server decides for itself (None)."""
+    if urlparse(tracking_uri).scheme != "sqlite":
+        return None
+    return Path(artifact_dir or sqlite_file(tracking_uri).parent / "artifacts").resolve().as_uri()
+
+
 FINAL_MODEL = "model.ckpt"
 
 
-def save_and_upload_model(trainer, logger: MLFlowLogger | None, checkpoint_dir: str | Path) -> Path | None:
-    """At the end of a finished run, as `logger.upload` says: "final" writes the weights-only model
-    (`checkpoint_dir/model.ckpt`: weights, model config and run config, no optimizer state; every rank
-    takes part, rank 0 writes) and uploads it; "last" uploads `last.ckpt`. Artifacts go under `model/`."""
+def save_and_upload_model(trainer, logger: MLFlowLogger | None, checkpoint_dir: str | Path) -> str | None:
+    """At the end of a finished run, as `logger.upload` says: "final" uploads the weights-only model
+    (`model.ckpt`: weights, model config and run config, no optimizer state; every rank takes part, rank 0
+    writes it, uploads it and removes its local copy, so the run keeps last.ckpt and the store keeps the
+    model); "last" uploads `last.ckpt`. Artifacts go under `model/`; returns the artifact's URI (rank 0)."""
     upload = getattr(logger, "upload", None)
     if not upload or not checkpoint_dir:
         return None
     if upload == "final":
-        path = Path(checkpoint_dir) / FINAL_MODEL
+        path = Path(checkpoint_dir) / ".upload" / FINAL_MODEL
         trainer.save_checkpoint(path, weights_only=True)
     else:
         path = Path(checkpoint_dir) / "last.ckpt"
-    if trainer.is_global_zero:
-        if not path.is_file():
-            raise FileNotFoundError(f"logger.mlflow.log_model={upload}: {path} was not written")
-        logger.experiment.log_artifact(logger.run_id, str(path), artifact_path="model")
-    return path
+    if not trainer.is_global_zero:
+        return None
+    if not path.is_file():
+        raise FileNotFoundError(f"logger.mlflow.log_model={upload}: {path} was not written")
+    logger.experiment.log_artifact(logger.run_id, str(path), artifact_path="model")
+    if upload == "final":
+        path.unlink()
+        path.parent.rmdir()
+    return f"{logger.experiment.get_run(logger.run_id).info.artifact_uri}/model/{path.name}"
 
 
 # MLflow's UI picks the view an experiment opens in from this tag: model training ("custom model

@@ -50,6 +50,7 @@ class MLflowSweepCallback(Callback):
         from t6.tracking.mlflow import (
             EXPERIMENT_KIND_TAG,
             TRAINING_KIND,
+            artifact_location,
             check_tracking_uri,
             mlflow_config,
             tag_training_experiment,
@@ -71,8 +72,7 @@ class MLflowSweepCallback(Callback):
         name = self.experiment_name or f"{config.experiment_name}-sweep-{sweep_dir.name}"
         experiment = client.get_experiment_by_name(name)
         if experiment is None:
-            local = uri.startswith("sqlite:")
-            artifacts = Path(mlflow_cfg.artifact_dir).as_uri() if local and mlflow_cfg.get("artifact_dir") else None
+            artifacts = artifact_location(uri, mlflow_cfg.get("artifact_dir"))
             experiment_id = client.create_experiment(
                 name, artifact_location=artifacts, tags={EXPERIMENT_KIND_TAG: TRAINING_KIND}
             )

@@ -1,6 +1,6 @@
 """Fully sharded data parallel (conf/trainer/fsdp.yaml) and the gradient norm of any wrapping.
 
-- `fsdp_strategy()`: `T6FSDPStrategy`, one FSDP unit per transformer block.
+- `T6FSDPStrategy`: Lightning's FSDPStrategy, one FSDP unit per transformer block.
 - `clip_grad_norm()`: the global gradient norm (and clipping) of a plain, DDP or FSDP model.
 - `full_model()`: an unwrapped copy of an FSDP-sharded T6 with every parameter whole.
 """
@@ -47,7 +47,19 @@ class T6FSDPStrategy(FSDPStrategy):
       mmap=True)` (Lightning's own loader unpickles it in full): no pickled code runs, and each rank
       maps the file rather than copying it into RAM. Sharded checkpoint directories
       (state_dict_type: sharded) go through Lightning's loader.
+
+    Each transformer block is one FSDP unit (`auto_wrap_policy`), and with activation_checkpointing=True
+    also one checkpointed unit; parameter names survive wrapping (use_orig_params: per-block compile, logging).
     """
+
+    def __init__(self, activation_checkpointing: bool = False, **kwargs):
+        from t6.model.t6 import Block
+
+        if activation_checkpointing:
+            kwargs["activation_checkpointing_policy"] = {Block}
+        kwargs.setdefault("use_orig_params", True)
+        kwargs.setdefault("auto_wrap_policy", {Block})
+        super().__init__(**kwargs)
 
     def _setup_model(self, model: nn.Module) -> nn.Module:
         if self.root_device.type != "cpu" or any(isinstance(m, FSDP) for m in model.modules()):
@@ -113,16 +125,6 @@ class T6FSDPStrategy(FSDPStrategy):
                     FSDP.optim_state_dict_to_load(model=self.model, optim=optimizer, optim_state_dict=state)
                 )
         return checkpoint
-
-
-def fsdp_strategy(**kwargs) -> T6FSDPStrategy:
-    """T6FSDPStrategy wrapping (and optionally activation-checkpointing) each T6 block."""
-    from t6.model.t6 import Block
-
-    if kwargs.pop("activation_checkpointing", False):
-        kwargs["activation_checkpointing_policy"] = {Block}
-    kwargs.setdefault("use_orig_params", True)  # parameter names survive wrapping (per-block compile, logging)
-    return T6FSDPStrategy(auto_wrap_policy={Block}, **kwargs)
 
 
 def clip_grad_norm(wrapped: nn.Module, module: nn.Module, max_norm: float | None) -> torch.Tensor:

@@ -6,7 +6,7 @@ converted checkpoint while the config is composed, and the model shape it writes
     ${t6.source_lr:init_from,key,factor}
         factor x the source run's lr_ablation.<key>
 
-Importing this module registers both resolvers (t6.run.train imports it). The dependency goes one way:
+Importing this module registers both resolvers (t6.run.plan imports it). The dependency goes one way:
 this module reads t6.config; t6.config knows nothing of uptraining.
 """
 

@@ -1,22 +1,20 @@
-"""Runs that fit the machine: device and precision choice, the memory preflight and the micro-batch
-it picks, the final validation and checkpoint, the schedule check, and the fail-fast messages."""
+"""Runs that fit the machine: device and precision choice, the step-memory estimate against the measured
+peak, the micro-batch the preflight picks and the ranks' agreement on it (the plan's own checks:
+tests/test_plan.py)."""
 
 from __future__ import annotations
 
-import logging
-import re
 import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-import mlflow
 import pytest
 import torch
 
 from t6.hardware import device, memory, probes
 from t6.model.loss import liger_chunk_rows
-from t6.run.train import summary, train
+from t6.run.train import train
 
 from conftest import compose_config
 
@@ -25,10 +23,10 @@ from conftest import compose_config
 
 def test_precision_auto_follows_the_device():
     yes, no = (lambda: True), (lambda: False)
-    assert device.choose_device("auto", cuda_available=yes)[0] == "cuda"
-    assert device.choose_device("auto", cuda_available=no)[0] == "cpu"
-    assert device.choose_device("cpu", cuda_available=yes)[0] == "cpu"
-    assert device.choose_device("gpu", cuda_available=no)[0] == "cuda"
+    assert device.choose_device("auto", cuda=yes)[0] == "cuda"
+    assert device.choose_device("auto", cuda=no)[0] == "cpu"
+    assert device.choose_device("cpu", cuda=yes)[0] == "cpu"
+    assert device.choose_device("gpu", cuda=no)[0] == "cuda"
     assert device.choose_precision("auto", "cuda", bf16_supported=yes)[0] == "bf16-mixed"
     assert device.choose_precision("auto", "cuda", bf16_supported=no)[0] == "32-true"  # e.g. a V100
     assert device.choose_precision("auto", "cpu", bf16_supported=yes, cpu_bf16=no)[0] == "32-true"
@@ -64,17 +62,6 @@ def test_default_trainer_lets_lightning_choose_and_cpu_gpu_stay_explicit(tmp_pat
         )  # inherited from the default
     ddp = compose_config(["trainer=ddp"], tmp_path).trainer.strategy  # gradients as views into DDP's buckets
     assert ddp._target_ == "lightning.pytorch.strategies.DDPStrategy" and ddp.gradient_as_bucket_view is True
-
-
-def test_run_announces_device_precision_batch_and_schedule(make_cfg, caplog):
-    caplog.set_level(logging.INFO, logger="t6.run.train")
-    _, objects = train(make_cfg("trainer.max_steps=2", "callbacks.model_checkpoint=null"))
-    assert objects["hardware"]["precision"] == "32-true" and objects["trainer"].precision == "32-true"
-    plan = caplog.text
-    assert "device          cpu (" in plan and "precision 32-true (" in plan
-    assert "micro-batch 4 x 1 accumulation step(s) x 1 device(s)" in plan
-    assert "memory          data.batch_size micro-batch 4" in plan and "GiB" in plan
-    assert "schedule        warmup 10 of 2 steps" in plan
 
 
 # ------------------------------------------------------------------------------ the preflight
@@ -170,7 +157,9 @@ def test_auto_micro_batch_keeps_the_global_batch_and_the_optimization(make_cfg, 
     cap_memory(monkeypatch, int((est(2) + est(4)) / 2 / (1 - memory.MARGIN)))
     metrics, split = train(cfg)
     assert split["datamodule"].batch_size == 2 and split["trainer"].accumulate_grad_batches == 4
-    assert split["plan"].auto and split["cfg"].data.batch_size == 2  # logged and checkpointed as the number used
+    assert (
+        split["plan"].batch.memory.auto and split["cfg"].data.batch_size == 2
+    )  # logged and checkpointed as the number used
     assert split["datamodule"].samples_seen() == 2 * 8  # steps x global batch, as before
     for a, b in zip(full["model"].parameters(), split["model"].parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # the same two optimizer steps
@@ -184,119 +173,6 @@ def test_auto_picks_the_whole_share_when_it_fits(make_cfg):
         )
     )
     assert objects["datamodule"].batch_size == 8 and objects["trainer"].accumulate_grad_batches == 1
-
-
-def test_a_micro_batch_that_cannot_fit_fails_before_training(make_cfg, monkeypatch, tmp_path):
-    cap_memory(monkeypatch, 50 * 2**20)
-    with pytest.raises(MemoryError) as err:
-        train(make_cfg("data.batch_size=4"))
-    text = str(err.value)
-    for part in (
-        "data.batch_size=4 does not fit",
-        "GiB",
-        "test cap",
-        "data.batch_size=auto",
-        "trainer.strategy.activation_checkpointing=true",
-        "trainer=fsdp",
-    ):
-        assert part in text, text
-    assert not (tmp_path / "run" / "checkpoints").exists()
-    with pytest.raises(MemoryError, match="data.batch_size=auto: even a micro-batch of 1 needs"):
-        train(make_cfg("data.batch_size=auto", "data.global_batch_size=4"))
-
-
-# ------------------------------------------------------------------------------- fail fast
-
-
-@pytest.mark.parametrize("value", ["0", "-2", "1.5"])
-def test_bad_batch_size_names_the_field(make_cfg, value):
-    with pytest.raises(ValueError, match=rf"data.batch_size={value} must be a positive number"):
-        train(make_cfg(f"data.batch_size={value}"))
-
-
-def test_auto_batch_needs_a_global_batch(make_cfg):
-    with pytest.raises(ValueError, match="data.batch_size=auto needs data.global_batch_size"):
-        train(make_cfg("data.batch_size=auto", "data.global_batch_size=null"))
-
-
-def test_seq_len_longer_than_the_block_fails_before_training(make_cfg, tmp_path):
-    with pytest.raises(ValueError, match=r"data.seq_len=128 is longer than size.block_size=64.*data.seq_len<=64"):
-        train(make_cfg("data.seq_len=128"))
-    assert not (tmp_path / "run").exists()
-
-
-@pytest.fixture
-def corrupted(tmp_path) -> Path:
-    """A training checkpoint cut in half, as a full disk or a killed copy leaves it."""
-    from t6.training.module import T6LitModule
-
-    path = tmp_path / "broken.ckpt"
-    module = T6LitModule(
-        model_config=dict(attention="mha", n_layer=1, d_model=64, n_head=2, vocab_size=128, block_size=16)
-    )
-    torch.save({"state_dict": module.state_dict(), "hyper_parameters": {"model_config": {}}}, path)
-    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
-    return path
-
-
-def test_corrupted_ckpt_path_fails_before_training_naming_the_file(make_cfg, corrupted):
-    with pytest.raises(ValueError, match=re.escape(f"ckpt_path='{corrupted}' is not a readable checkpoint")) as err:
-        train(make_cfg(f"ckpt_path={corrupted}"))
-    assert "an earlier step*.ckpt" in str(err.value)
-
-
-def test_corrupted_checkpoint_in_generate_eval_and_convert(corrupted):
-    from t6.model.load import load_model
-    from t6.uptrain.convert import convert_checkpoint
-
-    with pytest.raises(ValueError, match=re.escape(f"ckpt_path='{corrupted}' is not a readable checkpoint")):
-        load_model(corrupted)
-    with pytest.raises(ValueError, match=re.escape(f"checkpoint='{corrupted}' is not a readable checkpoint")):
-        load_model(corrupted, what="checkpoint")
-    with pytest.raises(ValueError, match=re.escape(f"ckpt_path='{corrupted}' is not a readable checkpoint")):
-        convert_checkpoint(corrupted, "gqa", 1)
-
-
-# ------------------------------------------------------------------ how every run ends
-
-
-def test_run_ends_with_validation_and_exactly_one_last_ckpt(make_cfg):
-    cfg = make_cfg("trainer.max_steps=6", "trainer.val_check_interval=4")  # neither interval falls on step 6
-    metrics, objects = train(cfg)
-    client = mlflow.MlflowClient(tracking_uri=cfg.logger.mlflow.tracking_uri)
-    run_id = objects["mlflow"].run_id
-    assert [m.step for m in client.get_metric_history(run_id, "val/loss")] == [3, 5]  # step 4 and the final step 6
-    ckpt_dir = Path(objects["trainer"].checkpoint_callback.dirpath)
-    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["last.ckpt", "step000004.ckpt"]
-    assert torch.load(ckpt_dir / "last.ckpt", map_location="cpu", weights_only=True)["global_step"] == 6
-    text = summary(metrics, objects)
-    assert f"final val/loss {metrics['val/loss']:.4f}" in text and f"checkpoint      {ckpt_dir / 'last.ckpt'}" in text
-    assert "warmup 10 of 6 steps" in text
-
-    _, again = train(make_cfg("trainer.max_steps=9", "ckpt_path=last"))  # resume in the same run dir
-    assert [p.name for p in ckpt_dir.iterdir() if p.name.startswith("last")] == ["last.ckpt"]  # never last-v1.ckpt
-    assert torch.load(ckpt_dir / "last.ckpt", map_location="cpu", weights_only=True)["global_step"] == 9
-
-
-def test_warmup_that_outlasts_the_run_is_reported(make_cfg, caplog):
-    caplog.set_level(logging.WARNING, logger="t6.run.train")
-    train(make_cfg("trainer.max_steps=2", "callbacks.model_checkpoint=null"))
-    assert "lr_ablation.warmup_steps=10 >= trainer.max_steps=2" in caplog.text and "lr_ablation.max_lr" in caplog.text
-
-
-# ------------------------------------------------------------------------------- MLflow
-
-
-def test_experiment_opens_as_model_training_and_runs_log_system_metrics(make_cfg):
-    cfg = make_cfg(
-        "trainer.max_steps=20", "logger.mlflow.system_metrics_interval_s=0.5", "callbacks.model_checkpoint=null"
-    )
-    _, objects = train(cfg)
-    client = mlflow.MlflowClient(tracking_uri=cfg.logger.mlflow.tracking_uri)
-    experiment = client.get_experiment(objects["mlflow"].experiment_id)
-    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
-    metrics = client.get_run(objects["mlflow"].run_id).data.metrics
-    assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= set(metrics)
 
 
 def _compare_plans(rank: int, batches: tuple[int, int], port: int, out: Path) -> None:

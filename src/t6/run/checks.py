@@ -1,0 +1,131 @@
+"""The problems of a training config itself, every one at once, each naming the field and the fix.
+
+`config_problems(cfg)` runs every check that needs nothing but the config (no data, checkpoint, store or
+device): the model, the learning rate, the batch and sequence settings, the samples, the loss, the
+Trainer's settings and the evaluation. `t6.run.plan.plan_run` raises them together as one ConfigError.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from collections.abc import Callable
+
+from omegaconf import DictConfig
+
+from t6.config import model_config
+from t6.data.batching import batch_problems
+from t6.model.config import ConfigError, ModelConfig
+from t6.model.loss import IMPLS
+from t6.run.samples import check_samples
+from t6.tracking.mlflow import log_model_choice, mlflow_config
+
+NONFINITE = ("stop", "skip")
+
+
+def config_problems(cfg: DictConfig) -> tuple[ModelConfig | None, list[str]]:
+    """(the model config, or None when it has problems; every problem of the config)."""
+    problems: list[str] = []
+    mcfg = None
+    try:
+        mcfg = model_config(cfg)
+    except ConfigError as err:
+        problems += err.problems
+    problems += learning_rate_problems(cfg)
+    problems += dataset_problems(cfg)
+    problems += data_problems(cfg)
+    problems += raised(check_samples, cfg)
+    problems += training_problems(cfg)
+    problems += trainer_problems(cfg.trainer)
+    problems += eval_problems(cfg.get("eval"))
+    if mlflow_config(cfg) is not None:
+        problems += raised(log_model_choice, cfg.logger.mlflow.get("log_model", False))
+    return (mcfg if not problems else None), problems
+
+
+def raised(check: Callable, *args) -> list[str]:
+    """A check that raises ValueError on its first problem, as a list of problems."""
+    try:
+        check(*args)
+    except ValueError as err:
+        return [str(err)]
+    return []
+
+
+def learning_rate_problems(cfg: DictConfig) -> list[str]:
+    """One source for the peak learning rate: lr_ablation.max_lr. The schedule multiplies the optimizer's
+    lr by lr(step) / max_lr, so an optimizer.lr that differs would silently scale the whole schedule."""
+    lr, max_lr = cfg.optimizer.get("lr"), cfg.lr_ablation.get("max_lr")
+    if cfg.lr_ablation.get("scheduler") and lr is not None and max_lr is not None and float(lr) != float(max_lr):
+        return [
+            f"optimizer.lr={lr} differs from lr_ablation.max_lr={max_lr}, the schedule's peak; set the peak with "
+            f"lr_ablation.max_lr={lr} (and lr_ablation.min_lr), and leave optimizer.lr to follow it"
+        ]
+    return []
+
+
+def dataset_problems(cfg: DictConfig) -> list[str]:
+    """`dataset=` is listed by --help (a group of conf/) but belongs to prepare.py."""
+    if cfg.get("dataset") is not None:
+        return [
+            "dataset= chooses what prepare.py tokenizes; prepare it (python prepare.py dataset=local "
+            "dataset.data_files=FILE.jsonl), then train on the shards with data=local (or data=fineweb_edu)"
+        ]
+    return []
+
+
+def data_problems(cfg: DictConfig) -> list[str]:
+    """Batch settings and sequence length, named by their fields, before any data is read."""
+    data = cfg.data
+    problems = batch_problems(data.get("batch_size"), data.get("global_batch_size"), data.get("seq_len"))
+    seq_len, block = data.get("seq_len"), cfg.size.get("block_size")
+    if isinstance(seq_len, int) and isinstance(block, int) and seq_len > block:
+        problems.append(
+            f"data.seq_len={seq_len} is longer than size.block_size={block}, the longest context the model is built "
+            f"for (its positions and caches); set data.seq_len<={block} or size.block_size={seq_len}"
+        )
+    return problems
+
+
+def training_problems(cfg: DictConfig) -> list[str]:
+    problems = []
+    impl = cfg.get("loss_impl", "auto")
+    if impl not in IMPLS:
+        problems.append(f"loss_impl={impl!r} must be one of {', '.join(IMPLS)}")
+    if cfg.get("nonfinite_loss", "stop") not in NONFINITE:
+        problems.append(f"nonfinite_loss={cfg.get('nonfinite_loss')!r} must be 'stop' or 'skip'")
+    if not isinstance(cfg.get("compile", False), bool):
+        problems.append(f"compile={cfg.get('compile')!r} must be true or false")
+    return problems
+
+
+def trainer_problems(trainer: DictConfig) -> list[str]:
+    """Every trainer.* key is a setting of lightning.Trainer (a misspelled one, given with `+`, would
+    otherwise fail inside Lightning), named with the nearest real setting."""
+    import lightning
+
+    known = sorted(set(inspect.signature(lightning.Trainer.__init__).parameters) - {"self"})
+    problems = []
+    for key in trainer:
+        if key == "_target_" or key in known:
+            continue
+        close = difflib.get_close_matches(str(key), known, n=1)
+        hint = f"; did you mean trainer.{close[0]}?" if close else f"; lightning.Trainer takes {', '.join(known)}"
+        problems.append(f"trainer.{key} is not a setting of lightning.Trainer{hint}")
+    return problems
+
+
+def eval_problems(eval_cfg: DictConfig | None) -> list[str]:
+    """The `eval` group's own settings (its tasks are resolved by the plan, t6.evaluation.callback)."""
+    if not eval_cfg:
+        return []
+    problems = []
+    if not eval_cfg.get("tasks"):
+        problems.append("eval.tasks is empty; list lm-eval task names or choose eval=none")
+    shots = list(eval_cfg.get("num_fewshot") or [])
+    if any(not isinstance(n, int) or n < 0 for n in shots):
+        problems.append(f"eval.num_fewshot={shots} must hold numbers of examples >= 0")
+    every = eval_cfg.get("every_n_steps")
+    if every is not None and (not isinstance(every, int) or every <= 0):
+        problems.append(f"eval.every_n_steps={every} must be a positive number of steps or null")
+    return problems

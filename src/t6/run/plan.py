@@ -1,0 +1,460 @@
+"""A run's whole plan as one value, computed before anything is built: `plan_run(cfg) -> RunPlan`.
+
+    plan = plan_run(cfg)     # every decision and every check, no Trainer, nothing written
+    print(plan.describe())   # what the run announces (and MLflow records, `plan.params()`)
+    execute(plan)            # t6.run.execute: builds the Lightning objects and fits
+
+The plan reads what it needs (the warm start, the checkpoint to resume from, the data's manifest, the
+tracking store, the sweep file, the machine's memory) and writes nothing. It decides in this order:
+
+1. the config's own problems, every one at once (`ConfigError`, t6.run.checks);
+2. the device and precision, and the processes (strategy, devices, nodes);
+3. the schedule, the resume point, the data, the tracking target and the sweep parent;
+4. the micro-batch and its accumulation, by the memory preflight (t6.hardware.memory).
+
+`plan.cfg` is a copy of the config as the run uses it: precision and micro-batch numbers instead of
+`auto`, the MLflow run to continue, the sweep's tags. The caller's config is left as it was.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from t6.data.batching import sequences_per_device, sequences_per_step, world_size
+from t6.evaluation.callback import check_eval_tasks
+from t6.hardware import device as hw_device
+from t6.hardware import memory, probes
+from t6.model.config import ConfigError, ModelConfig
+from t6.model.load import WARM_START_FORMAT, read_checkpoint
+from t6.model.loss import use_liger
+from t6.run import checks
+from t6.run.resume import resolve_ckpt_path
+from t6.tracking.mlflow import check_tracking_store, log_model_choice, mlflow_config
+from t6.tracking.sweep import attach_to_sweep, sweep_job_info
+from t6.uptrain import recipe  # noqa: F401  (registers the uptrain recipe's resolvers)
+
+
+class Strategy(enum.Enum):
+    """How the processes of a run share the work."""
+
+    SINGLE = "single device"
+    DDP = "DDP"  # data parallel: every process holds the whole model
+    FSDP = "FSDP"  # fully sharded: parameters, gradients and optimizer state split across processes
+
+
+@dataclass(frozen=True)
+class Hardware:
+    device: str  # "cuda" or "cpu"
+    device_why: str
+    precision: str  # Lightning's precision string, e.g. bf16-mixed
+    precision_why: str
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """The processes: one per device, `devices` per node on `nodes` nodes."""
+
+    strategy: Strategy
+    devices: int
+    nodes: int
+    device_index: int  # this process's device on its node (CUDA)
+    activation_checkpointing: bool = False
+    bucket_view: bool = False  # DDP's gradients are views into its all-reduce buckets
+
+    @property
+    def world_size(self) -> int:
+        return self.devices * self.nodes
+
+    @property
+    def shards(self) -> int:
+        return self.world_size if self.strategy is Strategy.FSDP else 1
+
+    @property
+    def ddp_buckets(self) -> bool:
+        """DDP keeps all-reduce buckets beside the gradients (a second copy of them)."""
+        return self.world_size > 1 and self.strategy is not Strategy.FSDP and not self.bucket_view
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    seq_len: int
+    micro_batch: int
+    accumulation: int
+    per_step: int  # sequences per optimizer step, all devices
+    world_size: int
+    memory: memory.MicroBatch | None  # the preflight's estimate (None: preflight=false)
+
+    def describe(self) -> str:
+        return (
+            f"{self.per_step} sequences x {self.seq_len} tokens per step = micro-batch {self.micro_batch} x "
+            f"{self.accumulation} accumulation step(s) x {self.world_size} device(s)"
+        )
+
+
+@dataclass(frozen=True)
+class Schedule:
+    warmup: int
+    total: int
+    max_lr: float
+    min_lr: float
+    max_steps: int
+
+    def describe(self) -> str:
+        lr = f"learning rate 0 -> {self.max_lr:g} -> {self.min_lr:g} (cosine)"
+        text = f"warmup {self.warmup} of {self.total} steps, {lr}"
+        if self.warmup >= self.max_steps:
+            text += f"; this run stops in warmup at {self.max_lr * min(1.0, self.max_steps / max(1, self.warmup)):g}"
+        return text
+
+    def warning(self) -> str | None:
+        """Said before training when the run never leaves warmup (it still runs: smoke tests do this)."""
+        if self.warmup < self.max_steps:
+            return None
+        lower = max(1, self.max_steps // 10)
+        fix = f"raise trainer.max_steps above {self.warmup}"
+        if lower < self.warmup:
+            fix += f" or lower lr_ablation.warmup_steps (e.g. lr_ablation.warmup_steps={lower})"
+        return (
+            f"lr_ablation.warmup_steps={self.warmup} >= trainer.max_steps={self.max_steps}: the run ends in warmup "
+            f"and never reaches lr_ablation.max_lr={self.max_lr:g} (nor decays to min_lr); {fix}"
+        )
+
+
+@dataclass(frozen=True)
+class Resume:
+    ckpt_path: str
+    step: int
+    mlflow_run_id: str | None
+    how: str  # which setting chose it: ckpt_path=PATH, ckpt_path=last or auto_resume
+
+    def describe(self) -> str:
+        return f"from step {self.step} of {self.ckpt_path} ({self.how})"
+
+
+@dataclass(frozen=True)
+class WarmStart:
+    path: str
+    source_run_id: str
+    conversion: str
+    changes: tuple[str, ...]  # the size/attention settings the converted model set
+
+    def describe(self) -> str:
+        return f"weights of {self.path} ({self.conversion}; source run {self.source_run_id or 'unknown'})"
+
+
+@dataclass(frozen=True)
+class Tracking:
+    uri: str
+    experiment: str
+    run_name: str
+    run_id: str | None  # the MLflow run a resume continues; None: a new run
+    sweep_parent: str | None
+    system_metrics_s: float | None
+    upload: str | None  # logger.mlflow.log_model: final, last or None
+
+    def describe(self) -> str:
+        run = f"continues run {self.run_id}" if self.run_id else f"new run {self.run_name!r}"
+        sweep = f", child of sweep run {self.sweep_parent}" if self.sweep_parent else ""
+        return f"MLflow {self.uri}, experiment {self.experiment!r}, {run}{sweep}"
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    cfg: DictConfig  # the config as the run uses it (see the module docstring)
+    model: ModelConfig
+    hardware: Hardware
+    parallel: Parallel
+    batch: BatchPlan
+    schedule: Schedule | None
+    resume: Resume | None
+    warm_start: WarmStart | None
+    tracking: Tracking | None
+    warnings: tuple[str, ...] = field(default=())
+
+    def describe(self) -> str:
+        """The opening lines of a run: what it will do and why."""
+        hw, par = self.hardware, self.parallel
+        lines = [
+            f"device          {hw.device} ({hw.device_why}), precision {hw.precision} ({hw.precision_why})",
+            f"processes       {par.world_size} ({par.strategy.value}: {par.devices} device(s) x {par.nodes} node(s))",
+            f"batch           {self.batch.describe()}",
+        ]
+        if self.batch.memory is not None:
+            lines.append(f"memory          {self.batch.memory.describe()}")
+        schedule = self.schedule.describe() if self.schedule else "constant learning rate (no lr_ablation.scheduler)"
+        lines.append(f"schedule        {schedule}")
+        if self.resume is not None:
+            lines.append(f"resume          {self.resume.describe()}")
+        if self.warm_start is not None:
+            lines.append(f"warm start      {self.warm_start.describe()}")
+        if self.tracking is not None:
+            lines.append(f"tracking        {self.tracking.describe()}")
+        return "\n".join(lines)
+
+    def params(self) -> dict[str, Any]:
+        """The plan's decisions as MLflow parameters (plan/...), beside the resolved config."""
+        out = {
+            "plan/device": self.hardware.device,
+            "plan/precision": self.hardware.precision,
+            "plan/strategy": self.parallel.strategy.name.lower(),
+            "plan/world_size": self.parallel.world_size,
+            "plan/micro_batch": self.batch.micro_batch,
+            "plan/accumulation": self.batch.accumulation,
+            "plan/sequences_per_step": self.batch.per_step,
+        }
+        if self.batch.memory is not None:
+            out["plan/memory_estimate_gib"] = round(self.batch.memory.estimate.total / memory.GIB, 2)
+        return out
+
+
+def plan_run(cfg: DictConfig) -> RunPlan:
+    """Every decision a training run makes before the Trainer exists, and every check (see the module docstring)."""
+    cfg = copy.deepcopy(cfg)
+    warm = plan_warm_start(cfg)  # adopts the converted model's shape into cfg
+    mcfg, problems = checks.config_problems(cfg)
+    if problems:
+        raise ConfigError("Invalid run config", problems)
+    hardware = choose_hardware(cfg)
+    use_liger(cfg.get("loss_impl", "auto"), hardware.device)  # loss_impl=liger where Triton cannot run: an error
+    parallel = plan_parallel(cfg, hardware)
+    schedule = plan_schedule(cfg)
+    resume = plan_resume(cfg)
+    tracking = plan_tracking(cfg, resume, warm)
+    instantiate_data(cfg).check()  # the shards exist and are whole (or the text they are made from does)
+    check_eval_tasks(cfg.get("eval"))  # unknown tasks, missing datasets
+    batch = plan_batch(cfg, mcfg, hardware, parallel)
+    with open_dict(cfg):
+        cfg.trainer.precision = hardware.precision
+        cfg.data.batch_size = batch.micro_batch  # logged, and stored in checkpoints, as the number used
+    warnings = tuple(f"init_from sets {change}" for change in (warm.changes if warm else ()))
+    warnings += tuple(w for w in [schedule.warning() if schedule else None] if w)
+    return RunPlan(cfg, mcfg, hardware, parallel, batch, schedule, resume, warm, tracking, warnings)
+
+
+# ------------------------------------------------------------------------------------ decisions
+
+
+def choose_hardware(cfg: DictConfig) -> Hardware:
+    """trainer.accelerator -> the device; trainer.precision=auto -> what that device computes fast."""
+    device, device_why = hw_device.choose_device(cfg.trainer.get("accelerator", "auto"))
+    precision, precision_why = hw_device.choose_precision(cfg.trainer.get("precision", "auto"), device)
+    if device == "cuda" and not hw_device.cuda_available():
+        raise ConfigError(
+            "No CUDA device",
+            [
+                f"trainer.accelerator={cfg.trainer.get('accelerator')}: this machine has no CUDA GPU; use "
+                "trainer=default (accelerator auto: the GPU when there is one, else the CPU) or trainer=cpu"
+            ],
+        )
+    return Hardware(device, device_why, precision, precision_why)
+
+
+def strategy_kind(strategy: Any, world: int) -> Strategy:
+    """The kind of a `trainer.strategy` setting: a Lightning strategy name, a `_target_` node, or auto.
+    Read from the class it names (FSDPStrategy, DDPStrategy and their subclasses), never from the text."""
+    from hydra.utils import get_object
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy, StrategyRegistry
+
+    if strategy in (None, "auto"):
+        return Strategy.SINGLE if world == 1 else Strategy.DDP
+    if isinstance(strategy, DictConfig):
+        cls = get_object(strategy._target_)
+    elif isinstance(strategy, str) and strategy in StrategyRegistry:
+        cls = StrategyRegistry[strategy]["strategy"]
+    else:
+        raise ConfigError("Unknown strategy", [f"trainer.strategy={strategy!r} is not a Lightning strategy name"])
+    if inspect.isclass(cls) and issubclass(cls, FSDPStrategy):
+        return Strategy.FSDP
+    if inspect.isclass(cls) and issubclass(cls, DDPStrategy):
+        return Strategy.DDP
+    if inspect.isclass(cls) and issubclass(cls, SingleDeviceStrategy):
+        return Strategy.SINGLE
+    raise ConfigError(
+        "Unsupported strategy",
+        [f"trainer.strategy={strategy!r}: a run is planned for one device, DDP or FSDP (trainer=ddp, trainer=fsdp)"],
+    )
+
+
+def count_devices(devices: Any, device: str) -> int:
+    """trainer.devices as a number of processes per node: a count, a list of ids, or auto / -1 (every
+    device of the accelerator, as Lightning counts them)."""
+    if devices in ("auto", -1, "-1"):
+        from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
+
+        return (CUDAAccelerator if device == "cuda" else CPUAccelerator).auto_device_count()
+    if isinstance(devices, str):
+        devices = [d for d in devices.split(",") if d.strip()] if "," in devices else int(devices)
+    count = world_size(list(devices) if OmegaConf.is_list(devices) else devices, 1)
+    if count is None:
+        raise ConfigError("Invalid devices", [f"trainer.devices={devices!r} must be a count, a list of ids or auto"])
+    return count
+
+
+def plan_parallel(cfg: DictConfig, hardware: Hardware) -> Parallel:
+    trainer = cfg.trainer
+    devices = count_devices(trainer.get("devices", 1), hardware.device)
+    nodes = int(trainer.get("num_nodes", 1) or 1)
+    strategy = trainer.get("strategy")
+    options = strategy if isinstance(strategy, DictConfig) else {}
+    local = probes.env_local_rank()
+    ids = trainer.get("devices")
+    index = int(ids[local]) if OmegaConf.is_list(ids) and local < len(ids) else local
+    return Parallel(
+        strategy_kind(strategy, devices * nodes),
+        devices,
+        nodes,
+        index,
+        activation_checkpointing=bool(options.get("activation_checkpointing", False)),
+        bucket_view=bool(options.get("gradient_as_bucket_view", False)),
+    )
+
+
+def plan_schedule(cfg: DictConfig) -> Schedule | None:
+    sched = cfg.lr_ablation.get("scheduler")
+    if not sched:
+        return None
+    return Schedule(
+        int(sched.warmup_steps),
+        int(sched.total_steps),
+        float(sched.max_lr),
+        float(sched.min_lr),
+        int(cfg.trainer.max_steps),
+    )
+
+
+def plan_resume(cfg: DictConfig) -> Resume | None:
+    """The checkpoint to continue from, read (not loaded into memory): a missing or damaged file fails here."""
+    path = resolve_ckpt_path(cfg)
+    if path is None:
+        return None
+    ckpt = read_checkpoint(path, "ckpt_path", mmap=True)
+    if ckpt.get("format") == WARM_START_FORMAT:
+        raise ValueError(f"ckpt_path={path!r} is a converted (warm-start) checkpoint: start from it with init_from=")
+    requested = cfg.get("ckpt_path")
+    how = "auto_resume: this run directory's last.ckpt" if not requested else f"ckpt_path={requested}"
+    return Resume(path, int(ckpt.get("global_step", 0)), ckpt.get("mlflow_run_id"), how)
+
+
+def plan_warm_start(cfg: DictConfig) -> WarmStart | None:
+    """init_from: a converted checkpoint, checked; its model shape goes into cfg (size.*, attention.*)."""
+    if not cfg.get("init_from"):
+        return None
+    from t6.uptrain.convert import load_warm_start
+
+    init = load_warm_start(cfg.init_from)
+    changes = tuple(recipe.adopt_model_config(cfg, init["model_config"]))
+    conv = init["conversion"]
+    return WarmStart(
+        str(cfg.init_from),
+        init["source"].get("mlflow_run_id") or "",
+        f"{conv['target']} kv_heads={conv['kv_heads']} {conv['method']}",
+        changes,
+    )
+
+
+def plan_tracking(cfg: DictConfig, resume: Resume | None, warm: WarmStart | None) -> Tracking | None:
+    """The MLflow store (reachable, and holding the run a resume continues), the run and the sweep parent.
+    Sets logger.mlflow.run_id, the sweep's experiment and tags, and a warm start's tags in cfg."""
+    conf = mlflow_config(cfg)
+    if conf is None:
+        return None
+    continues = resume.mlflow_run_id if resume is not None and conf.get("continue_run", True) else None
+    check_tracking_store(conf.tracking_uri, continues, resume.ckpt_path if resume else None)
+    sweep = sweep_job_info()
+    if sweep is not None:
+        attach_to_sweep(cfg, sweep)  # a multirun job: a child run of the sweep's parent run
+    with open_dict(cfg):
+        if warm is not None:
+            conf.tags.source_run_id = warm.source_run_id
+            conf.tags.init_from = warm.path
+            conf.tags.conversion = warm.conversion
+        if continues and conf.get("run_id") is None:
+            conf.run_id = continues  # a resumed run logs into the same MLflow run
+    interval = conf.get("system_metrics_interval_s") if conf.get("system_metrics", True) else None
+    return Tracking(
+        conf.tracking_uri,
+        conf.experiment_name,
+        conf.run_name,
+        conf.get("run_id"),
+        sweep["parent_run_id"] if sweep else None,
+        interval,
+        log_model_choice(conf.get("log_model", False)),
+    )
+
+
+def instantiate_data(cfg: DictConfig):
+    """The datamodule object (cheap: it opens nothing until `check`, `prepare_data` or `setup`)."""
+    from hydra.utils import instantiate
+
+    return instantiate(cfg.data)
+
+
+def plan_batch(cfg: DictConfig, mcfg: ModelConfig, hardware: Hardware, parallel: Parallel) -> BatchPlan:
+    """The micro-batch (data.batch_size=auto: the largest that fits; a number: checked) and its accumulation."""
+    from t6.data.batching import accumulation_steps
+
+    world = parallel.world_size
+    data = cfg.data
+    requested, global_batch, seq_len = data.batch_size, data.get("global_batch_size"), int(data.seq_len)
+    per_device = sequences_per_device(requested, global_batch, world)
+    if requested != "auto":
+        accumulation_steps(requested, global_batch, world)  # raises when it does not divide
+    plan = preflight(cfg, mcfg, hardware, parallel, requested, per_device)
+    micro = plan.batch if plan is not None else int(requested)
+    return BatchPlan(
+        seq_len,
+        micro,
+        accumulation_steps(micro, global_batch, world),
+        sequences_per_step(micro, global_batch, world),
+        world,
+        plan,
+    )
+
+
+def preflight(cfg, mcfg, hardware: Hardware, parallel: Parallel, requested, per_device: int):
+    """The memory preflight: the micro-batch (auto or checked) against the memory this process may use."""
+    device = hardware.device
+    if not cfg.get("preflight", True) or device not in ("cpu", "cuda"):
+        if requested == "auto":
+            raise ValueError(
+                f"data.batch_size=auto needs the memory preflight (preflight=true, a cpu or cuda device; "
+                f"here preflight={cfg.get('preflight', True)}, device {device}); give data.batch_size a number"
+            )
+        return None
+    if device == "cuda":
+        available, source = probes.available_memory("cuda", parallel.device_index)
+        runtime = 0
+    else:
+        available, source = probes.available_memory("cpu")
+        if parallel.devices > 1:
+            available, source = available // parallel.devices, f"{source} shared by {parallel.devices} processes"
+        runtime = probes.process_rss()  # the process as it stands (no model is built yet)
+    ways_out = (
+        "a smaller data.batch_size (or data.batch_size=auto with data.global_batch_size), "
+        "trainer=fsdp with trainer.strategy.activation_checkpointing=true, trainer=fsdp over more devices "
+        "(trainer.devices), or a smaller size"
+    )
+
+    def estimate(batch: int) -> memory.StepMemory:
+        return memory.estimate_step_memory(
+            mcfg,
+            batch,
+            int(cfg.data.seq_len),
+            precision=hardware.precision,
+            optimizer_target=cfg.optimizer._target_,
+            shards=parallel.shards,
+            activation_checkpointing=parallel.activation_checkpointing,
+            device=device,
+            runtime=runtime,
+            loss_chunk_tokens=cfg.get("loss_chunk_tokens"),
+            liger=use_liger(cfg.get("loss_impl", "auto"), device),
+            ddp_buckets=parallel.ddp_buckets,
+        )
+
+    return memory.fit_micro_batch(estimate, requested, per_device, available, source, ways_out)

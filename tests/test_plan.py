@@ -1,0 +1,292 @@
+"""A run's plan (`t6.run.plan.plan_run`): every decision and every check before anything is built, every
+problem of the config at once, nothing written; and what the command line says about a mistake."""
+
+from __future__ import annotations
+
+import logging
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from t6.data.corpus import TINY_SHAKESPEARE, prepare_text_corpus
+from t6.data.shards import ShardError
+from t6.hardware import device, memory, probes
+from t6.model.config import ConfigError
+from t6.run.plan import Strategy, plan_run, strategy_kind
+
+from conftest import ROOT
+
+
+def files_under(path: Path) -> set[Path]:
+    return {p for p in path.rglob("*")} if path.exists() else set()
+
+
+def test_a_plan_decides_everything_and_writes_nothing(make_cfg, tmp_path, shared_data_dir):
+    prepare_text_corpus(TINY_SHAKESPEARE, shared_data_dir / "tinyshakespeare")  # the data as a run leaves it
+    cfg = make_cfg("trainer.max_steps=2")
+    before_cfg, before_files = cfg.copy(), files_under(tmp_path)
+    plan = plan_run(cfg)
+    assert files_under(tmp_path) == before_files and cfg == before_cfg  # no store, run dir or config change
+    assert (plan.hardware.device, plan.hardware.precision) == ("cpu", "32-true")
+    assert plan.parallel.strategy is Strategy.SINGLE and plan.parallel.world_size == 1
+    assert (plan.batch.micro_batch, plan.batch.accumulation, plan.batch.per_step) == (4, 1, 4)
+    assert plan.cfg.data.batch_size == 4 and plan.cfg.trainer.precision == "32-true"
+    assert plan.resume is None and plan.tracking.run_id is None
+    text = plan.describe()
+    assert "device          cpu (" in text and "precision 32-true (" in text
+    assert "batch           4 sequences x 64 tokens per step = micro-batch 4 x 1 accumulation step(s)" in text
+    assert "memory          data.batch_size micro-batch 4" in text and "GiB" in text
+    assert "schedule        warmup 10 of 2 steps" in text and "tracking        MLflow sqlite:///" in text
+    assert plan.params()["plan/micro_batch"] == 4 and plan.params()["plan/strategy"] == "single"
+
+
+def test_every_problem_of_the_config_is_reported_at_once(make_cfg, tmp_path):
+    cfg = make_cfg(
+        "attention=tpa",
+        "attention.options.k_rank=0",
+        "size.head_dim=63",
+        "data.batch_size=0",
+        "optimizer.lr=0.01",
+        "loss_impl=fused",
+        "+trainer.max_step=6",
+        "samples.max_new_tokens=0",
+    )
+    with pytest.raises(ConfigError) as err:
+        plan_run(cfg)
+    assert err.value.problems == [
+        "size.head_dim=63 must be even (RoPE rotates pairs of dimensions)",
+        "attention.options.k_rank=0 must be a positive integer",
+        "optimizer.lr=0.01 differs from lr_ablation.max_lr=0.003, the schedule's peak; set the peak with "
+        "lr_ablation.max_lr=0.01 (and lr_ablation.min_lr), and leave optimizer.lr to follow it",
+        "data.batch_size=0 must be a positive number of sequences per device and micro-step, or auto (the largest "
+        "that fits the device's memory); e.g. data.batch_size=8",
+        "samples.max_new_tokens=0 must be a positive integer",
+        "loss_impl='fused' must be one of auto, chunked, liger",
+        "trainer.max_step is not a setting of lightning.Trainer; did you mean trainer.max_steps?",
+    ]
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (["data.batch_size=-2"], r"data.batch_size=-2 must be a positive number"),
+        (["data.batch_size=1.5"], r"data.batch_size=1.5 must be a positive number"),
+        (["data.batch_size=auto", "data.global_batch_size=null"], "data.batch_size=auto needs data.global_batch_size"),
+        (["data.seq_len=128"], r"data.seq_len=128 is longer than size.block_size=64.*data.seq_len<=64"),
+        (["dataset=local"], "dataset= chooses what prepare.py tokenizes.*data=local"),
+        (["eval=local", "eval.num_fewshot=[-1]"], r"eval.num_fewshot=\[-1\] must hold numbers of examples >= 0"),
+        (["nonfinite_loss=ignore"], "nonfinite_loss='ignore' must be 'stop' or 'skip'"),
+    ],
+)
+def test_a_bad_setting_names_its_field(overrides, match, make_cfg):
+    with pytest.raises(ConfigError, match=match):
+        plan_run(make_cfg(*overrides))
+
+
+def test_liger_where_triton_cannot_run_is_an_error(make_cfg, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="loss_impl=liger needs a CUDA device"):
+        plan_run(make_cfg("loss_impl=liger", "trainer.accelerator=cpu"))
+
+
+def test_a_gpu_trainer_without_a_gpu_says_so(make_cfg, monkeypatch):
+    monkeypatch.setattr(device, "cuda_available", lambda: False)
+    with pytest.raises(ConfigError, match="this machine has no CUDA GPU; use trainer=default"):
+        plan_run(make_cfg("trainer=gpu"))
+
+
+def test_the_strategy_is_read_from_the_class_it_names(make_cfg):
+    from omegaconf import OmegaConf
+
+    assert strategy_kind(None, 1) is Strategy.SINGLE and strategy_kind("auto", 2) is Strategy.DDP
+    assert strategy_kind("ddp_spawn", 2) is Strategy.DDP and strategy_kind("fsdp", 2) is Strategy.FSDP
+    for group, kind in (("ddp", Strategy.DDP), ("fsdp", Strategy.FSDP)):
+        assert strategy_kind(make_cfg(f"trainer={group}", small=False).trainer.strategy, 8) is kind
+    subclass = OmegaConf.create({"_target_": "t6.training.fsdp.T6FSDPStrategy"})
+    assert strategy_kind(subclass, 2) is Strategy.FSDP  # a subclass of FSDPStrategy, whatever it is called
+    tensor_parallel = OmegaConf.create({"_target_": "lightning.pytorch.strategies.ModelParallelStrategy"})
+    with pytest.raises(ConfigError, match="a run is planned for one device, DDP or FSDP"):
+        strategy_kind(tensor_parallel, 2)
+    with pytest.raises(ConfigError, match="trainer.strategy='ddpp' is not a Lightning strategy name"):
+        strategy_kind("ddpp", 2)
+
+
+def test_an_fsdp_plan_shards_the_memory_and_counts_the_processes(make_cfg, monkeypatch):
+    monkeypatch.setattr(device, "cuda_available", lambda: True)
+    monkeypatch.setattr(device, "cuda_bf16_supported", lambda: True)
+    monkeypatch.setattr(probes, "available_memory", lambda dev, index=0: (80 * memory.GIB, f"device {index}"))
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    cfg = make_cfg(
+        "trainer=fsdp",
+        "trainer.devices=8",
+        "trainer.num_nodes=2",
+        "trainer.precision=auto",
+        "data.global_batch_size=64",
+    )
+    plan = plan_run(cfg)
+    assert plan.parallel.strategy is Strategy.FSDP and plan.parallel.world_size == 16
+    assert plan.parallel.device_index == 3 and plan.batch.memory.source == "device 3"
+    assert plan.batch.memory.estimate.notes[0] == "FSDP: parameters, gradients and optimizer state sharded 16 ways"
+    assert plan.hardware.precision == "bf16-mixed" and "processes       16 (FSDP: 8 device(s) x 2 node(s))" in (
+        plan.describe()
+    )
+
+
+def cap_memory(monkeypatch, bytes_available: int) -> None:
+    """Present the machine as having bytes_available free (and the process as holding nothing)."""
+    monkeypatch.setattr(probes, "available_memory", lambda device, index=0: (bytes_available, "test cap"))
+    monkeypatch.setattr(probes, "process_rss", lambda: 0)
+
+
+def test_a_micro_batch_that_cannot_fit_fails_naming_the_ways_out(make_cfg, monkeypatch):
+    cap_memory(monkeypatch, 50 * 2**20)
+    with pytest.raises(MemoryError) as err:
+        plan_run(make_cfg("data.batch_size=4"))
+    text = str(err.value)
+    for part in (
+        "data.batch_size=4 does not fit",
+        "GiB",
+        "test cap",
+        "data.batch_size=auto",
+        "trainer.strategy.activation_checkpointing=true",
+        "trainer=fsdp",
+    ):
+        assert part in text, text
+    with pytest.raises(MemoryError, match="data.batch_size=auto: even a micro-batch of 1 needs"):
+        plan_run(make_cfg("data.batch_size=auto", "data.global_batch_size=4"))
+
+
+def test_auto_takes_the_largest_micro_batch_that_fits(make_cfg, monkeypatch):
+    from t6.config import model_config
+
+    cfg = make_cfg("data.batch_size=auto", "data.global_batch_size=8")
+
+    def est(b: int) -> int:  # with accumulation (every gradient alive during backward), as both candidates have
+        return memory.estimate_step_memory(model_config(cfg), b, 64, accumulate=2, loss_chunk_tokens=1024).total
+
+    cap_memory(monkeypatch, int((est(2) + est(4)) / 2 / (1 - memory.MARGIN)))  # micro-batch 2 fits, 4 does not
+    plan = plan_run(cfg)
+    assert (plan.batch.micro_batch, plan.batch.accumulation, plan.batch.per_step) == (2, 4, 8)
+    assert plan.batch.memory.auto and plan.cfg.data.batch_size == 2  # logged and checkpointed as the number used
+
+
+@pytest.fixture
+def corrupted(tmp_path) -> Path:
+    """A training checkpoint cut in half, as a full disk or a killed copy leaves it."""
+    from t6.training.module import T6LitModule
+
+    path = tmp_path / "broken.ckpt"
+    module = T6LitModule(
+        model_config=dict(attention="mha", n_layer=1, d_model=64, n_head=2, vocab_size=128, block_size=16)
+    )
+    torch.save({"state_dict": module.state_dict(), "hyper_parameters": {"model_config": {}}}, path)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    return path
+
+
+def test_a_damaged_or_missing_checkpoint_is_named(make_cfg, corrupted):
+    with pytest.raises(ValueError, match=re.escape(f"ckpt_path='{corrupted}' is not a readable checkpoint")) as err:
+        plan_run(make_cfg(f"ckpt_path={corrupted}"))
+    assert "an earlier step*.ckpt" in str(err.value)
+    with pytest.raises(FileNotFoundError, match="ckpt_path='nope.ckpt' does not exist; give a checkpoint file"):
+        plan_run(make_cfg("ckpt_path=nope.ckpt"))
+    with pytest.raises(FileNotFoundError, match="ckpt_path=last: .*last.ckpt does not exist"):
+        plan_run(make_cfg("ckpt_path=last"))
+
+
+def test_corrupted_checkpoint_in_generate_eval_and_convert(corrupted):
+    from t6.model.load import load_model
+    from t6.uptrain.convert import convert_checkpoint
+
+    with pytest.raises(ValueError, match=re.escape(f"ckpt_path='{corrupted}' is not a readable checkpoint")):
+        load_model(corrupted)
+    with pytest.raises(ValueError, match=re.escape(f"checkpoint='{corrupted}' is not a readable checkpoint")):
+        load_model(corrupted, what="checkpoint")
+    with pytest.raises(ValueError, match=re.escape(f"ckpt_path='{corrupted}' is not a readable checkpoint")):
+        convert_checkpoint(corrupted, "gqa", 1)
+
+
+def test_a_corrupted_shard_is_named(make_cfg, tmp_path):
+    data_dir = tmp_path / "corrupt"
+    prepare_text_corpus(TINY_SHAKESPEARE, data_dir)
+    cfg = make_cfg(f"data.data_dir={data_dir}", "data.embedded=false")  # prepared shards, no re-tokenization
+    shard = data_dir / "train_000000.bin"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(ShardError, match=f"shard {shard} is truncated or corrupted"):
+        plan_run(cfg)
+
+
+def test_an_unreachable_tracking_server_is_named(make_cfg, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")
+    with pytest.raises(ConnectionError, match="127.0.0.1:9 is unreachable"):
+        plan_run(make_cfg())
+
+
+def test_a_resume_says_where_it_continues_and_needs_its_mlflow_run(make_cfg, tmp_path, monkeypatch):
+    from t6.run.train import train
+
+    _, first = train(make_cfg("trainer.max_steps=4", "callbacks.model_checkpoint.every_n_train_steps=2"))
+    last = Path(first["trainer"].checkpoint_callback.dirpath) / "last.ckpt"
+    plan = plan_run(make_cfg("trainer.max_steps=6", "ckpt_path=last"))
+    assert plan.resume.step == 4 and plan.tracking.run_id == first["mlflow"].run_id
+    assert f"resume          from step 4 of {last} (ckpt_path=last)" in plan.describe()
+    assert f"continues run {first['mlflow'].run_id}" in plan.describe()
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/other/mlflow.db")  # a store without that run
+    with pytest.raises(ValueError) as err:
+        plan_run(make_cfg("trainer.max_steps=6", "ckpt_path=last"))
+    text = str(err.value)
+    assert f"continues MLflow run {first['mlflow'].run_id}, which the tracking store sqlite:///{tmp_path}" in text
+    assert "point MLFLOW_TRACKING_URI at the store" in text and "logger.mlflow.continue_run=false" in text
+    fresh = plan_run(make_cfg("trainer.max_steps=6", "ckpt_path=last", "logger.mlflow.continue_run=false"))
+    assert fresh.resume.step == 4 and fresh.tracking.run_id is None  # the training continues, in a new MLflow run
+
+
+def test_a_run_that_never_leaves_warmup_is_warned_with_a_fix_that_changes_something(make_cfg):
+    plan = plan_run(make_cfg("trainer.max_steps=2", "callbacks.model_checkpoint=null"))
+    (warning,) = plan.warnings
+    assert "lr_ablation.warmup_steps=10 >= trainer.max_steps=2" in warning and "lr_ablation.max_lr" in warning
+    assert "raise trainer.max_steps above 10" in warning
+    one = plan_run(make_cfg("trainer.max_steps=1", "lr_ablation.by_size.tiny.warmup_steps=1"))
+    assert "lr_ablation.warmup_steps=1 >= trainer.max_steps=1" in one.warnings[0]
+    assert "lower lr_ablation.warmup_steps" not in one.warnings[0]  # it is already as low as it goes
+
+
+def test_the_run_announces_its_plan(make_cfg, caplog):
+    from t6.run.train import train
+
+    caplog.set_level(logging.INFO, logger="t6.run.execute")
+    _, objects = train(make_cfg("trainer.max_steps=2", "callbacks.model_checkpoint=null"))
+    assert objects["plan"].describe() in caplog.text and objects["trainer"].precision == "32-true"
+    assert "lr_ablation.warmup_steps=10 >= trainer.max_steps=2" in caplog.text  # the plan's warning, said once
+
+
+def cli(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "train.py", *args, f"paths.root_dir={tmp_path}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.mark.slow  # three interpreters importing Lightning (~15 s each)
+def test_the_command_line_names_the_fix_without_a_traceback(tmp_path):
+    done = cli("trainer.max_step=6", tmp_path=tmp_path)  # a misspelled key
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "error: trainer.max_step is not a setting; did you mean trainer.max_steps?" in done.stderr
+    assert "+trainer.max_step" not in done.stderr  # Hydra's advice would only move the error into Lightning
+
+    done = cli("attention.options.k_rank=0", "size.head_dim=63", tmp_path=tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "  - size.head_dim=63 must be even" in done.stderr and "  - attention.options.k_rank=0" in done.stderr
+    assert not (tmp_path / "logs").exists() or not any((tmp_path / "logs").rglob("*.ckpt"))
+
+    done = cli("+trainer.max_step=6", tmp_path=tmp_path)
+    assert done.returncode == 2 and "did you mean trainer.max_steps?" in done.stderr and "Traceback" not in done.stderr

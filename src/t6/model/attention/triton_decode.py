@@ -6,7 +6,9 @@ the row's tokens in blocks of BLOCK_S with an online softmax over all heads at o
 (max, denominator, numerator) into an fp32 workspace; a second small kernel (`_combine_kernel`) merges
 a row's partials per head and writes the result in the query's dtype. Two launches per call, no other
 work: no host reads, no allocation whose size depends on values, so a call can be captured in a CUDA
-graph.
+graph. The workspace is one allocation per call from PyTorch's caching allocator (no cudaMalloc once
+warm), not a buffer kept across calls: under torch.compile's CUDA graphs, warm-up routes a thread's
+allocations to the graph's memory pool, which hands out again whatever it does not know to be live.
 
 The cache may be fp32, bf16 or fp16. The contractions over tokens and over the head width are tensor-core
 dots whose operands stay in the cache's dtype (fp32 operands take Triton's default TF32 precision) with
@@ -69,8 +71,15 @@ def tuning_for(kernel: str, HP: int, W: int) -> Tuning:
     return TUNING[kernel, HP * W > 64 * 64]
 
 
+# Host arithmetic in plain Python: triton.cdiv and triton.next_power_of_2 are constexpr functions whose
+# call costs microseconds, per call of the operators.
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def _pow2(n: int, least: int = 16) -> int:
-    return max(least, triton.next_power_of_2(n))
+    """The next power of two >= n, at least `least` (tl.arange and tl.dot extents)."""
+    return max(least, 1 << (n - 1).bit_length())
 
 
 @functools.cache
@@ -82,7 +91,7 @@ def _sm_count(device: torch.device) -> int:
 def splits(B: int, S: int, tuning: Tuning, device: torch.device) -> int:
     """Programs per row: about `waves` per SM over the batch, at least `min_tokens` (and one block) each."""
     per_program = max(tuning.min_tokens, tuning.block_s)
-    return max(1, min(S // per_program, triton.cdiv(tuning.waves * _sm_count(device), B)))
+    return max(1, min(S // per_program, _cdiv(tuning.waves * _sm_count(device), B)))
 
 
 @triton.jit

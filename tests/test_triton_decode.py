@@ -100,10 +100,11 @@ def cases(block: int) -> list[tuple[int, int]]:
 
 
 def latent_inputs(B, S, dtype, gen, h=3, d_c=24, d_r=8, max_len=None):
-    """Queries and a latent cache [B, max_len, *] viewed up to S."""
+    """Queries and a latent cache [B, max_len, *] viewed up to S; the queries are one latent head's of two
+    (GLA's: rows [h, w] contiguous, a stride between the batch's rows)."""
     max_len = max_len or S + 2
-    q_lat = (torch.randn(B, h, d_c, generator=gen) * 0.2).to(dtype)
-    q_rope = (torch.randn(B, h, d_r, generator=gen) * 0.2).to(dtype)
+    q_lat = (torch.randn(B, 2, h, d_c, generator=gen) * 0.2).to(dtype)[:, 1]  # [B, h, d_c]
+    q_rope = (torch.randn(B, 2, h, d_r, generator=gen) * 0.2).to(dtype)[:, 1]  # [B, h, d_rope]
     c_kv = torch.randn(B, max_len, d_c, generator=gen).to(dtype)[:, :S]  # [B, S, d_c]
     k_rope = torch.randn(B, max_len, d_r, generator=gen).to(dtype)[:, :S]  # [B, S, d_rope]
     return q_lat, q_rope, c_kv, k_rope

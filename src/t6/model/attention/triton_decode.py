@@ -143,6 +143,8 @@ def _tpa_kernel(
     S,
     H,
     D,
+    s_qa_b,
+    s_qb_b,
     s_ak_b,
     s_ak_s,
     s_bk_b,
@@ -171,12 +173,12 @@ def _tpa_kernel(
     if FACTORED:  # the full query q_i = sum_r' A_Q[r', i] B_Q[r'], contracted once: [HP, DP]
         q = tl.zeros([HP, DP], tl.float32)
         for rq in tl.static_range(RQ):
-            qa_row = tl.load(qa_ptr + (b * RQ + rq) * H + heads, mask=h_ok, other=0.0).to(tl.float32)  # [HP]
-            qb_row = tl.load(qb_ptr + (b * RQ + rq) * D + dims, mask=d_ok, other=0.0).to(tl.float32)  # [DP]
+            qa_row = tl.load(qa_ptr + b * s_qa_b + rq * H + heads, mask=h_ok, other=0.0).to(tl.float32)  # [HP]
+            qb_row = tl.load(qb_ptr + b * s_qb_b + rq * D + dims, mask=d_ok, other=0.0).to(tl.float32)  # [DP]
             q += qa_row[:, None] * qb_row[None, :]  # [HP, DP]
     else:
         q = tl.load(
-            qb_ptr + b * H * D + heads[:, None] * D + dims[None, :], mask=h_ok[:, None] & d_ok[None, :], other=0.0
+            qb_ptr + b * s_qb_b + heads[:, None] * D + dims[None, :], mask=h_ok[:, None] & d_ok[None, :], other=0.0
         )  # [HP, DP]
     q = q.to(bk_ptr.dtype.element_ty)  # a dot operand in the cache's dtype
     m = tl.full([HP], float("-inf"), tl.float32)
@@ -233,6 +235,8 @@ def _latent_kernel(
     H,
     DC,
     DR,
+    s_ql_b,
+    s_qr_b,
     s_c_b,
     s_c_s,
     s_kr_b,
@@ -254,10 +258,10 @@ def _latent_kernel(
     c_ok = cdims < DC
     r_ok = rdims < DR
     q_lat = tl.load(
-        ql_ptr + b * H * DC + heads[:, None] * DC + cdims[None, :], mask=h_ok[:, None] & c_ok[None, :], other=0.0
+        ql_ptr + b * s_ql_b + heads[:, None] * DC + cdims[None, :], mask=h_ok[:, None] & c_ok[None, :], other=0.0
     ).to(c_ptr.dtype.element_ty)  # [HP, DCP]
     q_rope = tl.load(
-        qr_ptr + b * H * DR + heads[:, None] * DR + rdims[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0
+        qr_ptr + b * s_qr_b + heads[:, None] * DR + rdims[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0
     ).to(kr_ptr.dtype.element_ty)  # [HP, DRP]
     m = tl.full([HP], float("-inf"), tl.float32)
     l = tl.zeros([HP], tl.float32)
@@ -334,6 +338,11 @@ def _launch(kernel, args: tuple, constants: dict, tuning: Tuning, ws, out, n_spl
     return out
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """A query [B, n, w] whose rows are each contiguous (any stride between rows), as the kernels read it."""
+    return t if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] else t.contiguous()
+
+
 def _mask_arg(key_mask: torch.Tensor | None, stand_in: torch.Tensor) -> tuple[torch.Tensor, int]:
     """(pointer, row stride) of a bool key mask [B, S] read as bytes; without a mask, a pointer never read."""
     if key_mask is None:
@@ -356,9 +365,11 @@ def tpa_decode(q_a, q_b, a_k, b_k, a_v, b_v, key_mask, lengths=None, tuning: Tun
     ws = q_b.new_empty(B * n * HP * (DP + 2), dtype=torch.float32)  # the partials (m, l, acc) of B x n programs
     mask, s_mask_b = _mask_arg(key_mask, q_b)
     factored = q_a is not None
+    q_b = _rows(q_b)
+    q_a = _rows(q_a) if factored else q_b  # not read without a factorized query
     args = (
-        q_a.contiguous() if factored else q_b,
-        q_b.contiguous(),
+        q_a,
+        q_b,
         a_k,
         b_k,
         a_v,
@@ -369,6 +380,8 @@ def tpa_decode(q_a, q_b, a_k, b_k, a_v, b_v, key_mask, lengths=None, tuning: Tun
         S,
         H,
         D,
+        q_a.stride(0),
+        q_b.stride(0),
         a_k.stride(0),
         a_k.stride(1),
         b_k.stride(0),
@@ -405,9 +418,10 @@ def latent_decode(q_lat, q_rope, c_kv, k_rope, key_mask, lengths=None, tuning: T
     n = splits(B, S, tuning, q_lat.device)
     ws = q_lat.new_empty(B * n * HP * (DCP + 2), dtype=torch.float32)  # the partials (m, l, acc) of B x n programs
     mask, s_mask_b = _mask_arg(key_mask, q_lat)
+    q_lat, q_rope = _rows(q_lat), _rows(q_rope)
     args = (
-        q_lat.contiguous(),
-        q_rope.contiguous(),
+        q_lat,
+        q_rope,
         c_kv,
         k_rope,
         mask,
@@ -417,6 +431,8 @@ def latent_decode(q_lat, q_rope, c_kv, k_rope, key_mask, lengths=None, tuning: T
         H,
         DC,
         DR,
+        q_lat.stride(0),
+        q_rope.stride(0),
         c_kv.stride(0),
         c_kv.stride(1),
         k_rope.stride(0),

@@ -107,6 +107,21 @@ def gpu_time_call(fn, steps: int, device: str | torch.device) -> float | None:
     return busy_us / 1e6 / steps
 
 
+def host_time_call(fn, steps: int, device: str | torch.device) -> float | None:
+    """Seconds per call for fn to return without waiting for the device (CUDA): the host's own time
+    (Python, dispatch, launches), as long as `steps` calls' launches fit in the device's queue. None
+    off CUDA (the wall time is the host's time there)."""
+    if not str(device).startswith("cuda"):
+        return None
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize(device)
+    return elapsed / steps
+
+
 def copy_bandwidth_gbs(device: str | torch.device, mib: int = 1024) -> float:
     """The device's copy bandwidth in GB/s, read plus write (what a kernel that streams its inputs once
     can reach): the best of a few copies of a `mib` MiB buffer."""

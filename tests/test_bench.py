@@ -119,3 +119,31 @@ def test_decode_kernels_bench_times_each_fused_operator_and_reads_the_whole_cach
         assert r["gbs"] == pytest.approx(r["cache_bytes"] / r["us"] / 1e3) and r["of_copy_bw"] == r["gbs"] / 10
     with pytest.raises(ValueError, match="--sweep .* --device cuda"):
         decode_kernels.main("--device cpu --size tiny --attentions tpa --contexts 8 --batches 1 --sweep".split())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="refuses --device cuda only where there is no CUDA device")
+def test_eval_items_refuses_a_cuda_device_it_does_not_have():
+    """The adapter falls back to the CPU for lm-eval's default --device cuda; the benchmark must not
+    report CPU numbers for a CUDA run."""
+    from t6.bench import eval_items
+
+    with pytest.raises(ValueError, match="--device cuda: no CUDA device here"):
+        eval_items.main(["--device", "cuda", "--items", "1"])
+
+
+def test_eval_items_runs_the_model_on_the_device_and_dtype_asked(tmp_path, monkeypatch):
+    from t6.bench import eval_items
+
+    seen = []
+
+    class Spy(eval_items.T6LM):
+        def __init__(self, model, **kwargs):
+            super().__init__(model=model, **kwargs)
+            seen.append({(p.device.type, p.dtype) for p in self.model.parameters()})
+
+    monkeypatch.setattr(eval_items, "T6LM", Spy)
+    args = f"--device cpu --dtype bfloat16 --items 2 --repeats 1 --long-context-lines 2 --task-dir {tmp_path / 'a'} "
+    rows = eval_items.main((args + f"--long-task-dir {tmp_path / 'b'} --json {tmp_path / 'r.json'}").split())
+    assert seen == [{("cpu", torch.bfloat16)}] * 2  # the per-choice and the shared-prefix adapter
+    assert [(r["device"], r["dtype"]) for r in rows] == [("cpu", "bfloat16")] * 3
+    assert all(r["items_per_s_per_choice"] > 0 and r["items_per_s_shared_prefix"] > 0 for r in rows)

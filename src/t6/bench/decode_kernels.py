@@ -123,13 +123,16 @@ def gpu_seconds(fn) -> float:
     return do_bench(fn, warmup=10, rep=50, return_mode="median") / 1e3
 
 
-def sweep_grid(min_tokens: int) -> list:
-    """The tunings `--sweep` times: block sizes, warps, stages and programs per SM."""
+def sweep_grid() -> list:
+    """The tunings `--sweep` times: block sizes, warps, stages, and splits (programs per SM, fewest
+    tokens per program)."""
     from t6.model.attention.triton_decode import Tuning
 
     return [
-        Tuning(block_s=b, num_warps=w, num_stages=s, waves=v, min_tokens=min_tokens)
-        for b, w, s, v in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (1, 2, 4))
+        Tuning(block_s=b, num_warps=w, num_stages=s, waves=v, min_tokens=n)
+        for b, w, s, (v, n) in itertools.product(
+            (32, 64, 128), (4, 8), (2, 3, 4), ((1, 256), (2, 256), (4, 256), (2, 512))
+        )
     ]
 
 
@@ -165,8 +168,9 @@ def sweep_calls(calls: list[Call], bandwidth: float, tolerance: float) -> list[d
     table_tunings = set(TUNING.values())
     rows = []
     with torch.inference_mode():
-        for tuning in sweep_grid(next(iter(table_tunings)).min_tokens):
-            row = {"tuning": f"{tuning.block_s}/{tuning.num_warps}/{tuning.num_stages}/{tuning.waves}"}
+        for tuning in sweep_grid():
+            t = tuning
+            row = {"tuning": f"{t.block_s}/{t.num_warps}/{t.num_stages}/{t.waves}/{t.min_tokens}"}
             row["in_table"] = tuning in table_tunings
             try:
                 step = lambda: [c.triton(tuning) for c in calls]  # noqa: E731, B023
@@ -207,7 +211,7 @@ SWEEP_COLUMNS = [
     ("attention", "attention", ""),
     ("batch", "batch", "d"),
     ("context", "context", "d"),
-    ("tuning", "block/warps/stages/waves", ""),
+    ("tuning", "block/warps/stages/waves/min tokens", ""),
     ("in_table", "in table", ""),
     ("gpu_us", "GPU us", ".1f"),
     ("of_copy_bw", "of copy BW", ".2f"),

@@ -106,16 +106,18 @@ def _split_range(len_ptr, b, S, LENGTHS: tl.constexpr, BLOCK_S: tl.constexpr):
 
 
 @triton.jit
-def _store_partial(ws_ptr, m, l, acc, HP: tl.constexpr, W: tl.constexpr):
+def _store_partial(ws_ptr, m, l, acc, H, HP: tl.constexpr, W: tl.constexpr):
     """Writes this program's (m [HP], l [HP], acc [HP, W]) into the workspace: m of every program, then
-    every l, then every acc, programs in [B, splits] row-major order."""
+    every l, then every acc, programs in [B, splits] row-major order; the H real heads only (the padding
+    heads' rows are traffic the combine never reads)."""
     programs = tl.num_programs(0) * tl.num_programs(1)
     out = tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
     heads = tl.arange(0, HP)
     cols = tl.arange(0, W)
-    tl.store(ws_ptr + out * HP + heads, m)
-    tl.store(ws_ptr + (programs + out) * HP + heads, l)
-    tl.store(ws_ptr + 2 * programs * HP + out * HP * W + heads[:, None] * W + cols[None, :], acc)
+    h_ok = heads < H
+    tl.store(ws_ptr + out * HP + heads, m, mask=h_ok)
+    tl.store(ws_ptr + (programs + out) * HP + heads, l, mask=h_ok)
+    tl.store(ws_ptr + 2 * programs * HP + out * HP * W + heads[:, None] * W + cols[None, :], acc, mask=h_ok[:, None])
 
 
 @triton.jit
@@ -219,7 +221,7 @@ def _tpa_kernel(
             )  # [BLOCK_S, DP]
             w = (p * av).to(bv.dtype)  # P[s, i] A_V[s, r, i]: [BLOCK_S, HP]
             acc += tl.dot(tl.trans(w), bv)  # sum_s P[s, i] A_V[s, r, i] B_V[s, r]: [HP, DP]
-    _store_partial(ws_ptr, m, l, acc, HP, DP)
+    _store_partial(ws_ptr, m, l, acc, H, HP, DP)
 
 
 @triton.jit(do_not_specialize=CONTEXT_ARGS)
@@ -283,7 +285,7 @@ def _latent_kernel(
         scores = tl.where(visible[:, None], scores, float("-inf"))  # [BLOCK_S, HP]
         p, m, l, acc = _online_softmax(scores, m, l, acc)
         acc += tl.dot(tl.trans(p.to(c.dtype)), c)  # sum_s P[s, i] c_kv[s]: [HP, DCP]
-    _store_partial(ws_ptr, m, l, acc, HP, DCP)
+    _store_partial(ws_ptr, m, l, acc, H, HP, DCP)
 
 
 @triton.jit(do_not_specialize=COMBINE_CONTEXT_ARGS)

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from t6.bench import common, kv_memory, prefill
 from t6.config import conf_dir
@@ -68,3 +69,81 @@ def test_loss_bench_runs_each_setting_liger_included(tmp_path, monkeypatch):
     assert [r["chunk_tokens"] for r in rows] == ["none", 8, "liger"]
     assert all(r["step_ms"] > 0 and r["peak_mib"] > 0 for r in rows)
     assert json.loads(out.read_text())["rows"][2]["chunk_tokens"] == "liger"
+
+
+def test_columns_no_record_has_are_left_out_and_missing_cells_left_empty():
+    records = [{"name": "a", "ms": 1.0, "ratio": None}, {"name": "b", "ms": 2.0, "ratio": 0.5}]
+    columns = [("name", "name", ""), ("ms", "ms", ".1f"), ("gpu_ms", "GPU ms", ".1f"), ("ratio", "ratio", ".2f")]
+    lines = common.table(records, columns).splitlines()
+    assert lines[0].split() == ["name", "ms", "ratio"]  # no record has gpu_ms: no column
+    assert lines[2].split() == ["a", "1.0"] and lines[3].split() == ["b", "2.0", "0.50"]
+
+
+def test_device_and_host_times_are_absent_off_cuda_not_zero():
+    calls = []
+    for timer in (common.gpu_time_call, common.host_time_call):
+        assert timer(lambda: calls.append(1), 3, "cpu") is None
+    assert calls == []  # nothing was run to measure nothing
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU time is measured on a CUDA device")
+def test_gpu_time_counts_the_kernels_and_stays_under_the_wall_time():
+    a = torch.randn(2048, 2048, device="cuda")
+    step = lambda: [a @ a for _ in range(4)]  # noqa: E731
+    step()
+    gpu, wall = common.gpu_time_call(step, 5, "cuda"), common.time_call(step, 5, "cuda")
+    host = common.host_time_call(step, 5, "cuda")
+    assert 0 < gpu <= wall * 1.05 and 0 < host
+
+
+def test_decode_kernels_bench_times_each_fused_operator_and_reads_the_whole_cache(capsys):
+    """The operator calls of each mechanism's decode step, timed alone on the CPU: the bytes they read are
+    the layer's whole cache (the KV fact; GLA reads its shared RoPE key once per latent head), their
+    result is the reference's, the bandwidth fraction is consistent, and no GPU column appears."""
+    from t6.bench import decode_kernels
+
+    out = decode_kernels.main(
+        "--device cpu --size tiny --dtype float32 --attentions mha,tpa,mla,gla --contexts 40 --batches 1,2 "
+        "--steps 2 --bandwidth-gbs 10".split()
+    )
+    text = capsys.readouterr().out
+    records = {(r["attention"], r["batch"]): r for r in out["records"]}
+    assert sorted(records) == [(n, b) for n in ("gla", "mla", "tpa") for b in (1, 2)]
+    assert "skipped (no fused decode operator): mha" in text and "GPU" not in text
+    for (name, batch), r in records.items():
+        cfg = common.model_config_of(name, "tiny")
+        cache = batch * 41 * common.layer_kv_bytes_per_token(cfg, torch.float32)  # 40 cached tokens + the new one
+        rope_again = batch * 41 * 4 * cfg.attention_options.get("rope_dim", 0) * (r["calls"] - 1)
+        assert (r["calls"], r["cache_bytes"]) == (2 if name == "gla" else 1, cache + rope_again), name
+        assert r["max_abs_err"] < 1e-4 and "gpu_us" not in r and "host_us" not in r
+        assert r["gbs"] == pytest.approx(r["cache_bytes"] / r["us"] / 1e3) and r["of_copy_bw"] == r["gbs"] / 10
+    with pytest.raises(ValueError, match="--sweep .* --device cuda"):
+        decode_kernels.main("--device cpu --size tiny --attentions tpa --contexts 8 --batches 1 --sweep".split())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="refuses --device cuda only where there is no CUDA device")
+def test_eval_items_refuses_a_cuda_device_it_does_not_have():
+    """The adapter falls back to the CPU for lm-eval's default --device cuda; the benchmark must not
+    report CPU numbers for a CUDA run."""
+    from t6.bench import eval_items
+
+    with pytest.raises(ValueError, match="--device cuda: no CUDA device here"):
+        eval_items.main(["--device", "cuda", "--items", "1"])
+
+
+def test_eval_items_runs_the_model_on_the_device_and_dtype_asked(tmp_path, monkeypatch):
+    from t6.bench import eval_items
+
+    seen = []
+
+    class Spy(eval_items.T6LM):
+        def __init__(self, model, **kwargs):
+            super().__init__(model=model, **kwargs)
+            seen.append({(p.device.type, p.dtype) for p in self.model.parameters()})
+
+    monkeypatch.setattr(eval_items, "T6LM", Spy)
+    args = f"--device cpu --dtype bfloat16 --items 2 --repeats 1 --long-context-lines 2 --task-dir {tmp_path / 'a'} "
+    rows = eval_items.main((args + f"--long-task-dir {tmp_path / 'b'} --json {tmp_path / 'r.json'}").split())
+    assert seen == [{("cpu", torch.bfloat16)}] * 2  # the per-choice and the shared-prefix adapter
+    assert [(r["device"], r["dtype"]) for r in rows] == [("cpu", "bfloat16")] * 3
+    assert all(r["items_per_s_per_choice"] > 0 and r["items_per_s_shared_prefix"] > 0 for r in rows)

@@ -4,6 +4,7 @@ model's cached decoding through them against recomputation for every mechanism."
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -123,12 +124,62 @@ def test_operators_are_registered_with_schema_and_fake_implementations():
     gen = torch.Generator().manual_seed(3)
     args = tpa_inputs(2, 40, True, torch.float32, gen)
     mask = padding_mask(2, 40, gen)
-    torch.library.opcheck(torch.ops.t6.tpa_decode.default, (*args, mask), test_utils=("test_schema", "test_faketensor"))
-    latent = (torch.randn(2, 3, 16), torch.randn(2, 3, 4), torch.randn(2, 40, 16), torch.randn(2, 40, 4), mask)
-    torch.library.opcheck(torch.ops.t6.latent_decode.default, latent, test_utils=("test_schema", "test_faketensor"))
+    lengths = torch.tensor([40, 29])
+    checks = ("test_schema", "test_faketensor")
+    for extra in ((mask,), (mask, lengths), (None, lengths)):
+        torch.library.opcheck(torch.ops.t6.tpa_decode.default, (*args, *extra), test_utils=checks)
+        latent = (torch.randn(2, 3, 16), torch.randn(2, 3, 4), torch.randn(2, 40, 16), torch.randn(2, 40, 4), *extra)
+        torch.library.opcheck(torch.ops.t6.latent_decode.default, latent, test_utils=checks)
     with torch.device("meta"):  # the fake implementation gives the output's shape without computing
-        meta = tpa_decode(*(None if a is None else a.to("meta") for a in args), None)
+        meta = tpa_decode(*(None if a is None else a.to("meta") for a in args), None, lengths.to("meta"))
     assert meta.shape == (2, 7, 16)
+
+
+def rows_within(lengths: list[int], S: int, gen: torch.Generator) -> torch.Tensor:
+    """Left padding [B, S] of a different length per row, each row's last valid token visible."""
+    starts = torch.tensor([int(torch.randint(0, n, (1,), generator=gen)) for n in lengths])  # [B]
+    return torch.arange(S)[None, :] >= starts[:, None]  # [B, S]
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lengths_bound_each_row_of_a_whole_cache(dtype, index_dtype):
+    """A whole preallocated cache [B, S, ...] with lengths [B]: each row's result is that of its own first
+    lengths[b] tokens alone (what lies past a row's length is finite garbage, as a reused cache holds),
+    through the C++ kernels and the eager reference."""
+    requires_extension()
+    gen = torch.Generator().manual_seed(6)
+    S, lens = 100, [100, 1, 33, 64]
+    lengths = torch.tensor(lens, dtype=index_dtype)
+    B = len(lens)
+    tpa_args = tpa_inputs(B, S, True, dtype, gen, max_len=S)
+    q_lat, q_rope = (torch.randn(B, 5, 48, generator=gen) * 0.2).to(dtype), (torch.randn(B, 5, 8) * 0.2).to(dtype)
+    c_kv, k_rope = torch.randn(B, S, 48, generator=gen).to(dtype), torch.randn(B, S, 8, generator=gen).to(dtype)
+    for cache in (*tpa_args[2:], c_kv, k_rope):
+        for b, n in enumerate(lens):
+            cache[b, n:] = 1e4  # would dominate every score and value if it were seen
+    for mask in (None, rows_within(lens, S, gen)):
+        for op, reference in ((tpa_decode, reference_tpa_decode), (latent_decode, reference_latent_decode)):
+            args = tpa_args if op is tpa_decode else (q_lat, q_rope, c_kv, k_rope)
+            n_cache = 4 if op is tpa_decode else 2
+            queries, caches = args[: len(args) - n_cache], args[len(args) - n_cache :]
+            for label, fn in (("operator", op), ("reference", reference)):
+                out = fn(*args, mask, lengths)  # [B, h, d]
+                for b, n in enumerate(lens):
+                    alone = reference(
+                        *(None if q is None else q[b : b + 1].float() for q in queries),
+                        *(c[b : b + 1, :n].float() for c in caches),
+                        None if mask is None else mask[b : b + 1, :n],
+                    )
+                    msg = f"{label} {reference.__name__} row {b}, {n} tokens"
+                    torch.testing.assert_close(out[b : b + 1].float(), alone, **TOL[dtype], msg=msg)
+
+
+def test_lengths_of_the_wrong_shape_or_dtype_are_refused_by_name():
+    args = tpa_inputs(2, 10, True, torch.float32, torch.Generator().manual_seed(7))
+    for bad in (torch.tensor([10]), torch.tensor([10.0, 9.0]), torch.tensor([[10, 9]])):
+        with pytest.raises(ValueError, match="lengths must be an int32 or int64 tensor"):
+            tpa_decode(*args, None, bad)
 
 
 FUSED = [n for n in NAMES if hasattr(get_attention_class(n), "fused_decode")]  # mechanisms with a fused decode path
@@ -195,3 +246,101 @@ def test_mla_training_attention_with_padded_values_is_unchanged():
     ref = (scores.softmax(-1) @ v.transpose(1, 2)).transpose(1, 2)  # [B, T, h, d_v]
     assert y.shape == (B, T, h, attn.d_v)
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+
+
+def compiled_kernels():
+    """The Triton kernels compiled for CUDA, or a skip: without a CUDA device, or where this process
+    defined them under Triton's interpreter (tests/test_triton_decode.py imports them with
+    TRITON_INTERPRET=1; test_compiled_kernels_run_in_a_fresh_process runs these tests without it)."""
+    if not torch.cuda.is_available():
+        pytest.skip("the compiled Triton kernels need a CUDA device")
+    from t6.model.attention import triton_decode
+
+    if type(triton_decode._tpa_kernel).__name__ == "InterpretedFunction":
+        pytest.skip("the kernels were defined under Triton's interpreter here; covered by the fresh-process test")
+    return triton_decode
+
+
+def test_compiled_kernels_run_in_a_fresh_process():
+    if not torch.cuda.is_available():
+        pytest.skip("the compiled Triton kernels need a CUDA device")
+    from t6.model.attention import triton_decode
+
+    if type(triton_decode._tpa_kernel).__name__ != "InterpretedFunction":
+        return  # the tests below run in this process
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "cuda", __file__],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def medium_tpa(B, S, factored, gen, lengths=None):
+    """TPA's medium shapes (h=47, d_h=64, ranks 6/2/2) in bf16 on CUDA, a whole cache when lengths are given."""
+    args = tpa_inputs(B, S, factored, torch.bfloat16, gen, h=47, d=64, R_Q=6, R_K=2, R_V=2, max_len=S)
+    return [None if a is None else a.cuda() for a in args]
+
+
+def medium_latent(B, S, gen, h=23, d_c=256, d_r=32):
+    """MLA's medium shapes (h=23, d_c=256, d_rope=32) in bf16 on CUDA."""
+    q_lat = (torch.randn(B, h, d_c, generator=gen) * 0.05).to(torch.bfloat16)
+    q_rope = (torch.randn(B, h, d_r, generator=gen) * 0.05).to(torch.bfloat16)
+    c_kv, k_rope = torch.randn(B, S, d_c, generator=gen), torch.randn(B, S, d_r, generator=gen)
+    return [t.cuda() for t in (q_lat, q_rope, c_kv.to(torch.bfloat16), k_rope.to(torch.bfloat16))]
+
+
+def cuda_lengths(B: int, S: int, gen: torch.Generator) -> torch.Tensor:
+    lengths = torch.randint(1, S + 1, (B,), generator=gen)
+    lengths[0] = S
+    return lengths.cuda()
+
+
+def test_cuda_kernels_equal_the_eager_reference():
+    """Every tuning of the table, compiled for this GPU, on the medium shapes with padding and lengths."""
+    kernels = compiled_kernels()
+    gen = torch.Generator().manual_seed(8)
+    for tuning in dict.fromkeys(kernels.TUNING.values()):
+        for B, S in ((1, 3000), (4, 777)):
+            lengths = cuda_lengths(B, S, gen)
+            mask = rows_within(lengths.tolist(), S, gen).cuda()
+            for factored in (True, False):
+                args = medium_tpa(B, S, factored, gen)
+                fast = kernels.tpa_decode(*args, mask, lengths, tuning=tuning)
+                ref = reference_tpa_decode(*(a if a is None else a.float() for a in args), mask, lengths)
+                torch.testing.assert_close(fast.float(), ref, **TOL[torch.bfloat16], msg=f"{tuning} B={B} S={S}")
+            args = medium_latent(B, S, gen)
+            fast = kernels.latent_decode(*args, mask, lengths, tuning=tuning)
+            ref = reference_latent_decode(*(a.float() for a in args), mask, lengths)
+            torch.testing.assert_close(fast.float(), ref, **TOL[torch.bfloat16], msg=f"{tuning} B={B} S={S}")
+
+
+def test_cuda_decode_replays_in_a_cuda_graph_with_new_lengths_and_cache():
+    """The operators captured once in a CUDA graph over a whole cache: replays after the rows' lengths and
+    the cache changed in place give what eager calls give."""
+    compiled_kernels()
+    gen = torch.Generator().manual_seed(9)
+    B, S = 3, 2048
+    tpa_args, latent_args = medium_tpa(B, S, True, gen), medium_latent(B, S, gen)
+    lengths = cuda_lengths(B, S, gen)
+
+    def step():
+        return tpa_decode(*tpa_args, None, lengths), latent_decode(*latent_args, None, lengths)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compiles the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for _ in range(3):
+        lengths.copy_(cuda_lengths(B, S, gen))
+        for t in (*tpa_args[2:], *latent_args[2:]):
+            t.normal_()
+        graph.replay()
+        for graphed, eager in zip(outs, step()):
+            torch.testing.assert_close(graphed, eager, rtol=0, atol=0)

@@ -1,11 +1,13 @@
 """The Triton decode kernels (the CUDA implementation of t6::tpa_decode / t6::latent_decode)
 run on the CPU through Triton's interpreter (TRITON_INTERPRET=1) against the eager reference,
 for every shape class they accept: factorized and full queries, fp32/fp16/bf16 caches, batch
-1 and > 1, with and without padding masks, lengths that are not multiples of the block or the
-split. This checks the kernels' semantics, not the compiled GPU code."""
+1 and > 1, with and without padding masks, rows bounded by lengths in a whole preallocated cache,
+lengths that are not multiples of the block or the split, and every tuning of the kernels' table.
+This checks the kernels' semantics, not the compiled GPU code."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 import subprocess
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # triton.jit reads TRITON_INTERPRET when a function is defined (triton's own library included),
 # so the interpreter is switched on for the first import of triton, here at collection; the
@@ -37,6 +40,32 @@ from test_fused_decode import TOL, padding_mask, tpa_inputs  # noqa: E402
 from t6.model.attention.fused_decode import reference_latent_decode, reference_tpa_decode  # noqa: E402
 
 TOL = {**TOL, torch.float16: dict(rtol=1e-2, atol=1e-2)}
+# every tuning the kernels' table can select, each with one block of tokens per program at least, so
+# short test contexts still split across programs
+TUNINGS = [dataclasses.replace(t, min_tokens=t.block_s) for t in dict.fromkeys(kernels_module.TUNING.values())]
+
+
+def upcast_bf16_dots(monkeypatch) -> None:
+    """Triton's interpreter keeps bf16 values as their uint16 bit patterns and tl.dot multiplies those
+    as integers; a tensor core multiplies bf16 operands exactly into its fp32 accumulator, which an fp32
+    matmul of the operands converted to fp32 reproduces."""
+    import numpy as np
+    from triton import language as tl
+    from triton.runtime import interpreter
+
+    create_dot = interpreter.InterpreterBuilder.create_dot
+
+    def upcast(x):
+        if x.dtype.scalar != tl.bfloat16:
+            return x
+        data = (x.data.astype(np.uint32) << 16).view(np.float32)  # bf16 is fp32's upper half
+        return interpreter.TensorHandle(data, tl.float32)
+
+    monkeypatch.setattr(
+        interpreter.InterpreterBuilder,
+        "create_dot",
+        lambda self, a, b, *rest: create_dot(self, upcast(a), upcast(b), *rest),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +75,7 @@ def kernels():
         pytest.skip("triton was imported before the interpreter could be switched on; covered by the subprocess test")
     mp = pytest.MonkeyPatch()
     mp.setenv("TRITON_INTERPRET", "1")
+    upcast_bf16_dots(mp)
     yield kernels_module
     mp.undo()
 
@@ -64,40 +94,170 @@ def test_interpreter_run_in_a_fresh_process_when_triton_was_already_imported():
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
-CASES = [(1, 1), (1, 45), (3, 70)]  # (batch, cached tokens): one token, part of a block, several splits
+def cases(block: int) -> list[tuple[int, int]]:
+    """(batch, cached tokens): one token, part of a block, several blocks and splits with a partial last block."""
+    return [(1, 1), (1, block + 13), (3, 3 * block + 6)]
 
 
+def latent_inputs(B, S, dtype, gen, h=3, d_c=24, d_r=8, max_len=None):
+    """Queries and a latent cache [B, max_len, *] viewed up to S; the queries are one latent head's of two
+    (GLA's: rows [h, w] contiguous, a stride between the batch's rows)."""
+    max_len = max_len or S + 2
+    q_lat = (torch.randn(B, 2, h, d_c, generator=gen) * 0.2).to(dtype)[:, 1]  # [B, h, d_c]
+    q_rope = (torch.randn(B, 2, h, d_r, generator=gen) * 0.2).to(dtype)[:, 1]  # [B, h, d_rope]
+    c_kv = torch.randn(B, max_len, d_c, generator=gen).to(dtype)[:, :S]  # [B, S, d_c]
+    k_rope = torch.randn(B, max_len, d_r, generator=gen).to(dtype)[:, :S]  # [B, S, d_rope]
+    return q_lat, q_rope, c_kv, k_rope
+
+
+def as_float(args):
+    return [a if a is None else a.float() for a in args]
+
+
+@pytest.mark.parametrize("tuning", TUNINGS, ids=lambda t: f"block{t.block_s}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("factored", [True, False], ids=["tpa", "full_query"])
-def test_triton_tpa_decode_equals_the_eager_reference(kernels, dtype, factored):
+def test_triton_tpa_decode_equals_the_eager_reference(kernels, dtype, factored, tuning):
     gen = torch.Generator().manual_seed(0)
-    for B, S in CASES:
+    for B, S in cases(tuning.block_s):
         args = tpa_inputs(B, S, factored, dtype, gen, h=5, d=16, R_Q=2, R_K=2, R_V=1)
         for mask in (None, padding_mask(B, S, gen)):
-            fast = kernels.tpa_decode(*args, mask, block_s=16)
-            ref = reference_tpa_decode(*(a if a is None else a.float() for a in args), mask)
+            fast = kernels.tpa_decode(*args, mask, tuning=tuning)
+            ref = reference_tpa_decode(*as_float(args), mask)
             assert fast.shape == ref.shape and fast.dtype == dtype
             torch.testing.assert_close(fast.float(), ref, **TOL[dtype], msg=f"B={B} S={S} mask={mask is not None}")
 
 
+@pytest.mark.parametrize("tuning", TUNINGS, ids=lambda t: f"block{t.block_s}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_latent_decode_equals_the_eager_reference(kernels, dtype):
+def test_triton_latent_decode_equals_the_eager_reference(kernels, dtype, tuning):
     gen = torch.Generator().manual_seed(1)
-    for B, S in CASES:
-        q_lat = (torch.randn(B, 3, 24, generator=gen) * 0.2).to(dtype)
-        q_rope = (torch.randn(B, 3, 8, generator=gen) * 0.2).to(dtype)
-        c_kv = torch.randn(B, S + 2, 24, generator=gen).to(dtype)[:, :S]
-        k_rope = torch.randn(B, S + 2, 8, generator=gen).to(dtype)[:, :S]
+    for B, S in cases(tuning.block_s):
+        args = latent_inputs(B, S, dtype, gen)
         for mask in (None, padding_mask(B, S, gen)):
-            fast = kernels.latent_decode(q_lat, q_rope, c_kv, k_rope, mask, block_s=16)
-            ref = reference_latent_decode(q_lat.float(), q_rope.float(), c_kv.float(), k_rope.float(), mask)
+            fast = kernels.latent_decode(*args, mask, tuning=tuning)
+            ref = reference_latent_decode(*as_float(args), mask)
+            assert fast.shape == ref.shape and fast.dtype == dtype
             torch.testing.assert_close(fast.float(), ref, **TOL[dtype], msg=f"B={B} S={S}")
+
+
+def padding_within(lengths: torch.Tensor, S: int, gen: torch.Generator) -> torch.Tensor:
+    """Left padding [B, S] of a different length per row, each row's last valid token visible."""
+    starts = (torch.rand(len(lengths), generator=gen) * lengths).long()  # [B], start < length
+    return torch.arange(S)[None, :] >= starts[:, None]  # [B, S]
+
+
+def poison_past(lengths: torch.Tensor, *caches: torch.Tensor) -> None:
+    """NaN in every cached position at or past its row's length: a kernel that reads one returns NaN."""
+    for cache in caches:
+        for b, n in enumerate(lengths.tolist()):
+            cache[b, n:] = float("nan")
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("factored", [True, False], ids=["tpa", "full_query"])
+def test_lengths_bound_each_row_of_a_whole_cache(kernels, factored, index_dtype):
+    """A whole preallocated cache with lengths [B]: each row's result is the row's own first lengths[b]
+    tokens alone, and nothing at or past its length is read (NaN there)."""
+    gen = torch.Generator().manual_seed(3)
+    tuning = TUNINGS[0]
+    S = 4 * tuning.block_s  # the bucket: the cache's full length
+    lengths = torch.tensor([S, 1, tuning.block_s + 5, 3 * tuning.block_s - 1], dtype=index_dtype)
+    B = len(lengths)
+    q_a, q_b, *cache = tpa_inputs(B, S, factored, torch.float32, gen, h=5, d=16, R_Q=2, R_K=2, R_V=2, max_len=S)
+    poison_past(lengths, *cache)
+    for mask in (None, padding_within(lengths, S, gen)):
+        fast = kernels.tpa_decode(q_a, q_b, *cache, mask, lengths, tuning=tuning)  # [B, h, d_h]
+        for b, n in enumerate(lengths.tolist()):
+            rows = [None if t is None else t[b : b + 1] for t in (q_a, q_b)]
+            alone = reference_tpa_decode(
+                *rows, *(t[b : b + 1, :n] for t in cache), None if mask is None else mask[b : b + 1, :n]
+            )
+            torch.testing.assert_close(fast[b : b + 1], alone, **TOL[torch.float32], msg=f"row {b}, {n} tokens")
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_lengths_bound_each_row_of_a_whole_latent_cache(kernels, index_dtype):
+    gen = torch.Generator().manual_seed(4)
+    tuning = TUNINGS[0]
+    S = 4 * tuning.block_s
+    lengths = torch.tensor([2, S, 2 * tuning.block_s + 1], dtype=index_dtype)
+    B = len(lengths)
+    q_lat, q_rope, c_kv, k_rope = latent_inputs(B, S, torch.float32, gen, max_len=S)
+    poison_past(lengths, c_kv, k_rope)
+    for mask in (None, padding_within(lengths, S, gen)):
+        fast = kernels.latent_decode(q_lat, q_rope, c_kv, k_rope, mask, lengths, tuning=tuning)  # [B, h, d_c]
+        for b, n in enumerate(lengths.tolist()):
+            keys = None if mask is None else mask[b : b + 1, :n]
+            alone = reference_latent_decode(
+                q_lat[b : b + 1], q_rope[b : b + 1], c_kv[b : b + 1, :n], k_rope[b : b + 1, :n], keys
+            )
+            torch.testing.assert_close(fast[b : b + 1], alone, **TOL[torch.float32], msg=f"row {b}, {n} tokens")
+
+
+def test_the_table_chooses_by_shape_class_not_by_context():
+    """Every table entry is one the tests above run; the choice depends on the shapes of the model alone."""
+    picks = {kernels_module.tuning_for(k, HP, W) for k in ("tpa", "latent") for HP in (16, 64) for W in (64, 256)}
+    assert picks == set(kernels_module.TUNING.values())
+    assert {t.block_s for t in picks} == {t.block_s for t in TUNINGS}
+
+
+def test_splits_fill_the_device_and_keep_a_minimum_share():
+    cpu = torch.device("cpu")  # 4 SMs stand in off CUDA
+    t = kernels_module.Tuning(block_s=32, num_warps=4, num_stages=2, waves=2, min_tokens=256)
+    assert [kernels_module.splits(1, S, t, cpu) for S in (1, 511, 512, 1500)] == [1, 1, 2, 5]  # >= 256 tokens each
+    assert [kernels_module.splits(B, 10**6, t, cpu) for B in (1, 3, 16)] == [8, 3, 1]  # waves x SMs over the batch
+
+
+class Calls(TorchDispatchMode):
+    """The aten operators a block of code runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("kernel", ["tpa", "latent"])
+def test_a_call_allocates_its_workspace_and_output_and_does_nothing_else_on_the_host(kernel, monkeypatch):
+    """Between the operator's entry and its two launches: two allocations (the partials' workspace and the
+    result) and the mask's reinterpretation as bytes; no copies, dtype conversions or host reads, which
+    cost host time per call and would stop a CUDA graph's capture."""
+    launches = []
+    for name in ("_tpa_kernel", "_latent_kernel", "_combine_kernel"):
+        monkeypatch.setattr(kernels_module, name, _Launches(name, launches))
+    gen = torch.Generator().manual_seed(5)
+    mask, lengths = padding_mask(2, 40, gen), torch.tensor([40, 33])
+    if kernel == "tpa":
+        args = tpa_inputs(2, 40, True, torch.bfloat16, gen)
+        call = lambda: kernels_module.tpa_decode(*args, mask, lengths)  # noqa: E731
+    else:
+        args = latent_inputs(2, 40, torch.bfloat16, gen)
+        call = lambda: kernels_module.latent_decode(*args, mask, lengths)  # noqa: E731
+    with Calls() as calls:
+        out = call()
+    assert calls.ops.count("new_empty") == 2 and set(calls.ops) <= {"new_empty", "view", "detach"}, calls.ops
+    assert launches == [f"_{kernel}_kernel", "_combine_kernel"] and out.dtype == torch.bfloat16
+
+
+class _Launches:
+    """Stands in for a Triton kernel: records `kernel[grid](...)` launches without running them."""
+
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.log.append(self.name)
 
 
 class CompileLog:
     """Wraps a kernel: records, for each launch, what Triton compiles a kernel for (one compiled kernel
-    per distinct record): the compile-time constants (tl.constexpr parameters) and, for every integer
-    argument not in the kernel's do_not_specialize, its value class (== 1, divisible by 16)."""
+    per distinct record): the compile-time constants (tl.constexpr parameters), the launch options
+    (num_warps, num_stages) and, for every integer argument not in the kernel's do_not_specialize,
+    its value class (== 1, divisible by 16)."""
 
     def __init__(self, kernel):
         self.kernel, self.seen = kernel, set()
@@ -106,33 +266,40 @@ class CompileLog:
         self.free = set(kernel.kwargs.get("do_not_specialize") or ())  # the interpreter keeps jit's options
 
     def __getitem__(self, grid):
-        def launch(*args, **kwargs):
+        def launch(*args, num_warps=None, num_stages=None, **kwargs):
             bound = self.signature.bind(*args, **kwargs).arguments
             classes = {
                 (n, v == 1, v % 16 == 0)
                 for n, v in bound.items()
                 if type(v) is int and n not in self.names and n not in self.free
             }
-            self.seen.add((tuple((n, bound[n]) for n in self.names), frozenset(classes)))
-            return self.kernel[grid](*args, **kwargs)
+            options = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v}
+            self.seen.add((tuple((n, bound[n]) for n in self.names), frozenset(classes), tuple(options.items())))
+            return self.kernel[grid](*args, **kwargs, **options)
 
         return launch
 
 
 def test_one_compiled_kernel_serves_every_context_length(kernels, monkeypatch):
     """Decoding token after token must not compile a new kernel as the context (hence the number of
-    splits) grows: what Triton specializes a launch on is the same at every length."""
+    splits) grows, nor as the rows' lengths change: what Triton specializes a launch on is the same at
+    every length."""
     gen = torch.Generator().manual_seed(2)
-    tpa, latent = CompileLog(kernels._tpa_kernel), CompileLog(kernels._latent_kernel)
-    monkeypatch.setattr(kernels, "_tpa_kernel", tpa)
-    monkeypatch.setattr(kernels, "_latent_kernel", latent)
-    lengths = (1, 17, 32, 40, 100)  # 1, 2, 2, 3 and 7 splits in 16-token blocks (off CUDA: up to 8 programs)
-    for S in lengths:
-        kernels.tpa_decode(*tpa_inputs(1, S, True, torch.float32, gen, h=5, d=16, R_Q=2, R_K=2, R_V=1), None, 16)
-        c_kv, k_rope = torch.randn(1, 128, 24, generator=gen)[:, :S], torch.randn(1, 128, 8, generator=gen)[:, :S]
+    tuning = TUNINGS[0]
+    logs = {name: CompileLog(getattr(kernels, name)) for name in ("_tpa_kernel", "_latent_kernel", "_combine_kernel")}
+    for name, log in logs.items():
+        monkeypatch.setattr(kernels, name, log)
+    block = tuning.block_s
+    contexts = (1, block + 1, 2 * block, 2 * block + 8, 6 * block + 4)
+    for S in contexts:
+        args = tpa_inputs(1, S, True, torch.float32, gen, h=5, d=16, R_Q=2, R_K=2, R_V=1)
+        kernels.tpa_decode(*args, None, tuning=tuning)
+        q_lat, q_rope, c_kv, k_rope = latent_inputs(1, S, torch.float32, gen, max_len=8 * block)
         mask = torch.ones(1, S, dtype=torch.bool)  # a view of a preallocated cache; the mask's row stride is S
-        kernels.latent_decode(
-            torch.randn(1, 3, 24, generator=gen), torch.randn(1, 3, 8, generator=gen), c_kv, k_rope, mask, 16
-        )
-    assert {kernels._partials(1, S, 8, 16, 16, torch.device("cpu"))[1] for S in lengths} == {1, 2, 3, 7}
-    assert len(tpa.seen) == 1 and len(latent.seen) == 1, (tpa.seen, latent.seen)
+        kernels.latent_decode(q_lat, q_rope, c_kv, k_rope, mask, tuning=tuning)
+        whole = latent_inputs(1, 8 * block, torch.float32, gen)  # a whole cache bounded by the row's length
+        kernels.latent_decode(*whole, None, torch.tensor([S]), tuning=tuning)
+    assert {kernels.splits(1, S, tuning, torch.device("cpu")) for S in contexts} == {1, 2, 6}
+    assert len(logs["_tpa_kernel"].seen) == 1, logs["_tpa_kernel"].seen
+    assert len(logs["_latent_kernel"].seen) == 2, logs["_latent_kernel"].seen  # with a mask, with lengths
+    assert len(logs["_combine_kernel"].seen) == 2, logs["_combine_kernel"].seen  # TPA's and the latent's widths

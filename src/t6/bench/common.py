@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
 import json
 import os
 import statistics
@@ -87,6 +88,49 @@ def time_call(fn, steps: int, device: str | torch.device) -> float:
     return (time.perf_counter() - start) / steps
 
 
+def gpu_time_call(fn, steps: int, device: str | torch.device) -> float | None:
+    """Seconds of GPU time per call of fn: the durations of the device's kernels, copies and fills over
+    `steps` calls (torch.profiler), summed, over steps. The time the device is busy, which wall time
+    exceeds by what the host adds (Python, dispatch, launches): a call bound by its host shows a wall
+    time far above its GPU time. None off CUDA (the time is the host's there)."""
+    if not str(device).startswith("cuda"):
+        return None
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize(device)
+    busy_us = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA)
+    return busy_us / 1e6 / steps
+
+
+def host_time_call(fn, steps: int, device: str | torch.device) -> float | None:
+    """Seconds per call for fn to return without waiting for the device (CUDA): the host's own time
+    (Python, dispatch, launches), as long as `steps` calls' launches fit in the device's queue. None
+    off CUDA (the wall time is the host's time there)."""
+    if not str(device).startswith("cuda"):
+        return None
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize(device)
+    return elapsed / steps
+
+
+def copy_bandwidth_gbs(device: str | torch.device, mib: int = 1024) -> float:
+    """The device's copy bandwidth in GB/s, read plus write (what a kernel that streams its inputs once
+    can reach): the best of a few copies of a `mib` MiB buffer."""
+    src = torch.empty(mib * 2**20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    return max(2 * src.numel() / time_call(lambda: dst.copy_(src), 3, device) for _ in range(3)) / 1e9
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values)
 
@@ -158,7 +202,9 @@ def layer_args(parser: argparse.ArgumentParser, contexts: str, contexts_help: st
 
 
 def table(records: list[dict], columns: list[tuple[str, str, str]]) -> str:
-    """columns: (key, header, format) -> a fixed-width text table."""
+    """columns: (key, header, format) -> a fixed-width text table. A column whose key no record has is
+    left out (GPU time on the CPU); a record without a value leaves its cell empty."""
+    columns = [c for c in columns if any(c[0] in r for r in records)]
     cells = [[h for _, h, _ in columns]]
     for r in records:
         cells.append([("" if r.get(k) is None else format(r[k], f)) for k, _, f in columns])
@@ -176,8 +222,15 @@ def write_json(path: Path | None, payload: dict) -> None:
 
 
 def environment(device: str) -> dict:
+    """What a number was measured with: torch, triton and CUDA versions, the device, CPU threads."""
+    try:
+        triton_version = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        triton_version = None
     return {
         "torch": torch.__version__,
+        "triton": triton_version,
+        "cuda": torch.version.cuda,
         "device": device if not device.startswith("cuda") else torch.cuda.get_device_name(device),
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),

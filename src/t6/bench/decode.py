@@ -12,7 +12,8 @@ cache is filled with random values (the arithmetic does not depend on them). `--
 adds the RMSNorms and the SwiGLU feed-forward of the same decoder block (a cost that does not
 grow with the context). The mechanisms are timed interleaved, round by round, at each context,
 and the median round is reported; ratios are to MHA measured in the same run (MHA's
-K/V cache is head-major, the layout SDPA reads fastest).
+K/V cache is head-major, the layout SDPA reads fastest). On CUDA each row also gives the GPU
+time per token (the kernels' durations, torch.profiler): a wall time far above it is the host's.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from t6.bench.common import (
     DTYPES,
     common_args,
     environment,
+    gpu_time_call,
     ints,
     layer_args,
     layer_kv_bytes_per_token,
@@ -121,6 +123,10 @@ def measure(
             for _ in range(rounds):
                 for name, layer in layers.items():
                     seconds[name].append(time_call(lambda: layer(x, pos, caches[name]), steps, device))
+            gpu = {
+                name: gpu_time_call(lambda: layer(x, pos, caches[name]), steps, device)
+                for name, layer in layers.items()
+            }
         rows = []
         for name in layers:
             s = median(seconds[name])
@@ -130,6 +136,7 @@ def measure(
                     "context": context,
                     "batch": batch,
                     "ms_per_token": 1e3 * s,
+                    **({} if gpu[name] is None else {"gpu_ms_per_token": 1e3 * gpu[name]}),  # CUDA only
                     "tokens_per_s": batch / s,
                     **info[name],
                 }
@@ -186,6 +193,7 @@ COLUMNS = [
     ("layer_params", "layer params", ","),
     ("kv_cache_bytes_per_token", "cache B/token", "d"),
     ("ms_per_token", "ms/token", ".3f"),
+    ("gpu_ms_per_token", "GPU ms/token", ".3f"),
     ("tokens_per_s", "tokens/s", ".1f"),
     ("speed_vs_mha", "vs MHA", ".2f"),
 ]

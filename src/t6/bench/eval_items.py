@@ -7,6 +7,9 @@ Two tasks, both built from the embedded corpus (nothing downloaded): the local n
 items with `--long-context-lines` lines of context, 0 shots: a long passage, four one-line endings).
 
     python -m t6.bench.eval_items [--size tiny] [--attention tpa] [--items 40] [--threads N] [--json PATH]
+    python -m t6.bench.eval_items --device cuda --dtype bfloat16 --size medium --items 200
+
+The model has random weights at `--size`, in `--dtype`, on `--device` (auto: CUDA where there is one).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import t6.config
+from t6.bench.common import DTYPES, environment, resolve_device
 from t6.evaluation.adapter import T6LM
 from t6.evaluation.next_line import build_next_line_task
 from t6.model import T6
@@ -71,16 +75,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--task-dir", default="data/eval/t6_next_line")
     parser.add_argument("--long-task-dir", default="data/eval/t6_next_line_long")
     parser.add_argument("--long-context-lines", type=int, default=12)
+    parser.add_argument("--device", type=resolve_device, default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="the model's weights")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--json", dest="json_path")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: no CUDA device here; use --device cpu (or auto)")
 
     task_dir = build_next_line_task(args.task_dir)
     long_dir = build_next_line_task(args.long_task_dir, context_lines=args.long_context_lines)
-    model = model_for(args.size, args.attention)
-    device = str(next(model.parameters()).device)
+    model = model_for(args.size, args.attention).to(device=args.device, dtype=DTYPES[args.dtype])
+    device = environment(args.device)["device"]  # the GPU's name on CUDA
     per_choice = T6LM(model=model, batch_size=args.batch_size, share_prefix=False)
     shared = T6LM(model=model, batch_size=args.batch_size)
     rows = []
@@ -98,6 +106,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 "context_tokens": round(ctx, 1),
                 "continuation_tokens": round(cont, 1),
                 "device": device,
+                "dtype": args.dtype,
                 "threads": torch.get_num_threads(),
                 "batch_size": args.batch_size,
                 "items_per_s_per_choice": round(before, 2),

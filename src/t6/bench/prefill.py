@@ -20,6 +20,7 @@ from t6.bench.common import (
     DTYPES,
     common_args,
     environment,
+    gpu_time_call,
     ints,
     layer_args,
     layer_kv_bytes_per_token,
@@ -54,6 +55,10 @@ def run(args) -> dict:
             for _ in range(args.rounds):
                 for name, layer in layers.items():
                     seconds[name].append(time_call(lambda: layer(x, pos, caches[name]), 1, args.device))
+            gpu = {
+                name: gpu_time_call(lambda: layer(x, pos, caches[name]), 1, args.device)
+                for name, layer in layers.items()
+            }
         rows = []
         for name in layers:
             s = median(seconds[name])
@@ -64,6 +69,7 @@ def run(args) -> dict:
                     "batch": args.batch,
                     "n_head": configs[name].n_head,
                     "ms": 1e3 * s,
+                    **({} if gpu[name] is None else {"gpu_ms": 1e3 * gpu[name]}),  # CUDA only
                     "tokens_per_s": args.batch * context / s,
                     "kv_cache_bytes_per_token": layer_kv_bytes_per_token(configs[name], dtype),
                 }
@@ -87,6 +93,7 @@ COLUMNS = [
     ("context", "prompt", "d"),
     ("n_head", "heads", "d"),
     ("ms", "ms", ".1f"),
+    ("gpu_ms", "GPU ms", ".1f"),
     ("tokens_per_s", "tokens/s", ".0f"),
     ("speed_vs_mha", "vs MHA", ".2f"),
 ]

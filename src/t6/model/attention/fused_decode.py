@@ -22,10 +22,18 @@ default ~/.cache/torch_extensions; needs g++, the Python headers and ninja, pinn
 cannot be built, the operators run `reference_tpa_decode` / `reference_latent_decode`, the eager
 form, with one warning. On CUDA the Triton kernels of `t6.model.attention.triton_decode`
 implement the same operators.
+
+Both operators take optional `lengths` [B] (int32 or int64, on the cache's device): row b attends to
+its first lengths[b] cached tokens only, so a caller with a preallocated cache passes the whole cache
+(a fixed shape, as a CUDA graph needs) and the rows' lengths as a device tensor. The CUDA kernels never
+read past a row's length. The CPU implementations read the lengths (a host read is free there), cut the
+cache at the longest row and hide the other rows' positions past their lengths with the key mask: those
+positions are read with weight zero, so they must hold finite values (KVCache's caches start as zeros).
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import hashlib
@@ -104,6 +112,22 @@ def cpu_extension():
         return None
 
 
+def check_lengths(lengths: torch.Tensor | None, B: int) -> None:
+    if lengths is not None and (lengths.shape != (B,) or lengths.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(
+            f"lengths must be an int32 or int64 tensor [B] = [{B}] (each row's valid cached tokens), "
+            f"got {lengths.dtype} {tuple(lengths.shape)}"
+        )
+
+
+def within_lengths(lengths: torch.Tensor, key_mask: torch.Tensor | None, S: int) -> tuple[int, torch.Tensor]:
+    """The CPU form of `lengths` [B]: (n, the longest row's length capped at S; the key mask [B, n] that
+    also hides each row's positions at or past its own length). Reads the lengths on the host."""
+    n = min(int(lengths.max()), S)
+    valid = torch.arange(n, device=lengths.device) < lengths[:, None]  # [B, n]
+    return n, valid if key_mask is None else valid & key_mask[:, :n]  # [B, n]
+
+
 @torch.library.custom_op("t6::tpa_decode", mutates_args=())
 def tpa_decode(
     q_a: torch.Tensor | None,
@@ -113,6 +137,7 @@ def tpa_decode(
     a_v: torch.Tensor,
     b_v: torch.Tensor,
     key_mask: torch.Tensor | None,
+    lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One new query per row against S cached tokens -> [B, h, d_h] (normalized by 1/R_V).
 
@@ -120,7 +145,12 @@ def tpa_decode(
     q_b a full query [B, h, d_h] (scaled). a_k [B, S, R_K, h], b_k [B, S, R_K, d_h],
     a_v [B, S, R_V, h], b_v [B, S, R_V, d_h]: the cache (views up to the new token included).
     key_mask: None or bool [B, S], False where the query must not look (padding).
+    lengths: None or int [B]: row b attends to its first lengths[b] cached tokens only.
     """
+    check_lengths(lengths, a_k.shape[0])
+    if lengths is not None:
+        n, key_mask = within_lengths(lengths, key_mask, a_k.shape[1])
+        a_k, b_k, a_v, b_v = a_k[:, :n], b_k[:, :n], a_v[:, :n], b_v[:, :n]  # [B, n, R, *]
     ext = cpu_extension() if q_b.device.type == "cpu" else None
     if ext is None:
         return reference_tpa_decode(q_a, q_b, a_k, b_k, a_v, b_v, key_mask)
@@ -128,22 +158,26 @@ def tpa_decode(
 
 
 @tpa_decode.register_fake
-def _(q_a, q_b, a_k, b_k, a_v, b_v, key_mask):
+def _(q_a, q_b, a_k, b_k, a_v, b_v, key_mask, lengths=None):
     B, h, d = a_k.shape[0], a_k.shape[-1], b_k.shape[-1]
     return q_b.new_empty(B, h, d)
 
 
 @register_flop_formula(torch.ops.t6.tpa_decode)
-def _(q_a, q_b, a_k, b_k, a_v, b_v, key_mask, out_shape=None) -> int:
-    """Multiply-adds x 2 (shapes in): B_K . B_Q then A_Q (or B_K . q per head), and P A_V B_V."""
+def _(q_a, q_b, a_k, b_k, a_v, b_v, key_mask, lengths=None, out_shape=None) -> int:
+    """Multiply-adds x 2 (shapes in): B_K . B_Q then A_Q (or B_K . q per head), and P A_V B_V; over all
+    S cached tokens (with lengths, an upper bound)."""
     B, S, R_K, h = a_k
     d, R_V = b_k[-1], a_v[2]
     scores = 2 * B * S * R_K * d * h if q_a is None else 2 * B * S * R_K * q_a[1] * (d + h)
     return scores + 2 * B * S * R_V * h * d
 
 
-def reference_tpa_decode(q_a, q_b, a_k, b_k, a_v, b_v, key_mask) -> torch.Tensor:
+def reference_tpa_decode(q_a, q_b, a_k, b_k, a_v, b_v, key_mask, lengths=None) -> torch.Tensor:
     """The eager form of `tpa_decode` (same arguments and result): whole-context intermediates."""
+    if lengths is not None:
+        n, key_mask = within_lengths(lengths, key_mask, a_k.shape[1])
+        a_k, b_k, a_v, b_v = a_k[:, :n], b_k[:, :n], a_v[:, :n], b_v[:, :n]  # [B, n, R, *]
     B, S, R_K, h = a_k.shape
     d, R_V = b_k.shape[-1], a_v.shape[2]
     b_k_flat = b_k.reshape(B, S * R_K, d)  # [B, S R_K, d_h]
@@ -166,13 +200,18 @@ def latent_decode(
     c_kv: torch.Tensor,
     k_rope: torch.Tensor,
     key_mask: torch.Tensor | None,
+    lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """MLA's absorbed decoding: one new query per row, every head against the one shared latent.
 
     q_lat [B, h, d_c] (q_nope W_UK, scaled), q_rope [B, h, d_rope] (rotated, scaled),
-    c_kv [B, S, d_c], k_rope [B, S, d_rope], key_mask None or bool [B, S].
+    c_kv [B, S, d_c], k_rope [B, S, d_rope], key_mask None or bool [B, S], lengths None or int [B].
     Returns the attention-weighted latents [B, h, d_c] (W_UV is applied by the caller).
     """
+    check_lengths(lengths, c_kv.shape[0])
+    if lengths is not None:
+        n, key_mask = within_lengths(lengths, key_mask, c_kv.shape[1])
+        c_kv, k_rope = c_kv[:, :n], k_rope[:, :n]  # [B, n, d_c], [B, n, d_rope]
     ext = cpu_extension() if q_lat.device.type == "cpu" else None
     if ext is None:
         return reference_latent_decode(q_lat, q_rope, c_kv, k_rope, key_mask)
@@ -180,20 +219,24 @@ def latent_decode(
 
 
 @latent_decode.register_fake
-def _(q_lat, q_rope, c_kv, k_rope, key_mask):
+def _(q_lat, q_rope, c_kv, k_rope, key_mask, lengths=None):
     return q_lat.new_empty(q_lat.shape)
 
 
 @register_flop_formula(torch.ops.t6.latent_decode)
-def _(q_lat, q_rope, c_kv, k_rope, key_mask, out_shape=None) -> int:
-    """Multiply-adds x 2 (shapes in): scores over the latent and the RoPE key, then P c_kv."""
+def _(q_lat, q_rope, c_kv, k_rope, key_mask, lengths=None, out_shape=None) -> int:
+    """Multiply-adds x 2 (shapes in): scores over the latent and the RoPE key, then P c_kv; over all S
+    cached tokens (with lengths, an upper bound)."""
     B, h, d_c = q_lat
     S, d_rope = c_kv[1], k_rope[-1]
     return 2 * B * h * S * (d_c + d_rope) + 2 * B * h * S * d_c
 
 
-def reference_latent_decode(q_lat, q_rope, c_kv, k_rope, key_mask) -> torch.Tensor:
+def reference_latent_decode(q_lat, q_rope, c_kv, k_rope, key_mask, lengths=None) -> torch.Tensor:
     """The eager form of `latent_decode` (same arguments and result)."""
+    if lengths is not None:
+        n, key_mask = within_lengths(lengths, key_mask, c_kv.shape[1])
+        c_kv, k_rope = c_kv[:, :n], k_rope[:, :n]  # [B, n, d_c], [B, n, d_rope]
     scores = torch.bmm(q_lat, c_kv.transpose(1, 2)) + torch.bmm(q_rope, k_rope.transpose(1, 2))  # [B, h, S]
     if key_mask is not None:
         scores = scores.masked_fill(~key_mask[:, None], float("-inf"))  # [B, h, S]
@@ -201,19 +244,29 @@ def reference_latent_decode(q_lat, q_rope, c_kv, k_rope, key_mask) -> torch.Tens
     return torch.bmm(probs, c_kv).to(q_lat.dtype)  # [B, h, d_c]
 
 
-# A Triton launch runs on the current CUDA device, not the tensors' (triton.runtime.jit): the guard
-# makes it the tensors' device, so a model on cuda:1 decodes on cuda:1.
-@tpa_decode.register_kernel("cuda")
-def _(q_a, q_b, a_k, b_k, a_v, b_v, key_mask):
+@functools.cache
+def _kernels():
+    """The Triton kernels' module (imported on the first CUDA call: triton's import stays off CPU-only runs)."""
     from t6.model.attention import triton_decode
 
-    with torch.cuda.device(q_b.device):
-        return triton_decode.tpa_decode(q_a, q_b, a_k, b_k, a_v, b_v, key_mask)
+    return triton_decode
+
+
+def _on(device: torch.device):
+    """A Triton launch runs on the current CUDA device, not the tensors' (triton.runtime.jit): the tensors'
+    device made current where it is not, so a model on cuda:1 decodes on cuda:1."""
+    return contextlib.nullcontext() if device.index == torch.cuda.current_device() else torch.cuda.device(device)
+
+
+@tpa_decode.register_kernel("cuda")
+def _(q_a, q_b, a_k, b_k, a_v, b_v, key_mask, lengths=None):
+    check_lengths(lengths, a_k.shape[0])
+    with _on(q_b.device):
+        return _kernels().tpa_decode(q_a, q_b, a_k, b_k, a_v, b_v, key_mask, lengths)
 
 
 @latent_decode.register_kernel("cuda")
-def _(q_lat, q_rope, c_kv, k_rope, key_mask):
-    from t6.model.attention import triton_decode
-
-    with torch.cuda.device(q_lat.device):
-        return triton_decode.latent_decode(q_lat, q_rope, c_kv, k_rope, key_mask)
+def _(q_lat, q_rope, c_kv, k_rope, key_mask, lengths=None):
+    check_lengths(lengths, c_kv.shape[0])
+    with _on(q_lat.device):
+        return _kernels().latent_decode(q_lat, q_rope, c_kv, k_rope, key_mask, lengths)

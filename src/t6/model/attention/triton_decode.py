@@ -1,19 +1,34 @@
 """Triton decode kernels for CUDA: the GPU implementations of `t6::tpa_decode` and
 `t6::latent_decode` (see fused_decode.py for the arithmetic).
 
-FlashTPA-style split-K: the cached sequence is split across programs (grid = batch x splits);
-each program streams its share in blocks of BLOCK_S tokens with an online softmax over all
-heads at once and writes a partial (max, denominator, numerator); the partials are combined
-afterwards (`combine`). The cache may be fp32, bf16 or fp16, loaded and accumulated in fp32 (the
-operands of tl.dot take Triton's default fp32 input precision, TF32 on tensor cores); batch >= 1;
-an optional bool key mask [B, S] hides padding. The compile-time constants are the model's shapes
-only, never the context length or the number of splits, and the integer arguments that follow the
-context length are excluded from Triton's specialization, so one compiled kernel serves a whole
-generation. Correctness is tested on the CPU through Triton's interpreter (TRITON_INTERPRET=1)
-against the eager reference.
+Split-K over the cached sequence (as FlashDecoding): one program per (row, split) streams its share of
+the row's tokens in blocks of BLOCK_S with an online softmax over all heads at once, and writes a partial
+(max, denominator, numerator) into an fp32 workspace; a second small kernel (`_combine_kernel`) merges
+a row's partials per head and writes the result in the query's dtype. Two launches per call, no other
+work: no host reads, no allocation whose size depends on values, so a call can be captured in a CUDA
+graph. The workspace is one allocation per call from PyTorch's caching allocator (no cudaMalloc once
+warm), not a buffer kept across calls: under torch.compile's CUDA graphs, warm-up routes a thread's
+allocations to the graph's memory pool, which hands out again whatever it does not know to be live.
+
+The cache may be fp32, bf16 or fp16. The contractions over tokens and over the head width are tensor-core
+dots whose operands stay in the cache's dtype (fp32 operands take Triton's default TF32 precision) with
+fp32 accumulation; the softmax and the rescaling are fp32. TPA contracts its query factors once per
+program into the full query [h, d_h] (A_Q^T B_Q), so a token's scores are R_K dots B_K[s, r] . q_i times
+A_K[s, r, i]. An optional bool key mask [B, S] hides padding; optional lengths [B] bound each row: a row
+reads only its first lengths[b] cached tokens, so a caller may pass a whole preallocated cache (a fixed
+shape) and the rows' lengths as a device tensor.
+
+The compile-time constants are the model's shapes and the launch's `Tuning`, never the context length,
+the number of splits or the lengths, and the integer arguments that follow the context length are
+excluded from Triton's specialization, so one compiled kernel serves a whole generation. Correctness
+is tested on the CPU through Triton's interpreter (TRITON_INTERPRET=1) against the eager reference for
+every tuning the table holds; the tunings' speed is measured by `python -m t6.bench.decode_kernels`.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
 
 import torch
 import triton
@@ -22,10 +37,98 @@ import triton.language as tl
 # Integer arguments that change with the context length. Triton otherwise compiles a variant of a kernel
 # for each value class of an integer argument (1, a multiple of 16, other), so a growing S compiles again.
 CONTEXT_ARGS = ["S", "s_mask_b"]
+COMBINE_CONTEXT_ARGS = ["n_splits"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """How a kernel is launched: BLOCK_S cached tokens per loop step, Triton's num_warps and num_stages
+    (software pipelining of the loop's loads), and the split of the sequence: about `waves` programs per
+    SM over the whole batch, each with at least `min_tokens` cached tokens (every program writes an fp32
+    partial of HP x (W + 2) values, which the combine reads back: traffic beside the cache's)."""
+
+    block_s: int
+    num_warps: int
+    num_stages: int
+    waves: int
+    min_tokens: int
+
+
+# By shape class: the kernel, and whether its fp32 accumulator [HP, W] holds more than 64 x 64 values (MLA's
+# d_c = 256: fewer tokens per step and more warps keep the tiles in registers). Speed unmeasured on a GPU
+# so far: `python -m t6.bench.decode_kernels --sweep` times the candidates on one.
+TUNING = {
+    ("tpa", False): Tuning(block_s=64, num_warps=4, num_stages=3, waves=2, min_tokens=256),
+    ("tpa", True): Tuning(block_s=32, num_warps=8, num_stages=2, waves=2, min_tokens=256),
+    ("latent", False): Tuning(block_s=64, num_warps=4, num_stages=3, waves=2, min_tokens=256),
+    ("latent", True): Tuning(block_s=32, num_warps=8, num_stages=2, waves=2, min_tokens=256),
+}
+COMBINE_CHUNK = 16  # splits merged per step by _combine_kernel
+
+
+def tuning_for(kernel: str, HP: int, W: int) -> Tuning:
+    """The table's tuning for `kernel` ("tpa" or "latent") with padded head count HP and value width W."""
+    return TUNING[kernel, HP * W > 64 * 64]
+
+
+# Host arithmetic in plain Python: triton.cdiv and triton.next_power_of_2 are constexpr functions whose
+# call costs microseconds, per call of the operators.
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def _pow2(n: int, least: int = 16) -> int:
-    return max(least, triton.next_power_of_2(n))
+    """The next power of two >= n, at least `least` (tl.arange and tl.dot extents)."""
+    return max(least, 1 << (n - 1).bit_length())
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; off CUDA (Triton's interpreter) 4, so tests see splits."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def splits(B: int, S: int, tuning: Tuning, device: torch.device) -> int:
+    """Programs per row: about `waves` per SM over the batch, at least `min_tokens` (and one block) each."""
+    per_program = max(tuning.min_tokens, tuning.block_s)
+    return max(1, min(S // per_program, _cdiv(tuning.waves * _sm_count(device), B)))
+
+
+@triton.jit
+def _split_range(len_ptr, b, S, LENGTHS: tl.constexpr, BLOCK_S: tl.constexpr):
+    """This program's share [s_lo, s_hi) of row b's valid tokens, in whole blocks."""
+    n = S
+    if LENGTHS:
+        n = tl.minimum(tl.load(len_ptr + b).to(tl.int32), S)  # the row's valid tokens
+    per = tl.cdiv(tl.cdiv(n, tl.num_programs(1)), BLOCK_S) * BLOCK_S
+    s_lo = tl.program_id(1) * per
+    return s_lo, tl.minimum(s_lo + per, n)
+
+
+@triton.jit
+def _store_partial(ws_ptr, m, l, acc, H, HP: tl.constexpr, W: tl.constexpr):
+    """Writes this program's (m [HP], l [HP], acc [HP, W]) into the workspace: m of every program, then
+    every l, then every acc, programs in [B, splits] row-major order; the H real heads only (the padding
+    heads' rows are traffic the combine never reads)."""
+    programs = tl.num_programs(0) * tl.num_programs(1)
+    out = tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
+    heads = tl.arange(0, HP)
+    cols = tl.arange(0, W)
+    h_ok = heads < H
+    tl.store(ws_ptr + out * HP + heads, m, mask=h_ok)
+    tl.store(ws_ptr + (programs + out) * HP + heads, l, mask=h_ok)
+    tl.store(ws_ptr + 2 * programs * HP + out * HP * W + heads[:, None] * W + cols[None, :], acc, mask=h_ok[:, None])
+
+
+@triton.jit
+def _online_softmax(scores, m, l, acc):
+    """One block's scores [BLOCK_S, HP] (-inf where hidden) into the running (m, l, acc): returns the
+    probabilities P [BLOCK_S, HP] relative to the new max, the new m and l, and acc rescaled to it."""
+    m_new = tl.maximum(m, tl.max(scores, axis=0))  # [HP]
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a head that has seen nothing yet
+    p = tl.exp(scores - m_safe[None, :])  # [BLOCK_S, HP]
+    corr = tl.exp(m - m_safe)  # [HP]
+    return p, m_new, l * corr + tl.sum(p, axis=0), acc * corr[:, None]
 
 
 @triton.jit(do_not_specialize=CONTEXT_ARGS)
@@ -37,13 +140,13 @@ def _tpa_kernel(
     av_ptr,
     bv_ptr,
     mask_ptr,
-    m_ptr,
-    l_ptr,
-    acc_ptr,
+    len_ptr,
+    ws_ptr,
     S,
     H,
     D,
-    per_split,
+    s_qa_b,
+    s_qb_b,
     s_ak_b,
     s_ak_s,
     s_bk_b,
@@ -58,22 +161,32 @@ def _tpa_kernel(
     RV: tl.constexpr,
     FACTORED: tl.constexpr,
     MASKED: tl.constexpr,
+    LENGTHS: tl.constexpr,
     HP: tl.constexpr,
     DP: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    split = tl.program_id(1)
+    b = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, HP)  # [HP]
     dims = tl.arange(0, DP)  # [DP]
     toks = tl.arange(0, BLOCK_S)  # [BLOCK_S]
     h_ok = heads < H
     d_ok = dims < D
+    if FACTORED:  # the full query q_i = sum_r' A_Q[r', i] B_Q[r'], contracted once: [HP, DP]
+        q = tl.zeros([HP, DP], tl.float32)
+        for rq in tl.static_range(RQ):
+            qa_row = tl.load(qa_ptr + b * s_qa_b + rq * H + heads, mask=h_ok, other=0.0).to(tl.float32)  # [HP]
+            qb_row = tl.load(qb_ptr + b * s_qb_b + rq * D + dims, mask=d_ok, other=0.0).to(tl.float32)  # [DP]
+            q += qa_row[:, None] * qb_row[None, :]  # [HP, DP]
+    else:
+        q = tl.load(
+            qb_ptr + b * s_qb_b + heads[:, None] * D + dims[None, :], mask=h_ok[:, None] & d_ok[None, :], other=0.0
+        )  # [HP, DP]
+    q = q.to(bk_ptr.dtype.element_ty)  # a dot operand in the cache's dtype
     m = tl.full([HP], float("-inf"), tl.float32)
     l = tl.zeros([HP], tl.float32)
     acc = tl.zeros([HP, DP], tl.float32)
-    s_lo = split * per_split
-    s_hi = tl.minimum(s_lo + per_split, S)
+    s_lo, s_hi = _split_range(len_ptr, b, S, LENGTHS, BLOCK_S)
     for s0 in range(s_lo, s_hi, BLOCK_S):
         s = s0 + toks  # [BLOCK_S]
         s_ok = s < s_hi
@@ -83,37 +196,18 @@ def _tpa_kernel(
                 bk_ptr + b * s_bk_b + s[:, None] * s_bk_s + r * D + dims[None, :],
                 mask=s_ok[:, None] & d_ok[None, :],
                 other=0.0,
-            ).to(tl.float32)  # [BLOCK_S, DP]
+            )  # [BLOCK_S, DP]
             ak = tl.load(
                 ak_ptr + b * s_ak_b + s[:, None] * s_ak_s + r * H + heads[None, :],
                 mask=s_ok[:, None] & h_ok[None, :],
                 other=0.0,
             ).to(tl.float32)  # [BLOCK_S, HP]
-            if FACTORED:
-                qb = tl.zeros([BLOCK_S, HP], tl.float32)
-                for rq in tl.static_range(RQ):
-                    q_row = tl.load(qb_ptr + (b * RQ + rq) * D + dims, mask=d_ok, other=0.0).to(tl.float32)  # [DP]
-                    g = tl.sum(bk * q_row[None, :], axis=1)  # B_K[s, r] . B_Q[rq]: [BLOCK_S]
-                    qa_row = tl.load(qa_ptr + (b * RQ + rq) * H + heads, mask=h_ok, other=0.0).to(tl.float32)  # [HP]
-                    qb += g[:, None] * qa_row[None, :]  # [BLOCK_S, HP]
-            else:
-                q = tl.load(
-                    qb_ptr + b * H * D + heads[:, None] * D + dims[None, :],
-                    mask=h_ok[:, None] & d_ok[None, :],
-                    other=0.0,
-                ).to(tl.float32)  # [HP, DP]
-                qb = tl.dot(bk, tl.trans(q))  # B_K[s, r] . q_i: [BLOCK_S, HP]
-            scores += ak * qb
+            scores += ak * tl.dot(bk, tl.trans(q))  # A_K[s, r, i] (B_K[s, r] . q_i): [BLOCK_S, HP]
         visible = s_ok
         if MASKED:
             visible = visible & (tl.load(mask_ptr + b * s_mask_b + s, mask=s_ok, other=0) != 0)
         scores = tl.where(visible[:, None], scores, float("-inf"))  # [BLOCK_S, HP]
-        m_new = tl.maximum(m, tl.max(scores, axis=0))  # [HP]
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(scores - m_safe[None, :])  # [BLOCK_S, HP]
-        corr = tl.exp(m - m_safe)  # [HP]
-        l = l * corr + tl.sum(p, axis=0)
-        acc = acc * corr[:, None]
+        p, m, l, acc = _online_softmax(scores, m, l, acc)
         for r in tl.static_range(RV):
             av = tl.load(
                 av_ptr + b * s_av_b + s[:, None] * s_av_s + r * H + heads[None, :],
@@ -124,13 +218,10 @@ def _tpa_kernel(
                 bv_ptr + b * s_bv_b + s[:, None] * s_bv_s + r * D + dims[None, :],
                 mask=s_ok[:, None] & d_ok[None, :],
                 other=0.0,
-            ).to(tl.float32)  # [BLOCK_S, DP]
-            acc += tl.dot(tl.trans(p * av), bv)  # sum_s P[s, i] A_V[s, r, i] B_V[s, r]: [HP, DP]
-        m = m_new
-    out = b * tl.num_programs(1) + split  # this program's partial: [B, splits] row-major
-    tl.store(m_ptr + out * HP + heads, m)
-    tl.store(l_ptr + out * HP + heads, l)
-    tl.store(acc_ptr + out * HP * DP + heads[:, None] * DP + dims[None, :], acc)
+            )  # [BLOCK_S, DP]
+            w = (p * av).to(bv.dtype)  # P[s, i] A_V[s, r, i]: [BLOCK_S, HP]
+            acc += tl.dot(tl.trans(w), bv)  # sum_s P[s, i] A_V[s, r, i] B_V[s, r]: [HP, DP]
+    _store_partial(ws_ptr, m, l, acc, H, HP, DP)
 
 
 @triton.jit(do_not_specialize=CONTEXT_ARGS)
@@ -140,141 +231,159 @@ def _latent_kernel(
     c_ptr,
     kr_ptr,
     mask_ptr,
-    m_ptr,
-    l_ptr,
-    acc_ptr,
+    len_ptr,
+    ws_ptr,
     S,
     H,
     DC,
     DR,
-    per_split,
+    s_ql_b,
+    s_qr_b,
     s_c_b,
     s_c_s,
     s_kr_b,
     s_kr_s,
     s_mask_b,
     MASKED: tl.constexpr,
+    LENGTHS: tl.constexpr,
     HP: tl.constexpr,
     DCP: tl.constexpr,
     DRP: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    split = tl.program_id(1)
-    heads = tl.arange(0, HP)
-    cdims = tl.arange(0, DCP)
-    rdims = tl.arange(0, DRP)
-    toks = tl.arange(0, BLOCK_S)
+    b = tl.program_id(0).to(tl.int64)
+    heads = tl.arange(0, HP)  # [HP]
+    cdims = tl.arange(0, DCP)  # [DCP]
+    rdims = tl.arange(0, DRP)  # [DRP]
+    toks = tl.arange(0, BLOCK_S)  # [BLOCK_S]
     h_ok = heads < H
+    c_ok = cdims < DC
+    r_ok = rdims < DR
     q_lat = tl.load(
-        ql_ptr + b * H * DC + heads[:, None] * DC + cdims[None, :],
-        mask=h_ok[:, None] & (cdims[None, :] < DC),
-        other=0.0,
-    ).to(tl.float32)  # [HP, DCP]
+        ql_ptr + b * s_ql_b + heads[:, None] * DC + cdims[None, :], mask=h_ok[:, None] & c_ok[None, :], other=0.0
+    ).to(c_ptr.dtype.element_ty)  # [HP, DCP]
     q_rope = tl.load(
-        qr_ptr + b * H * DR + heads[:, None] * DR + rdims[None, :],
-        mask=h_ok[:, None] & (rdims[None, :] < DR),
-        other=0.0,
-    ).to(tl.float32)  # [HP, DRP]
+        qr_ptr + b * s_qr_b + heads[:, None] * DR + rdims[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0
+    ).to(kr_ptr.dtype.element_ty)  # [HP, DRP]
     m = tl.full([HP], float("-inf"), tl.float32)
     l = tl.zeros([HP], tl.float32)
     acc = tl.zeros([HP, DCP], tl.float32)
-    s_lo = split * per_split
-    s_hi = tl.minimum(s_lo + per_split, S)
+    s_lo, s_hi = _split_range(len_ptr, b, S, LENGTHS, BLOCK_S)
     for s0 in range(s_lo, s_hi, BLOCK_S):
-        s = s0 + toks
+        s = s0 + toks  # [BLOCK_S]
         s_ok = s < s_hi
         c = tl.load(
-            c_ptr + b * s_c_b + s[:, None] * s_c_s + cdims[None, :],
-            mask=s_ok[:, None] & (cdims[None, :] < DC),
-            other=0.0,
-        ).to(tl.float32)  # [BLOCK_S, DCP]
+            c_ptr + b * s_c_b + s[:, None] * s_c_s + cdims[None, :], mask=s_ok[:, None] & c_ok[None, :], other=0.0
+        )  # [BLOCK_S, DCP]
         kr = tl.load(
-            kr_ptr + b * s_kr_b + s[:, None] * s_kr_s + rdims[None, :],
-            mask=s_ok[:, None] & (rdims[None, :] < DR),
-            other=0.0,
-        ).to(tl.float32)  # [BLOCK_S, DRP]
+            kr_ptr + b * s_kr_b + s[:, None] * s_kr_s + rdims[None, :], mask=s_ok[:, None] & r_ok[None, :], other=0.0
+        )  # [BLOCK_S, DRP]
         scores = tl.dot(c, tl.trans(q_lat)) + tl.dot(kr, tl.trans(q_rope))  # [BLOCK_S, HP]
         visible = s_ok
         if MASKED:
             visible = visible & (tl.load(mask_ptr + b * s_mask_b + s, mask=s_ok, other=0) != 0)
-        scores = tl.where(visible[:, None], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(scores - m_safe[None, :])  # [BLOCK_S, HP]
-        corr = tl.exp(m - m_safe)
-        l = l * corr + tl.sum(p, axis=0)
-        acc = acc * corr[:, None] + tl.dot(tl.trans(p), c)  # [HP, DCP]
-        m = m_new
-    out = b * tl.num_programs(1) + split  # this program's partial: [B, splits] row-major
-    tl.store(m_ptr + out * HP + heads, m)
-    tl.store(l_ptr + out * HP + heads, l)
-    tl.store(acc_ptr + out * HP * DCP + heads[:, None] * DCP + cdims[None, :], acc)
+        scores = tl.where(visible[:, None], scores, float("-inf"))  # [BLOCK_S, HP]
+        p, m, l, acc = _online_softmax(scores, m, l, acc)
+        acc += tl.dot(tl.trans(p.to(c.dtype)), c)  # sum_s P[s, i] c_kv[s]: [HP, DCP]
+    _store_partial(ws_ptr, m, l, acc, H, HP, DCP)
 
 
-def combine(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
-    """Partials of the splits, m, l [B, splits, HP] and acc [B, splits, HP, W] -> [B, HP, W]."""
-    top = m.amax(dim=1, keepdim=True)  # [B, 1, HP]
-    scale = torch.where(
-        m == float("-inf"), 0.0, torch.exp(m - torch.where(top == float("-inf"), 0.0, top))
-    )  # [B, splits, HP]
-    return (acc * scale[..., None]).sum(1) / (l * scale).sum(1)[..., None]  # [B, HP, W]
+@triton.jit(do_not_specialize=COMBINE_CONTEXT_ARGS)
+def _combine_kernel(
+    ws_ptr,
+    out_ptr,
+    n_splits,
+    W,
+    scale,
+    s_out_b,
+    s_out_h,
+    HP: tl.constexpr,
+    WP: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """Row b, head i (grid B x h): out[b, i] = scale sum_j e^(m_j - M) acc_j[i] / sum_j e^(m_j - M) l_j[i]
+    over the row's splits j, M = max_j m_j."""
+    b = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1)
+    programs = tl.num_programs(0) * n_splits
+    chunk = tl.arange(0, CHUNK)  # [CHUNK]
+    cols = tl.arange(0, WP)  # [WP]
+    top = tl.full([CHUNK], float("-inf"), tl.float32)
+    for j0 in range(0, n_splits, CHUNK):
+        j = b * n_splits + j0 + chunk  # [CHUNK]: the splits' program numbers
+        top = tl.maximum(top, tl.load(ws_ptr + j * HP + i, mask=j0 + chunk < n_splits, other=float("-inf")))
+    big = tl.max(top, axis=0)
+    big = tl.where(big == float("-inf"), 0.0, big)
+    den = tl.zeros([CHUNK], tl.float32)
+    num = tl.zeros([WP], tl.float32)
+    for j0 in range(0, n_splits, CHUNK):
+        j = b * n_splits + j0 + chunk  # [CHUNK]
+        j_ok = j0 + chunk < n_splits
+        m = tl.load(ws_ptr + j * HP + i, mask=j_ok, other=float("-inf"))  # [CHUNK]
+        w = tl.where(m == float("-inf"), 0.0, tl.exp(m - big))  # [CHUNK]: each split's weight
+        den += w * tl.load(ws_ptr + (programs + j) * HP + i, mask=j_ok, other=0.0)  # [CHUNK]
+        part = tl.load(
+            ws_ptr + 2 * programs * HP + (j[:, None] * HP + i) * WP + cols[None, :],
+            mask=j_ok[:, None],
+            other=0.0,
+        )  # [CHUNK, WP]
+        num += tl.sum(part * w[:, None], axis=0)  # [WP]
+    y = num * (scale / tl.sum(den, axis=0))  # [WP]
+    tl.store(out_ptr + b * s_out_b + i * s_out_h + cols, y.to(out_ptr.dtype.element_ty), mask=cols < W)
 
 
-def _splits(B: int, S: int, block: int, dev: torch.device) -> int:
-    """Enough programs to fill the device at batch 1; at least one block of tokens each."""
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
-    return max(1, min(triton.cdiv(S, block), triton.cdiv(2 * sms, B)))
+def _launch(kernel, args: tuple, constants: dict, tuning: Tuning, ws, out, n_splits: int, HP: int, WP: int, scale):
+    """The decode kernel on a (B, n_splits) grid, then the combine of its partials into out [B, h, W]."""
+    B, H, W = out.shape
+    kernel[B, n_splits](*args, **constants, num_warps=tuning.num_warps, num_stages=tuning.num_stages)
+    _combine_kernel[B, H](ws, out, n_splits, W, scale, out.stride(0), out.stride(1), HP=HP, WP=WP, CHUNK=COMBINE_CHUNK)
+    return out
 
 
-def _mask_args(key_mask, device):
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """A query [B, n, w] whose rows are each contiguous (any stride between rows), as the kernels read it."""
+    return t if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] else t.contiguous()
+
+
+def _mask_arg(key_mask: torch.Tensor | None, stand_in: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(pointer, row stride) of a bool key mask [B, S] read as bytes; without a mask, a pointer never read."""
     if key_mask is None:
-        return torch.empty(1, dtype=torch.int8, device=device), 0, False
-    mask = key_mask.to(torch.int8)  # [B, S]
-    return mask, mask.stride(0), True
+        return stand_in, 0
+    if key_mask.stride(-1) != 1:
+        key_mask = key_mask.contiguous()
+    return key_mask.view(torch.uint8), key_mask.stride(0)
 
 
-def _partials(B: int, S: int, HP: int, width: int, block_s: int, dev):
-    """The split of the cached sequence across programs and each program's partial softmax state:
-    (tokens per program, programs, running max m [B, splits, HP], sum l [B, splits, HP],
-    accumulator acc [B, splits, HP, width]), all fp32."""
-    splits = _splits(B, S, block_s, dev)
-    per = triton.cdiv(triton.cdiv(S, splits), block_s) * block_s  # whole blocks per program
-    splits = triton.cdiv(S, per)
-    m = torch.empty(B, splits, HP, dtype=torch.float32, device=dev)
-    l = torch.empty(B, splits, HP, dtype=torch.float32, device=dev)
-    acc = torch.empty(B, splits, HP, width, dtype=torch.float32, device=dev)
-    return per, splits, m, l, acc
-
-
-def tpa_decode(q_a, q_b, a_k, b_k, a_v, b_v, key_mask, block_s: int = 32) -> torch.Tensor:
-    """Same arguments and result as t6::tpa_decode: [B, h, d_h]."""
+def tpa_decode(q_a, q_b, a_k, b_k, a_v, b_v, key_mask, lengths=None, tuning: Tuning | None = None) -> torch.Tensor:
+    """Same arguments and result as t6::tpa_decode: [B, h, d_h]. tuning: the table's by default."""
     B, S, R_K, H = a_k.shape
     D, R_V = b_k.shape[-1], a_v.shape[2]
     for name, t in (("a_k", a_k), ("b_k", b_k), ("a_v", a_v), ("b_v", b_v)):
         if t.stride(-1) != 1 or t.stride(-2) != t.shape[-1]:
             raise ValueError(f"{name} must be a cache view whose per-token [R, n] block is contiguous")
     HP, DP = _pow2(H), _pow2(D)
-    dev = q_b.device
-    per, splits, m, l, acc = _partials(B, S, HP, DP, block_s, dev)
-    mask, mask_stride, masked = _mask_args(key_mask, dev)
+    tuning = tuning or tuning_for("tpa", HP, DP)
+    n = splits(B, S, tuning, q_b.device)
+    ws = q_b.new_empty(B * n * HP * (DP + 2), dtype=torch.float32)  # the partials (m, l, acc) of B x n programs
+    mask, s_mask_b = _mask_arg(key_mask, q_b)
     factored = q_a is not None
-    qa = q_a.contiguous() if factored else q_b  # unused when not factored
-    _tpa_kernel[(B, splits)](
-        qa,
-        q_b.contiguous(),
+    q_b = _rows(q_b)
+    q_a = _rows(q_a) if factored else q_b  # not read without a factorized query
+    args = (
+        q_a,
+        q_b,
         a_k,
         b_k,
         a_v,
         b_v,
         mask,
-        m,
-        l,
-        acc,
+        q_b if lengths is None else lengths,
+        ws,
         S,
         H,
         D,
-        per,
+        q_a.stride(0),
+        q_b.stride(0),
         a_k.stride(0),
         a_k.stride(1),
         b_k.stride(0),
@@ -283,52 +392,57 @@ def tpa_decode(q_a, q_b, a_k, b_k, a_v, b_v, key_mask, block_s: int = 32) -> tor
         a_v.stride(1),
         b_v.stride(0),
         b_v.stride(1),
-        mask_stride,
+        s_mask_b,
+    )
+    constants = dict(
         RQ=q_a.shape[1] if factored else 1,
         RK=R_K,
         RV=R_V,
         FACTORED=factored,
-        MASKED=masked,
+        MASKED=key_mask is not None,
+        LENGTHS=lengths is not None,
         HP=HP,
         DP=DP,
-        BLOCK_S=block_s,
+        BLOCK_S=tuning.block_s,
     )
-    return (combine(m, l, acc)[:, :H, :D] / R_V).to(q_b.dtype)  # [B, h, d_h]
+    out = q_b.new_empty(B, H, D)
+    return _launch(_tpa_kernel, args, constants, tuning, ws, out, n, HP, DP, 1.0 / R_V)
 
 
-def latent_decode(q_lat, q_rope, c_kv, k_rope, key_mask, block_s: int = 32) -> torch.Tensor:
-    """Same arguments and result as t6::latent_decode: [B, h, d_c]."""
+def latent_decode(q_lat, q_rope, c_kv, k_rope, key_mask, lengths=None, tuning: Tuning | None = None) -> torch.Tensor:
+    """Same arguments and result as t6::latent_decode: [B, h, d_c]. tuning: the table's by default."""
     B, H, DC = q_lat.shape
     S, DR = c_kv.shape[1], k_rope.shape[-1]
     if c_kv.stride(-1) != 1 or k_rope.stride(-1) != 1:
         raise ValueError("c_kv and k_rope must be contiguous per token")
     HP, DCP, DRP = _pow2(H), _pow2(DC), _pow2(DR)
-    dev = q_lat.device
-    per, splits, m, l, acc = _partials(B, S, HP, DCP, block_s, dev)
-    mask, mask_stride, masked = _mask_args(key_mask, dev)
-    _latent_kernel[(B, splits)](
-        q_lat.contiguous(),
-        q_rope.contiguous(),
+    tuning = tuning or tuning_for("latent", HP, DCP)
+    n = splits(B, S, tuning, q_lat.device)
+    ws = q_lat.new_empty(B * n * HP * (DCP + 2), dtype=torch.float32)  # the partials (m, l, acc) of B x n programs
+    mask, s_mask_b = _mask_arg(key_mask, q_lat)
+    q_lat, q_rope = _rows(q_lat), _rows(q_rope)
+    args = (
+        q_lat,
+        q_rope,
         c_kv,
         k_rope,
         mask,
-        m,
-        l,
-        acc,
+        q_lat if lengths is None else lengths,
+        ws,
         S,
         H,
         DC,
         DR,
-        per,
+        q_lat.stride(0),
+        q_rope.stride(0),
         c_kv.stride(0),
         c_kv.stride(1),
         k_rope.stride(0),
         k_rope.stride(1),
-        mask_stride,
-        MASKED=masked,
-        HP=HP,
-        DCP=DCP,
-        DRP=DRP,
-        BLOCK_S=block_s,
+        s_mask_b,
     )
-    return combine(m, l, acc)[:, :H, :DC].to(q_lat.dtype)  # [B, h, d_c]
+    constants = dict(
+        MASKED=key_mask is not None, LENGTHS=lengths is not None, HP=HP, DCP=DCP, DRP=DRP, BLOCK_S=tuning.block_s
+    )
+    out = q_lat.new_empty(B, H, DC)
+    return _launch(_latent_kernel, args, constants, tuning, ws, out, n, HP, DCP, 1.0)

@@ -210,3 +210,15 @@ def test_run_ends_with_validation_and_exactly_one_last_ckpt(make_cfg):
     _, again = train(make_cfg("trainer.max_steps=9", "ckpt_path=last"))  # resume in the same run dir
     assert [p.name for p in ckpt_dir.iterdir() if p.name.startswith("last")] == ["last.ckpt"]  # never last-v1.ckpt
     assert torch.load(ckpt_dir / "last.ckpt", map_location="cpu", weights_only=True)["global_step"] == 9
+
+
+def test_a_linked_last_ckpt_points_at_the_final_step(make_cfg):
+    """save_last: link (the paper recipes) with a final step the periodic interval does not fall on."""
+    cfg = make_cfg("trainer.max_steps=6")
+    with open_dict(cfg):
+        cfg.callbacks.model_checkpoint.save_last = "link"
+    _, objects = train(cfg)
+    ckpt_dir = Path(objects["trainer"].checkpoint_callback.dirpath)
+    assert (ckpt_dir / "last.ckpt").is_symlink()
+    assert torch.load(ckpt_dir / "last.ckpt", map_location="cpu", weights_only=True)["global_step"] == 6
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["last.ckpt", "step000006.ckpt"]  # save_top_k: 1

@@ -17,7 +17,7 @@ from t6.data.shards import ShardError  # noqa: E402
 from t6.hardware.probes import env_rank  # noqa: E402
 from t6.run.cli import UserError, discard_unused_run_dir, entry, print_config_tree  # noqa: E402
 from t6.run.launch import hydra_job_scope  # noqa: E402
-from t6.run.quiet import quiet_libraries  # noqa: E402
+from t6.training.quiet import quiet_libraries  # noqa: E402
 
 # What a plan raises for a problem the user can fix: a setting, a missing or damaged file, an unreachable
 # store, a batch that cannot fit.

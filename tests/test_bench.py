@@ -1,5 +1,5 @@
 """The benchmarks' shared harness: which mechanisms `--attentions` selects, that `all` reaches
-every registered mechanism (one registered without a YAML too), and that the KV bytes per token
+every registered mechanism, and that the KV bytes per token
 the benchmarks report (t6.model.facts) are what the caches really allocate."""
 
 from __future__ import annotations

@@ -2,19 +2,19 @@
 dtypes, devices, timing, tables and JSON.
 
 A mechanism's config is conf/attention/NAME.yaml x conf/size/SIZE.yaml composed by Hydra, as
-training composes it (`heads.<size>` gives the parameter-matched head count). A registered
-mechanism without that file still runs, with its default options and the head count whose
-attention layer has the parameter count closest to MHA's at that width (for medium width, as the
-YAMLs' head counts: MQA 31, GQA 30 with 2 KV heads, TPA 47, TPA-KVonly 29).
+training composes it (`heads.<size>` gives the parameter-matched head count). Ratios are to the
+reference mechanism, `t6.model.attention.REFERENCE`, measured in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import importlib.metadata
 import json
 import os
+import platform
 import statistics
 import time
 from pathlib import Path
@@ -24,11 +24,10 @@ from omegaconf import DictConfig, open_dict
 
 import t6.uptrain.recipe  # noqa: F401  (registers the uptrain recipe's resolvers: experiment=uptrain composes)
 from t6.config import conf_dir, model_config
+from t6.hardware.device import DTYPES
 from t6.model import ModelConfig
-from t6.model.attention import get_attention_class, select
+from t6.model.attention import REFERENCE, get_attention_class, select
 from t6.model.facts import kv_bytes_per_token
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def compose(config_name: str, overrides: list[str] | tuple[str, ...] = (), runtime: bool = False) -> DictConfig:
@@ -78,7 +77,10 @@ def layer_kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
 
 
 def time_call(fn, steps: int, device: str | torch.device) -> float:
-    """Seconds per call of fn, averaged over `steps` calls (CUDA synchronized before and after)."""
+    """Seconds per call of fn, averaged over `steps` calls (CUDA synchronized before and after); no call and
+    0.0 for steps=0 (a warm-up of none)."""
+    if steps <= 0:
+        return 0.0
     sync = (lambda: torch.cuda.synchronize(device)) if str(device).startswith("cuda") else (lambda: None)
     sync()
     start = time.perf_counter()
@@ -136,8 +138,8 @@ def median(values: list[float]) -> float:
 
 
 def ratios_to_mha(records: list[dict], key: str, out: str) -> None:
-    """records[out] = record[key] / MHA's record[key] (None when MHA was not measured)."""
-    mha = next((r for r in records if r["attention"] == "mha"), None)
+    """records[out] = record[key] / the reference's (MHA's) record[key] (None when it was not measured)."""
+    mha = next((r for r in records if r["attention"] == REFERENCE), None)
     for r in records:
         r[out] = r[key] / mha[key] if mha else None
 
@@ -221,8 +223,20 @@ def write_json(path: Path | None, payload: dict) -> None:
         print(f"wrote {path}")
 
 
+def machine_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else the platform's processor name."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def environment(device: str) -> dict:
-    """What a number was measured with: torch, triton and CUDA versions, the device, CPU threads."""
+    """What a number was measured with, and when: the machine, torch, triton and CUDA versions, the device,
+    CPU threads, the date (the tables of experiments/*/README.md name them)."""
     try:
         triton_version = importlib.metadata.version("triton")
     except importlib.metadata.PackageNotFoundError:
@@ -234,4 +248,6 @@ def environment(device: str) -> dict:
         "device": device if not device.startswith("cuda") else torch.cuda.get_device_name(device),
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
+        "machine": machine_name(),
+        "date": datetime.date.today().isoformat(),
     }

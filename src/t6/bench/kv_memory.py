@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from t6.bench.common import DTYPES, attention_args, environment, model_configs, parse, ratios_to_mha, table, write_json
+from t6.model.attention import REFERENCE
 from t6.model.facts import kv_bytes_per_token, kv_elements_per_token, meta_model, parameter_count
 
 PROBE = 16  # tokens allocated per cache
@@ -57,7 +58,7 @@ def run(args) -> dict:
             {"attention": name, "size": size, **measure(cfg, dtype)}
             for name, cfg in model_configs(args.attentions, size).items()
         ]
-        mha = next((r for r in rows if r["attention"] == "mha"), None)
+        mha = next((r for r in rows if r["attention"] == REFERENCE), None)
         for r in rows:
             r["max_context"] = budget // (r["kv_cache_bytes_per_token"] * args.batch)
             r["smaller_than_mha"] = mha["kv_cache_bytes_per_token"] / r["kv_cache_bytes_per_token"] if mha else None

@@ -16,14 +16,35 @@ from t6.data.tokenizer import ASSETS, EOT, gpt2_encoding, sha256_file, tokenizer
 
 log = logging.getLogger(__name__)
 TINY_SHAKESPEARE = ASSETS / "tinyshakespeare.txt"
+VAL_FRACTION = 0.1  # a text corpus validates on its last tenth (data.val_fraction, the local tasks' held-out text)
 
 
-def prepare_text_corpus(text_file: Path, out_dir: Path, val_fraction: float = 0.1) -> Manifest:
+def text_tokens(text_file: Path) -> np.ndarray:
+    """The corpus as one document: <|endoftext|> then its GPT-2 tokens, uint16."""
+    ids = gpt2_encoding().encode_ordinary(Path(text_file).read_text(encoding="utf-8"))
+    return np.array([EOT, *ids], dtype=np.uint16)
+
+
+def validation_start(n_tokens: int, val_fraction: float | None = None) -> int:
+    """Where a corpus of n_tokens tokens splits: training before, validation (the last val_fraction) after."""
+    return n_tokens - int(n_tokens * (VAL_FRACTION if val_fraction is None else val_fraction))
+
+
+def held_out_text(text_file: Path, val_fraction: float | None = None) -> str:
+    """The validation part of the corpus as `prepare_text_corpus` splits it, from its first full line:
+    text no model trained on it has seen (the local evaluation tasks are built from it)."""
+    tokens = text_tokens(text_file)
+    text = gpt2_encoding().decode(tokens[validation_start(len(tokens), val_fraction) :].tolist())
+    return text[text.index("\n") + 1 :]
+
+
+def prepare_text_corpus(text_file: Path, out_dir: Path, val_fraction: float | None = None) -> Manifest:
     """Tokenize text_file with GPT-2 BPE into out_dir: the first (1 - val_fraction) of the tokens
     train, the rest validation. Returns the manifest, reusing the cached shards when current."""
     text_file, out_dir = Path(text_file), Path(out_dir)
     if not text_file.is_file():
         raise FileNotFoundError(f"data.text_file={str(text_file)!r} does not exist")
+    val_fraction = VAL_FRACTION if val_fraction is None else val_fraction
     if not 0 < val_fraction < 1:
         raise ValueError(f"data.val_fraction={val_fraction} must be between 0 and 1")
     source = {"file": text_file.name, "sha256": sha256_file(text_file), "val_fraction": val_fraction}
@@ -37,15 +58,14 @@ def prepare_text_corpus(text_file: Path, out_dir: Path, val_fraction: float = 0.
     except ShardError:
         pass
     out_dir.mkdir(parents=True, exist_ok=True)
-    ids = gpt2_encoding().encode_ordinary(text_file.read_text(encoding="utf-8"))
-    tokens = np.array([EOT, *ids], dtype=np.uint16)  # the document starts with <|endoftext|>
-    n_val = int(len(tokens) * val_fraction)
+    tokens = text_tokens(text_file)
+    start = validation_start(len(tokens), val_fraction)
     shards = []
-    for split, part in (("train", tokens[: len(tokens) - n_val]), ("val", tokens[len(tokens) - n_val :])):
+    for split, part in (("train", tokens[:start]), ("val", tokens[start:])):
         name = f"{split}_000000.bin"
         write_shard(out_dir / name, part)
         shards.append({"file": name, "split": split, "tokens": int(part.size)})
     manifest = Manifest(tokenizer=tokenizer_id(), source=source, shards=shards)
     manifest.save(out_dir)
-    log.info("tokenized %s: %d train / %d val tokens in %s", text_file.name, shards[0]["tokens"], n_val, out_dir)
+    log.info("tokenized %s: %d train / %d val tokens in %s", text_file.name, start, len(tokens) - start, out_dir)
     return manifest

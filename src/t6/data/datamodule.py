@@ -101,7 +101,7 @@ class TokenDataModule(L.LightningDataModule):
         global_batch_size: int | None = None,
         text_file: str | None = None,
         embedded: bool = False,
-        val_fraction: float = 0.1,
+        val_fraction: float | None = None,
         val_windows: int | None = None,
         shuffle: bool = True,
         seed: int = 0,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from t6.evaluation.next_line import held_out_lines, split_pools, write_task
+from t6.evaluation.tasks import held_out_lines, split_pools, write_task
 
 TASK = "t6_cloze"
 WORD = re.compile(r"[A-Za-z]+")
@@ -54,7 +54,7 @@ def distractors(word: str, ranked: list[str], rank: dict[str, int], rng, n: int 
 def build_cloze_task(
     out_dir: str | Path,
     text_file: str | Path | None = None,
-    val_fraction: float = 0.1,
+    val_fraction: float | None = None,
     n_test: int = 1600,
     n_fewshot: int = 20,
     context_lines: int = 3,

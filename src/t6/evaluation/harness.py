@@ -134,7 +134,7 @@ def run_harness(model: torch.nn.Module, spec: EvalSpec, tm, data_parallel: bool 
 
     from t6.evaluation.adapter import T6LM
     from t6.evaluation.parallel import DataParallelT6LM
-    from t6.run.quiet import quiet_libraries
+    from t6.training.quiet import quiet_libraries
 
     quiet_libraries()
     lm_eval_log = logging.getLogger("lm_eval")

@@ -12,6 +12,9 @@ from collections.abc import Callable
 
 import torch
 
+# Dtypes by the names the settings use (cache_dtype, the benchmarks' --dtype).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 
 def cuda_available() -> bool:
     """A CUDA device this process can use."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from t6.model.attention import REFERENCE
 from t6.report.curves import CURVES
 from t6.report.evals import eval_metrics
 from t6.report.plots import plot_curves
@@ -75,7 +76,7 @@ def build_report(
     if not shots:
         parts += ["## Downstream evaluation", "", "No eval/{n}shot/{task}/{metric} metrics in these runs.", ""]
 
-    reference = "mha" if "mha" in groups else next(iter(groups))
+    reference = REFERENCE if REFERENCE in groups else next(iter(groups))
     if len(groups) > 1:
         diffs, resolved = difference_table(groups, reference, sorted(evals))
         parts += [

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from t6.hardware.device import DTYPES
 from t6.model import ModelConfig
 from t6.model.facts import (
     flops_per_token,
@@ -23,8 +24,6 @@ from t6.model.facts import (
     meta_model,
     parameter_count,
 )
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def count(module: torch.nn.Module) -> int:

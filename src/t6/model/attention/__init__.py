@@ -48,6 +48,8 @@ def available() -> list[str]:
 # them next to it (`compare=[paper,gta]`, `--attentions paper,gta`), not by editing a list.
 PAPER = ("mha", "mqa", "gqa", "mla", "tpa_kvonly", "tpa")
 GROUPS = {"paper": PAPER}
+# The baseline every comparison reads its ratios and differences against (benchmarks, reports).
+REFERENCE = "mha"
 
 
 def select(spec: str | list[str] | tuple[str, ...]) -> list[str]:
@@ -70,6 +72,7 @@ def select(spec: str | list[str] | tuple[str, ...]) -> list[str]:
 __all__ = [
     "GROUPS",
     "PAPER",
+    "REFERENCE",
     "Attention",
     "KVCache",
     "Mechanism",

@@ -84,8 +84,9 @@ def cpu_extension():
     """The compiled CPU kernels (built once per machine and cached), or None where they cannot be built."""
     from torch.utils import cpp_extension
 
-    log.info("t6: loading the fused CPU decode kernels (the first load on a machine compiles them, about a minute)")
     build_dir = build_directory()
+    if not (build_dir / "t6_fused_decode.so").is_file():  # said once per machine, when it compiles
+        log.info("t6: compiling the fused CPU decode kernels (once per machine, about a minute)")
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
         # torch's own build lock is a file that a killed build leaves behind, after which every later

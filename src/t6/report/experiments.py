@@ -1,0 +1,200 @@
+"""The measured tables of experiments/*/README.md, rendered from the benchmark JSON beside them, so a number
+has one owner: the JSON a benchmark wrote.
+
+    python -m t6.report.experiments           # rewrite every table between its markers
+    python -m t6.report.experiments --check   # exit 1 naming each table that differs from its JSON
+
+A README declares a table by two markers around it, naming the JSON (relative to the README):
+
+    <!-- table: decode_medium_t1_epyc.json -->
+    (generated: the caption naming machine, versions and date, then the table)
+    <!-- end table -->
+
+The JSON's `benchmark` field (written by `python -m t6.bench.NAME --json ...`) picks the layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+MARKER = re.compile(r"(<!-- table: (?P<file>[^ ]+) -->\n)(?P<body>.*?)(<!-- end table -->)", re.S)
+
+
+def k(n: float) -> str:
+    """A context length as the benchmarks name them: 1024 -> 1k."""
+    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def caption(payload: dict) -> str:
+    env = payload.get("environment", {})
+    parts = [env.get("machine", "machine not recorded"), f"torch {env.get('torch', '?')}"]
+    if env.get("triton"):
+        parts.append(f"triton {env['triton']}")
+    if env.get("device", "cpu") == "cpu" and env.get("threads"):
+        parts.append(f"{env['threads']} thread(s)")
+    elif env.get("device") not in (None, "cpu"):
+        parts.insert(0, env["device"])
+    parts.append(env.get("date", "date not recorded"))
+    if payload.get("bandwidth_gbs"):
+        parts.append(f"copy bandwidth {payload['bandwidth_gbs']:.1f} GB/s")
+    if payload.get("peak_gflops"):
+        parts.append(f"fp32 matmul {payload['peak_gflops']:.0f} GFLOP/s")
+    return "*" + "; ".join(parts) + ".*"
+
+
+def markdown(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def by_attention(records: list[dict]) -> dict[str, list[dict]]:
+    """Records grouped by mechanism, in the order the benchmark wrote them."""
+    groups: dict[str, list[dict]] = {}
+    for r in records:
+        groups.setdefault(r["attention"], []).append(r)
+    return groups
+
+
+def decode_table(payload: dict) -> str:
+    """Tokens/s of one decode step per mechanism and context (ratio to the run's reference, fraction of the
+    mechanism's own roofline where the benchmark measured the machine's limits)."""
+    records = payload["records"]
+    contexts = sorted({r["context"] for r in records})
+    roofline = any("fraction_of_roofline" in r for r in records)
+    header = ["attention", "heads", f"cache B/token/layer ({payload.get('dtype', 'float32')})"]
+    header += ["FLOP/cached token"] if any("flops_per_cached_token" in r for r in records) else []
+    header += [k(c) for c in contexts]
+    rows = []
+    for name, group in by_attention(records).items():
+        first = group[0]
+        row = [name, str(first["n_head"]), str(first["kv_cache_bytes_per_token"])]
+        if "FLOP/cached token" in header:
+            row.append(f"{first.get('flops_per_cached_token', 0):.0f}")
+        at = {r["context"]: r for r in group}
+        for c in contexts:
+            r = at.get(c)
+            if r is None:
+                row.append("")
+                continue
+            extra = f", {r['fraction_of_roofline']:.2f}" if roofline and "fraction_of_roofline" in r else ""
+            row.append(f"{r['tokens_per_s']:.1f} ({r['speed_vs_mha']:.2f}×{extra})")
+        rows.append(row)
+    what = "tokens/s (ratio to MHA" + (", fraction of the mechanism's roofline)" if roofline else ")")
+    return f"{caption(payload)} Cells: {what}, batch {records[0]['batch']}.\n\n{markdown(header, rows)}"
+
+
+def prefill_table(payload: dict) -> str:
+    records = payload["records"]
+    contexts = sorted({r["context"] for r in records})
+    rows = []
+    for name, group in by_attention(records).items():
+        at = {r["context"]: r for r in group}
+        rows.append([name] + [f"{at[c]['tokens_per_s']:.0f} ({at[c]['speed_vs_mha']:.2f}×)" for c in contexts])
+    header = ["attention"] + [k(c) for c in contexts]
+    return f"{caption(payload)} Cells: tokens/s (ratio to MHA).\n\n{markdown(header, rows)}"
+
+
+def kv_memory_table(payload: dict) -> str:
+    header = [
+        "size",
+        "attention",
+        "heads",
+        "numbers/token/layer",
+        f"cache bytes/token ({payload['dtype']}, all layers)",
+        "× smaller than MHA",
+        f"max context in {payload['budget_gib']:g} GiB",
+    ]
+    rows = [
+        [
+            r["size"],
+            r["attention"],
+            str(r["n_head"]),
+            str(r["elements_per_token_layer"]),
+            f"{r['kv_cache_bytes_per_token']:,}",
+            f"{r['smaller_than_mha']:.2f}",
+            f"{r['max_context']:,}",
+        ]
+        for r in payload["records"]
+    ]
+    return f"{caption(payload)}\n\n{markdown(header, rows)}"
+
+
+def train_step_table(payload: dict) -> str:
+    header = ["attention", "heads", "ms/step", "tokens/s", "vs MHA", "GFLOP/token", "MFU"]
+    rows = [
+        [
+            r["attention"],
+            str(r["n_head"]),
+            f"{r['step_ms']:.0f}",
+            f"{r['tokens_per_s']:.0f}",
+            f"{r['ratio_to_mha']:.3f}",
+            f"{r['flops_per_token_train'] / 1e9:.3f}",
+            "" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%",
+        ]
+        for r in payload["records"]
+    ]
+    r0 = payload["records"][0]
+    shape = f"batch {r0['batch_size']} × {r0['seq_len']} tokens, {r0['dtype']}"
+    peak = f", MFU against {payload['peak_tflops']} TFLOP/s" if payload.get("peak_tflops") else ""
+    return f"{caption(payload)} {shape}{peak}.\n\n{markdown(header, rows)}"
+
+
+RENDERERS: dict[str, Callable[[dict], str]] = {
+    "decode": decode_table,
+    "prefill": prefill_table,
+    "kv_memory": kv_memory_table,
+    "train_step": train_step_table,
+}
+
+
+def render(readme: Path) -> str:
+    """The README with every declared table rendered from its JSON."""
+
+    def table(match: re.Match) -> str:
+        path = readme.parent / match["file"]
+        if not path.is_file():
+            raise FileNotFoundError(f"{readme}: its table names {match['file']}, which does not exist beside it")
+        payload = json.loads(path.read_text())
+        kind = payload.get("benchmark")
+        if kind not in RENDERERS:
+            raise ValueError(f"{path}: benchmark {kind!r} has no table layout (known: {sorted(RENDERERS)})")
+        return f"{match[1]}{RENDERERS[kind](payload)}\n{match[4]}"
+
+    return MARKER.sub(table, readme.read_text())
+
+
+def readmes(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("README.md") if MARKER.search(p.read_text()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--root", type=Path, default=Path("experiments"), help="where the studies are")
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 when a table is stale")
+    args = parser.parse_args(argv)
+    stale = []
+    for readme in readmes(args.root):
+        text = render(readme)
+        if text != readme.read_text():
+            stale.append(readme)
+            if not args.check:
+                readme.write_text(text)
+                print(f"rewrote the tables of {readme}")
+    if args.check and stale:
+        print(
+            "tables that differ from their JSON (python -m t6.report.experiments rewrites them): "
+            + ", ".join(map(str, stale)),
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -21,6 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from t6.bench.common import environment, write_json
+
 GIB = 2**30
 
 
@@ -107,6 +109,7 @@ def main() -> None:
     parser.add_argument("--case", action="append", default=[], help="SIZE:MICRO_BATCH, repeatable (default tiny:8)")
     parser.add_argument("--attention", default="tpa")
     parser.add_argument("--extra", action="append", default=[], help="more config overrides")
+    parser.add_argument("--json", type=Path, help="write the records to this JSON file")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -116,15 +119,22 @@ def main() -> None:
     print(
         f"{'size':<8}{'micro-batch':>12}{'precision':>11}{'estimate':>11}{'measured':>11}{'est/meas':>10}  measured as"
     )
+    records = []
     for case in args.case or ["tiny:8"]:
         size, batch = case.split(":")
         r = run_case(size, int(batch), args.attention, tuple(args.extra))
+        records.append(r)
         print(
             f"{r['size']:<8}{r['batch']:>12}{r['precision']:>11}"
             f"{r['estimate'] / GIB:>10.2f}G{r['measured'] / GIB:>10.2f}G"
             f"{r['ratio']:>10.2f}  {r['measure']}",
             flush=True,
         )
+    device = records[0]["device"] if records else "cpu"
+    write_json(
+        args.json,
+        {"benchmark": "memory", "extra": list(args.extra), "environment": environment(device), "records": records},
+    )
 
 
 if __name__ == "__main__":

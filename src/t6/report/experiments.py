@@ -145,11 +145,31 @@ def train_step_table(payload: dict) -> str:
     return f"{caption(payload)} {shape}{peak}.\n\n{markdown(header, rows)}"
 
 
+def memory_table(payload: dict) -> str:
+    """The memory preflight's estimate beside the measured peak of real training steps."""
+    gib = 2**30
+    header = ["size", "micro-batch", "precision", "estimate", "measured", "estimate / measured", "measured as"]
+    rows = [
+        [
+            r["size"],
+            f"{r['batch']} × {r.get('seq_len', '')}".rstrip(" ×"),
+            r["precision"],
+            f"{r['estimate'] / gib:.2f} GiB",
+            f"{r['measured'] / gib:.2f} GiB",
+            f"{r['ratio']:.2f}",
+            r["measure"],
+        ]
+        for r in payload["records"]
+    ]
+    return f"{caption(payload)} Attention {payload['records'][0]['attention']}.\n\n{markdown(header, rows)}"
+
+
 RENDERERS: dict[str, Callable[[dict], str]] = {
     "decode": decode_table,
     "prefill": prefill_table,
     "kv_memory": kv_memory_table,
     "train_step": train_step_table,
+    "memory": memory_table,
 }
 
 

@@ -126,7 +126,7 @@ def test_shared_prefix_scores_equal_per_choice_scores(attention):
     assert answers[True][order.index(6)][1] is True
 
 
-def test_shared_prefix_batches():
+def test_shared_prefix_batches(monkeypatch):
     """Batches hold at most batch_size continuations, fit the block when left-padded, and mix prefix
     lengths only for attentions with padding masks."""
     requests = (
@@ -138,7 +138,9 @@ def test_shared_prefix_batches():
     masked = T6LM(model=random_model(block_size=64), batch_size=5)
     # 4 joins 0-3 in rows but 39 + 30 tokens exceed the block
     assert masked._prefix_batches(requests) == [[[0, 1, 2], [3]], [[4], [5]], [[6, 7, 8, 9, 10]], [[11]]]
-    unmasked = T6LM(model=random_model(block_size=64, attention="tpa_shared_b"), batch_size=5)
+    unmasked_model = random_model(block_size=64, attention="tpa_shared_b")
+    monkeypatch.setattr(type(unmasked_model.blocks[0].attn), "supports_key_mask", False)  # an attention without them
+    unmasked = T6LM(model=unmasked_model, batch_size=5)
     assert masked.padding_masks and not unmasked.padding_masks
     assert unmasked._prefix_batches(requests) == [[[0, 1, 2]], [[3]], [[4], [5]], [[6, 7, 8, 9, 10]], [[11]]]
     with pytest.raises(ValueError, match="share_prefix='no' must be true or false"):

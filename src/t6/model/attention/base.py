@@ -13,6 +13,8 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from t6.model.config import ModelConfig
 
@@ -95,6 +97,12 @@ class KVCache:
 
     The shapes come from the attention's `cache_spec`, so the per-token element count of
     the cache is whatever the mechanism really stores (K/V heads, latents or factors).
+
+    Two ways to decode against it. Dynamic shapes (the default): `update` and `attn_mask` reach
+    exactly the last written position, so each new token changes the shapes. Fixed shapes
+    (`static_len` set, `T6.decode_step`): they always reach `static_len` positions, the positions
+    after the newest one are masked, and `pos` stays on the device, so every step of a generation
+    runs the same graph (compiled once, captured as a CUDA graph).
     """
 
     def __init__(
@@ -112,6 +120,9 @@ class KVCache:
         # Optional bool [B, max_len]: False marks padding (left-padded prompts of different
         # lengths); attentions with `supports_key_mask` never attend to those positions.
         self.key_mask: torch.Tensor | None = None
+        # Fixed-shape decoding: views and masks `static_len` positions long whatever pos is (a power-of-two
+        # bucket, see t6.model.decode); None: they end at the last written position.
+        self.static_len: int | None = None
         self._known_end: tuple[torch.Tensor, int] | None = None  # see `expect`
         self.tensors = {}
         for name, shape in spec.items():
@@ -128,12 +139,15 @@ class KVCache:
         self._known_end = (pos, end)
 
     def _end(self, pos: torch.Tensor) -> int:
+        if self.static_len is not None:
+            return self.static_len
         known = self._known_end
         return known[1] if known is not None and known[0] is pos else int(pos[-1]) + 1
 
     def update(self, pos: torch.Tensor, **new: torch.Tensor) -> list[torch.Tensor]:
         """Write new[name] [B, T, *shape] at positions pos [T]; return each cache up to pos[-1]
-        in its own layout: [B, end, *shape] (token-major) or [B, n, end, *rest] (head-major)."""
+        (or static_len positions) in its own layout: [B, end, *shape] (token-major) or
+        [B, n, end, *rest] (head-major)."""
         end = self._end(pos)
         if end > self.max_len:
             raise ValueError(f"position {end - 1} is past the KV cache length {self.max_len}")
@@ -155,20 +169,35 @@ class KVCache:
         out.max_len, out.spec, out.seq_dims = self.max_len, dict(self.spec), dict(self.seq_dims)
         out.tensors = {name: t.index_select(0, index) for name, t in self.tensors.items()}  # [B', ...]
         out.key_mask = None if self.key_mask is None else self.key_mask.index_select(0, index)  # [B', max_len]
-        out._known_end = None
+        out.static_len, out._known_end = None, None
         return out
 
     def attn_mask(self, pos: torch.Tensor) -> torch.Tensor | None:
         """Bool [B or 1, T, end] for new queries at positions pos [T] against the cache up to
-        pos[-1]: causal, and blind to padding (a padded query sees itself, so it stays finite).
-        None when every query may see every cached token (one new token, no padding)."""
+        pos[-1] (or static_len positions): causal, and blind to padding (a padded query sees itself,
+        so it stays finite). None when every query may see every cached token (one new token, no
+        padding, dynamic shapes)."""
         end = self._end(pos)
-        mask = causal_mask(pos, end)[None] if len(pos) > 1 else None  # [1, T, end]
+        mask = causal_mask(pos, end)[None] if len(pos) > 1 or self.static_len is not None else None  # [1, T, end]
         if self.key_mask is not None:
             keys = self.key_mask[:, None, :end]  # [B, 1, end]
             self_pos = torch.arange(end, device=pos.device)[None, None, :] == pos[None, :, None]  # [1, T, end]
             mask = (keys if mask is None else mask & keys) | self_pos  # [B, T, end]
         return mask
+
+    def mask_mod(self, pos: torch.Tensor):
+        """`attn_mask` as FlexAttention's mask_mod: (batch row b, head h, query index q_idx, key position
+        kv_idx) -> whether the query may see the key, evaluated inside the attention kernel, the mask never
+        built."""
+        key_mask = self.key_mask
+
+        def visible(b, h, q_idx, kv_idx):
+            causal = kv_idx <= pos[q_idx]
+            if key_mask is None:
+                return causal
+            return causal & key_mask[b, kv_idx] | (kv_idx == pos[q_idx])
+
+        return visible
 
     def elements_per_token(self) -> int:
         return sum(math.prod(shape) for shape in self.spec.values())
@@ -188,6 +217,47 @@ def sdpa_broadcasts_groups(device_type: str, dtype: torch.dtype) -> bool:
 def causal_mask(pos: torch.Tensor, end: int) -> torch.Tensor:
     """Boolean mask [T, end]: query at absolute position pos[i] may see keys 0..pos[i]."""
     return torch.arange(end, device=pos.device)[None, :] <= pos[:, None]
+
+
+# The attention kernels, chosen per phase rather than left to SDPA's dispatcher:
+# - training (gradients flowing; fixed block_size windows, so each shape is planned once): SDPA's own order,
+#   on Hopper cuDNN attention first;
+# - inference with changing shapes (prefill, evaluation, eager decoding: new shapes for every prompt and
+#   token): FlashAttention, the memory-efficient kernel where a mask or fp32 rules Flash out, then math;
+#   never cuDNN attention, which plans again for every new shape (2.66 ms of host time per token measured on
+#   an H100; for grouped heads its kernel also ran 6.7x slower than MHA's at 32k);
+# - fixed-shape decode steps (KVCache.static_len): FlexAttention, `flex_decode`.
+# On the CPU, SDPA's dispatcher chooses in every phase (its flash kernel, else math).
+INFERENCE_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """F.scaled_dot_product_attention (same arguments and result) on the backends of its phase, above."""
+    if q.device.type != "cuda" or torch.is_grad_enabled():
+        return nn.functional.scaled_dot_product_attention(q, k, v, **kwargs)
+    with sdpa_kernel(INFERENCE_SDPA_BACKENDS):
+        return nn.functional.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
+FLEX_BLOCK = 128  # keys per block of flex_decode's block mask (FlexAttention's default)
+
+
+def flex_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_mod, newest: torch.Tensor) -> torch.Tensor:
+    """Attention of a fixed-shape decode step through FlexAttention: compiled, its decoding kernel splits
+    the keys across the GPU, reads each K/V head once for all the query heads of its group, and skips
+    the key blocks after the newest token, so a cache view longer than the context costs no reads.
+
+    q [B, h, T, d]; k, v [B, h_kv, L, d] (h divisible by h_kv); mask_mod: KVCache.mask_mod;
+    newest: the newest position, a device tensor []. Returns [B, h, T, d_v].
+    """
+    B, T, L = q.shape[0], q.shape[2], k.shape[2]
+    n = -(-L // FLEX_BLOCK)  # key blocks
+    visited = (newest // FLEX_BLOCK + 1).to(torch.int32).expand(B, 1, 1).contiguous()  # [B, 1, 1]: blocks to the newest
+    order = torch.arange(n, dtype=torch.int32, device=q.device).expand(B, 1, 1, n).contiguous()  # [B, 1, 1, n]
+    blocks = BlockMask.from_kv_blocks(
+        visited, order, BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod, seq_lengths=(T, L), compute_q_blocks=False
+    )
+    return flex_attention(q, k, v, block_mask=blocks, enable_gqa=k.shape[1] != q.shape[1])  # [B, h, T, d_v]
 
 
 class Attention(nn.Module):
@@ -230,13 +300,16 @@ class Attention(nn.Module):
 
     @staticmethod
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, cached) -> torch.Tensor:
-        """Causal softmax attention with SDPA (FlashAttention on GPU).
+        """Causal softmax attention with SDPA, or FlexAttention in a fixed-shape decode step (the
+        kernels of each phase: see INFERENCE_SDPA_BACKENDS).
 
         q: [B, h, T, d]; k, v: [B, h_kv, S, d] with h divisible by h_kv. Grouped heads are
         broadcast by SDPA (enable_gqa) in causal self-attention; against a cache, each group's
         query heads are folded into the query length instead, so K and V are never expanded.
         `cached`: the layer's KVCache (its padding mask is honoured), or a bool/None. Returns [B, h, T, d_v].
         """
+        if isinstance(cached, KVCache) and cached.static_len is not None:
+            return flex_decode(q, k, v, cached.mask_mod(pos), pos[-1])  # [B, h, T, d_v]
         T, S = q.shape[2], k.shape[2]
         gqa = k.shape[1] != q.shape[1]
         padded = isinstance(cached, KVCache) and cached.key_mask is not None
@@ -245,7 +318,7 @@ class Attention(nn.Module):
                 g = q.shape[1] // k.shape[1]
                 k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)  # [B, h, S, d] each
                 gqa = False
-            return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=gqa)
+            return sdpa(q, k, v, is_causal=T > 1, enable_gqa=gqa)
         if isinstance(cached, KVCache):
             mask = cached.attn_mask(pos)  # [B or 1, T, S] or None
         else:
@@ -256,5 +329,5 @@ class Attention(nn.Module):
             q = q.reshape(B, k.shape[1], g * T, d)  # [B, h_kv, g T, d] (heads of a group are adjacent)
             mask = None if mask is None else mask.repeat(1, g, 1)  # [B or 1, g T, S]
         mask = None if mask is None else mask[:, None]  # [B or 1, 1, T', S], broadcast over heads
-        y = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, h_kv, g T, d_v] or [B, h, T, d_v]
+        y = sdpa(q, k, v, attn_mask=mask)  # [B, h_kv, g T, d_v] or [B, h, T, d_v]
         return y.reshape(y.shape[0], -1, T, y.shape[-1])  # [B, h, T, d_v]

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from t6.model.attention.base import Attention, KVCache, Options, register
+from t6.model.attention.base import Attention, KVCache, Options, register, sdpa
 from t6.model.attention.fused_decode import latent_decode
 from t6.model.config import ModelConfig
 from t6.model.layers import Rotary
@@ -44,7 +44,7 @@ def explicit_attention(q_nope, q_rope, k_nope, v, k_rope, scale: float) -> torch
     k = torch.cat([k_nope, k_rope[:, :, None].expand(B, S, h, k_rope.shape[-1])], dim=-1)  # [B, S, h, nope+rope]
     if d_v < q.shape[-1]:  # flash kernels need one head width: pad V with zeros, slice the output
         v = F.pad(v, (0, q.shape[-1] - d_v))  # [B, S, h, nope+rope]
-    y = F.scaled_dot_product_attention(
+    y = sdpa(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=q.shape[1] > 1, scale=scale
     )  # [B, h, T, max(d_v, nope+rope)]
     return y[..., :d_v].transpose(1, 2)  # [B, T, h, d_v]

@@ -69,6 +69,7 @@ class ContextualMap(nn.Linear):
 @register("tpa_nc_b", constant="b")
 class NonContextualTPA(Attention):
     Options = NonContextualOptions
+    supports_key_mask = True
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -105,9 +106,7 @@ class NonContextualTPA(Attention):
         q = self.expand("q", ctx["q"], pos)  # [B, T, h, d_h]
         k = self.expand("k", k, kv_pos)  # [B, S, h, d_h]
         v = self.expand("v", v, None)  # [B, S, h, d_h]
-        y = self.attend(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), pos, cache is not None
-        )  # [B, h, T, d_h]
+        y = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), pos, cache)  # [B, h, T, d_h]
         return self.out(y.transpose(1, 2).reshape(B, T, -1))  # [B, T, d_model]
 
     def expand(self, name: str, factor: torch.Tensor, pos: torch.Tensor | None) -> torch.Tensor:

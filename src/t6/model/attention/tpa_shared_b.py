@@ -35,6 +35,7 @@ class SharedBOptions(Options):
 @register("tpa_shared_b")
 class SharedBTPA(Attention):
     Options = SharedBOptions
+    supports_key_mask = True
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -73,7 +74,5 @@ class SharedBTPA(Attention):
             kv_pos = torch.arange(b.shape[1], device=x.device)  # [S]
         k = contract(a_k, self.rope(b, kv_pos))  # [B, S, h, d_h]: keys from the rotated B
         v = contract(a_v, b)  # [B, S, h, d_h]: values from the same B, unrotated
-        y = self.attend(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), pos, cache is not None
-        )  # [B, h, T, d_h]
+        y = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), pos, cache)  # [B, h, T, d_h]
         return self.out(y.transpose(1, 2).reshape(B, T, -1))  # [B, T, d_model]

@@ -67,6 +67,7 @@ def contract3(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor
 @register("tpa_third_order")
 class ThirdOrderTPA(Attention):
     Options = ThirdOrderOptions
+    supports_key_mask = True
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -109,7 +110,5 @@ class ThirdOrderTPA(Attention):
             )  # [B, S, R, *] each
         k = contract3(a_k, b_k, c_k)  # [B, S, h, d_h]
         v = contract3(a_v, b_v, c_v)  # [B, S, h, d_h]
-        y = self.attend(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), pos, cache is not None
-        )  # [B, h, T, d_h]
+        y = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), pos, cache)  # [B, h, T, d_h]
         return self.out(y.transpose(1, 2).reshape(B, T, -1))  # [B, T, d_model]

@@ -21,9 +21,9 @@ NAMES = available()  # every registered mechanism
 TPA = ["tpa", "tpa_kvonly"]
 
 
-def tiny(name: str, seed: int = 0, n_head: int = 4, **kw) -> T6:
+def tiny(name: str, seed: int = 0, n_head: int = 4, block_size: int = 64, **kw) -> T6:
     """A 2-layer model of mechanism `name` with its default options and random weights everywhere."""
-    cfg = ModelConfig(attention=name, n_layer=2, d_model=64, n_head=n_head, vocab_size=256, block_size=64, **kw)
+    cfg = ModelConfig(attention=name, n_layer=2, d_model=64, n_head=n_head, vocab_size=256, block_size=block_size, **kw)
     torch.manual_seed(seed)
     model = T6(cfg)
     with torch.no_grad():  # residual outputs start at zero; randomize so every path matters
@@ -59,11 +59,16 @@ class ScalarReads(TorchDispatchMode):
     """Counts tensor -> Python number reads (`int(t)`, `.item()`, `bool(t)`): on a GPU each one makes the
     host wait until the device has caught up, so a decode step holding one per layer is latency-bound."""
 
+    supports_higher_order_operators = True  # flex_attention (fixed-shape decode steps)
+
     def __init__(self):
         super().__init__()
         self.count = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if isinstance(func, torch._ops.HigherOrderOperator):  # its eager implementation, its reads counted here
+            with self:
+                return func.dispatch(torch._C.DispatchKey.CompositeExplicitAutograd, *args, **(kwargs or {}))
         self.count += func is torch.ops.aten._local_scalar_dense.default
         return func(*args, **(kwargs or {}))
 

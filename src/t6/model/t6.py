@@ -12,6 +12,7 @@ from torch import nn
 
 from t6.model.attention import KVCache, get_attention_class
 from t6.model.config import ModelConfig
+from t6.model.decode import StaticDecoder
 from t6.model.layers import SwiGLU
 from t6.model.loss import linear_cross_entropy
 
@@ -40,6 +41,9 @@ class T6(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.init_weights()
+        # generate's fixed-shape decoders by (batch size, cache dtype, device), kept with their caches and
+        # compiled graphs for later generations; clear() frees them
+        self.static_decoders: dict[tuple, StaticDecoder] = {}
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -87,16 +91,38 @@ class T6(nn.Module):
             return linear_cross_entropy(self.norm(x), self.lm_head.weight, targets, loss_chunk_tokens, loss_impl)  # []
         return self.lm_head(self.norm(x))  # [B, T, vocab]
 
+    def decode_step(self, idx: torch.Tensor, pos: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
+        """idx [B, 1] at the position pos [1], a device tensor never read on the host, against caches in
+        fixed-shape mode (KVCache.static_len) -> logits [B, vocab]. Its shapes do not depend on the
+        position, so it compiles once per cache length and replays as a CUDA graph (t6.model.decode)."""
+        x = self.embed(idx)  # [B, 1, d]
+        for block, cache in zip(self.blocks, caches):
+            x = block(x, pos, cache)  # [B, 1, d]
+        return self.lm_head(self.norm(x))[:, -1]  # [B, vocab]
+
+    def cache_dtype(self, device: torch.device | str | None = None) -> torch.dtype:
+        """What the layers compute, so what a cache holds: the autocast dtype under autocast (e.g.
+        evaluation during bf16-mixed training), else the parameters' dtype."""
+        device = torch.device(device or self.embed.weight.device)
+        if torch.is_autocast_enabled(device.type):
+            return torch.get_autocast_dtype(device.type)
+        return self.embed.weight.dtype
+
     def build_kv_caches(self, batch_size: int, max_len: int | None = None, dtype=None, device=None) -> list[KVCache]:
-        """One cache per layer, allocated once; each attention decides what it stores. The cache holds
-        what the layers compute: the autocast dtype under autocast (e.g. evaluation during bf16-mixed
-        training), else the parameters' dtype."""
+        """One cache per layer, allocated once; each attention decides what it stores, in `cache_dtype`
+        unless dtype is given."""
         max_len = max_len or self.cfg.block_size
         device = torch.device(device or self.embed.weight.device)
-        if dtype is None and torch.is_autocast_enabled(device.type):
-            dtype = torch.get_autocast_dtype(device.type)
-        dtype = dtype or self.embed.weight.dtype
+        dtype = dtype or self.cache_dtype(device)
         return [block.attn.build_kv_cache(batch_size, max_len, dtype, device) for block in self.blocks]
+
+    def static_decoder(self, batch_size: int) -> StaticDecoder:
+        """The fixed-shape decoder `generate` uses for this batch size (made on first use, then kept)."""
+        device = self.embed.weight.device
+        key = (batch_size, self.cache_dtype(device), device)
+        if key not in self.static_decoders:
+            self.static_decoders[key] = StaticDecoder(self, batch_size, dtype=key[1])
+        return self.static_decoders[key]
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Distinct parameters (the tied head counts once); non_embedding excludes the token embedding."""
@@ -114,6 +140,7 @@ class T6(nn.Module):
         stop_tokens: tuple[int, ...] = (),
         generator: torch.Generator | None = None,
         prompt_mask: torch.Tensor | None = None,
+        decode: str | StaticDecoder = "auto",
     ) -> torch.Tensor:
         """Prefill the prompts idx [B, T0] once, then decode one token at a time from the KV caches.
 
@@ -122,6 +149,12 @@ class T6(nn.Module):
         and since attention scores depend only on relative positions (RoPE), a padded row
         computes what it would alone. temperature=0 is greedy. Rows that produced a stop token
         keep emitting it. Returns [B, T0 + n] (padding included), n <= max_new_tokens.
+
+        decode: "eager" (caches of exactly T0 + max_new_tokens positions, shapes growing with each
+        token: the fastest on the CPU, through the fused C++ decode operators), "static" (the model's
+        `static_decoder`: fixed shapes, compiled, a CUDA graph on CUDA), "auto" (static on CUDA, eager
+        elsewhere), or a StaticDecoder of batch size B. Both give the same tokens (in bf16, up to ties
+        within rounding: their kernels round in different orders).
         """
         B, T0 = idx.shape
         total = T0 + max_new_tokens
@@ -130,25 +163,46 @@ class T6(nn.Module):
                 f"prompt ({T0}) + max_new_tokens ({max_new_tokens}) = {total} exceeds block_size {self.cfg.block_size}"
             )
         check_sampling(temperature, top_k, top_p)
-        caches = self.build_kv_caches(B, total)
+        if decode not in ("auto", "eager", "static") and not isinstance(decode, StaticDecoder):
+            raise ValueError(f"decode={decode!r} must be 'auto', 'eager', 'static' or a StaticDecoder")
+        key_mask = None  # [B, T0] bool where prompts are padded
         if prompt_mask is not None and not bool(prompt_mask.all()):
-            key_mask = torch.ones(B, total, dtype=torch.bool, device=idx.device)  # [B, total]
-            key_mask[:, :T0] = self.check_prompt_mask(prompt_mask, idx.shape)
-            for cache in caches:
-                cache.key_mask = key_mask
-        logits = self(idx, 0, caches)[:, -1]  # [B, vocab]
-        out, done = [idx], torch.zeros(B, dtype=torch.bool, device=idx.device)
+            key_mask = self.check_prompt_mask(prompt_mask, idx.shape)
+        if decode == "static" or (decode == "auto" and idx.device.type == "cuda"):
+            decode = self.static_decoder(B)
+        if isinstance(decode, StaticDecoder):
+            logits, step_at = decode.prefill(idx, key_mask), decode.step  # [B, vocab]
+        else:
+            caches = self.build_kv_caches(B, total)
+            if key_mask is not None:
+                padding = torch.ones(B, total, dtype=torch.bool, device=idx.device)  # [B, total]
+                padding[:, :T0] = key_mask
+                for cache in caches:
+                    cache.key_mask = padding
+            logits = self(idx, 0, caches)[:, -1]  # [B, vocab]
+
+            def step_at(tokens: torch.Tensor, position: int) -> torch.Tensor:
+                return self(tokens, position, caches)[:, -1]  # [B, vocab]
+
+        every = stop_check_interval(idx.device.type)
+        out, done, finished = [idx], torch.zeros(B, dtype=torch.bool, device=idx.device), []
         stops = torch.tensor(stop_tokens, dtype=idx.dtype, device=idx.device)
         for step in range(max_new_tokens):
             nxt = sample(logits, temperature, top_k, top_p, generator)  # [B]
             if stop_tokens:
                 nxt = torch.where(done, out[-1][:, -1], nxt)
                 done |= torch.isin(nxt, stops)
+                finished.append(done.all())  # []
             out.append(nxt[:, None])
-            if step + 1 == max_new_tokens or (stop_tokens and bool(done.all())):
+            if step + 1 == max_new_tokens or (stop_tokens and (step + 1) % every == 0 and bool(finished[-1])):
                 break
-            logits = self(nxt[:, None], T0 + step, caches)[:, -1]  # [B, vocab]
-        return torch.cat(out, dim=1)
+            logits = step_at(nxt[:, None], T0 + step)  # [B, vocab]
+        tokens = torch.cat(out, dim=1)  # [B, T0 + n]
+        if stop_tokens and every > 1:  # end where a read at every step would have: at the first all-stopped step
+            stopped = torch.stack(finished)  # [n]
+            if bool(stopped.any()):
+                tokens = tokens[:, : T0 + int(stopped.int().argmax()) + 1]
+        return tokens
 
     def check_prompt_mask(self, prompt_mask: torch.Tensor, shape: torch.Size) -> torch.Tensor:
         """Validate a left-padding mask [B, T0] (False then True in each row) -> bool [B, T0]."""
@@ -180,6 +234,12 @@ def left_pad(prompts: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, t
         idx[i, T0 - len(p) :] = torch.as_tensor(p, dtype=torch.long)
         mask[i, T0 - len(p) :] = True
     return idx, mask
+
+
+def stop_check_interval(device_type: str) -> int:
+    """Every how many tokens `generate` reads back whether every row has stopped: each read makes the host
+    wait for the device, which on a GPU then idles while the host launches the next step; free on the CPU."""
+    return 1 if device_type == "cpu" else 8
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:

@@ -1,0 +1,170 @@
+"""Fixed-shape decoding (t6.model.decode), the CPU-checkable half of the CUDA-graph decoder: for every
+registered mechanism the static step compiles whole (fullgraph), once per cache-length bucket and never
+per token, reads nothing back to the host, and generates the tokens of the eager path.
+
+The compiled steps here skip inductor's code generation (tens of seconds of C++ compilation per graph on
+a small CPU): the "eager" backend runs the graph dynamo captures, which is what fullgraph and recompilation
+are about; "aot_eager" also runs it through AOTAutograd's functionalization (the in-place cache writes
+included), which is the graph inductor receives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_inference import NAMES, ScalarReads, tiny
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import t6.model.t6
+from t6.model.attention import KVCache
+from t6.model.decode import MIN_BUCKET, StaticDecoder, bucket
+from t6.model.t6 import left_pad
+
+PROMPTS = [[5, 9, 2], [7, 1, 4, 4, 8, 3, 2], [11]]  # left-padded to 7 tokens
+
+
+def test_bucket_is_the_next_power_of_two_within_the_cache():
+    assert [bucket(n, 4096) for n in (1, MIN_BUCKET, MIN_BUCKET + 1, 1000, 1025, 4096)] == [
+        MIN_BUCKET,
+        MIN_BUCKET,
+        2 * MIN_BUCKET,
+        1024,
+        2048,
+        4096,
+    ]
+    assert bucket(3000, 3000) == 3000 and bucket(5, 100) == 100  # never past the cache
+    for bad in (0, 4097):
+        with pytest.raises(ValueError, match=f"over {bad} cached tokens does not fit a cache of 4096"):
+            bucket(bad, 4096)
+
+
+def test_a_static_cache_returns_fixed_length_views_and_masks_what_is_not_yet_written():
+    cache = KVCache({"k": (2, 3)}, batch_size=2, max_len=16, head_major=("k",))
+    cache.key_mask = torch.tensor([[False] * 2 + [True] * 14, [True] * 16])  # [B, 16]: row 0 left-padded
+    cache.static_len = 8
+    pos = torch.tensor([5])
+    (k,) = cache.update(pos, k=torch.ones(2, 1, 2, 3))
+    assert k.shape == (2, 2, 8, 3) and k[:, :, 5].eq(1).all() and k.sum() == 2 * 2 * 3  # written at 5 only
+    expected = torch.tensor([[0, 0, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 0, 0]], dtype=torch.bool)  # [B, 8]
+    assert torch.equal(cache.attn_mask(pos), expected[:, None])
+    for static_len, pos in ((8, torch.tensor([5])), (None, torch.tensor([3, 4, 5]))):  # mask_mod is attn_mask
+        cache.static_len = static_len
+        mask = cache.attn_mask(pos).expand(2, len(pos), -1)  # [B, T, S]
+        b, q, s = torch.meshgrid(*(torch.arange(n) for n in mask.shape), indexing="ij")
+        assert torch.equal(cache.mask_mod(pos)(b, 0, q, s), mask)
+
+
+def padded_batch():
+    idx, mask = left_pad(PROMPTS)
+    return idx, mask
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_static_step_compiles_whole_once_for_64_positions_and_generates_todays_tokens(name):
+    model = tiny(name, block_size=128)  # every step in one bucket (min(128, MIN_BUCKET))
+    idx, mask = padded_batch()
+    counter = CompileCounterWithBackend("eager")
+    decoder = StaticDecoder(model, 3, backend=counter)
+    out = model.generate(idx, 65, temperature=0, prompt_mask=mask, decode=decoder)  # 64 steps: positions 7..70
+    assert torch.equal(out, model.generate(idx, 65, temperature=0, prompt_mask=mask, decode="eager"))
+    again = torch.tensor([[3, 1, 4, 1, 5, 9, 2]] * 3)  # a new generation, unpadded, in the same decoder
+    assert torch.equal(model.generate(again, 5, temperature=0, decode=decoder), model.generate(again, 5, temperature=0))
+    assert counter.frame_count == 1  # one graph: compiled at the first step, replayed at every later one
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("name", NAMES)
+def test_a_static_step_never_reads_a_tensor_back_to_the_host(name, monkeypatch):
+    # eager flex_attention runs its operator through torch.compile, which refuses a dispatch mode; this runs it as is
+    monkeypatch.setattr(torch.nn.attention.flex_attention, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True)
+    model = tiny(name, block_size=128)
+    idx, mask = padded_batch()
+    decoder = StaticDecoder(model, 3, backend="eager")
+    decoder.prefill(idx, mask)
+    for cache in decoder.caches:
+        cache.static_len = 128
+    with ScalarReads() as reads, torch.no_grad():
+        model.decode_step(torch.randint(0, 256, (3, 1)), torch.tensor([7]), decoder.caches)  # as compiled, run eagerly
+    assert reads.count == 0
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_under_bf16_autocast_static_steps_choose_todays_tokens_up_to_rounding(name):
+    """bf16 autocast, a padded batch: each static step's logits are the eager step's within bf16 rounding, so
+    its greedy token is the eager one wherever the eager top two differ by more than the two paths' gap
+    (a tie within rounding may go either way: the paths round in different orders)."""
+    model = tiny(name, block_size=128)
+    idx, mask = padded_batch()
+    T0 = idx.shape[1]
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        decoder = StaticDecoder(model, 3, backend="aot_eager", dtype=model.cache_dtype())
+        caches = model.build_kv_caches(3, T0 + 12)
+        padding = torch.cat([mask, torch.ones(3, 12, dtype=torch.bool)], dim=1)  # [3, T0 + 12]
+        for cache in caches:
+            cache.key_mask = padding
+        static, eager = decoder.prefill(idx, mask).float(), model(idx, 0, caches)[:, -1].float()  # [3, V] each
+        for t in range(12):
+            torch.testing.assert_close(static, eager, rtol=0.02, atol=0.02)
+            top2 = eager.topk(2).values  # [3, 2]
+            sure = top2[:, 0] - top2[:, 1] > 2 * (static - eager).abs().max(-1).values  # [3]
+            assert torch.equal(static.argmax(-1)[sure], eager.argmax(-1)[sure])
+            tokens = eager.argmax(-1, keepdim=True)  # [3, 1], both paths continue alike
+            static = decoder.step(tokens, T0 + t).float()
+            eager = model(tokens, T0 + t, caches)[:, -1].float()
+    assert {t.dtype for cache in decoder.caches for t in cache.tensors.values()} == {torch.bfloat16}
+
+
+@pytest.mark.parametrize("name", ["mha", "tpa"])
+def test_one_graph_per_bucket_never_per_token(name):
+    model = tiny(name, block_size=600)
+    prompt = torch.randint(0, 256, (2, MIN_BUCKET - 6))
+    counter = CompileCounterWithBackend("aot_eager")
+    decoder = StaticDecoder(model, 2, backend=counter)
+    out = model.generate(prompt, 20, temperature=0, decode=decoder)  # positions 250..268: buckets 256 and 512
+    assert counter.frame_count == 2
+    assert torch.equal(out, model.generate(prompt, 20, temperature=0, decode="eager"))
+    model.generate(prompt[:, :100], 10, temperature=0, decode=decoder)  # bucket 256 again: replayed
+    assert counter.frame_count == 2
+
+
+def test_stopped_rows_read_back_every_few_steps_end_where_a_read_every_step_ends(monkeypatch):
+    model = tiny("gqa")
+    prompt = torch.randint(0, 256, (3, 4))
+    greedy = model.generate(prompt, 20, temperature=0)
+    stops = (int(greedy[0, 6]), int(greedy[1, 9]), int(greedy[2, 5]))
+    every_step = model.generate(prompt, 20, temperature=0, stop_tokens=stops)
+    monkeypatch.setattr(t6.model.t6, "stop_check_interval", lambda device_type: 8)
+    assert torch.equal(model.generate(prompt, 20, temperature=0, stop_tokens=stops), every_step)
+    assert every_step.shape[1] < 4 + 20  # every row stopped before the end
+
+
+def test_decoding_choices_are_checked():
+    model = tiny("mha")
+    idx = torch.zeros(2, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="decode='fast' must be 'auto', 'eager', 'static' or a StaticDecoder"):
+        model.generate(idx, 2, decode="fast")
+    with pytest.raises(ValueError, match="2 prompts, but this decoder was built for batch_size=3"):
+        model.generate(idx, 2, decode=StaticDecoder(model, 3, backend="eager"))
+    with pytest.raises(ValueError, match="max_len=65 exceeds the model's block_size 64"):
+        StaticDecoder(model, 2, max_len=65)
+    assert model.static_decoder(2) is model.static_decoder(2) and model.static_decoder(2).max_len == 64
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and inductor's GPU kernels need a CUDA GPU")
+@pytest.mark.parametrize("name", ["mha", "gqa", "tpa", "mla"])
+def test_on_cuda_generate_replays_a_cuda_graph_with_todays_tokens(name):
+    model = tiny(name, block_size=128).cuda()
+    idx, mask = (t.cuda() for t in padded_batch())
+    out = model.generate(idx, 40, temperature=0, prompt_mask=mask)  # decode="auto": the static decoder
+    assert list(model.static_decoders) == [(3, torch.float32, idx.device)]
+    assert torch.equal(out, model.generate(idx, 40, temperature=0, prompt_mask=mask, decode="eager"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="SDPA's cuDNN backend exists on CUDA only")
+def test_on_cuda_inference_never_runs_cudnn_attention():
+    model = tiny("gqa").cuda().to(torch.bfloat16)
+    prompt = torch.randint(0, 256, (2, 9), device="cuda")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        model.generate(prompt, 4, temperature=0, decode="eager")
+    names = {e.name for e in prof.events()}
+    assert any("scaled_dot_product" in n for n in names) and not any("cudnn" in n for n in names)

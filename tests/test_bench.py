@@ -147,3 +147,34 @@ def test_eval_items_runs_the_model_on_the_device_and_dtype_asked(tmp_path, monke
     assert seen == [{("cpu", torch.bfloat16)}] * 2  # the per-choice and the shared-prefix adapter
     assert [(r["device"], r["dtype"]) for r in rows] == [("cpu", "bfloat16")] * 3
     assert all(r["items_per_s_per_choice"] > 0 and r["items_per_s_shared_prefix"] > 0 for r in rows)
+
+
+def test_generate_bench_reports_decode_speed_against_the_bandwidth_bound(tmp_path):
+    """`t6.bench.generate` on the CPU: a record per mechanism, prompt length and batch, whose bound is the
+    weights plus each row's cache at its mean context, read once per step at the given bandwidth."""
+    from t6.bench import generate
+    from t6.model.facts import kv_bytes_per_token, parameter_count
+
+    out = tmp_path / "generate.json"
+    args = "--attentions mha,tpa --size tiny --prompt-lengths 8,16 --batches 1,2 --new-tokens 16 --threads 1"
+    threads = torch.get_num_threads()
+    try:  # one thread: two on a busy 2-core machine wait on each other for tens of ms
+        result = generate.main([*args.split(), "--bandwidth-gbs", "10", "--json", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    records = json.loads(out.read_text())["records"]
+    assert records == result["records"] and result["bandwidth_gbs"] == 10
+    assert [(r["attention"], r["prompt"], r["batch"]) for r in records] == [
+        (name, T0, batch) for name in ("mha", "tpa") for T0 in (8, 16) for batch in (1, 2)
+    ]
+    configs = common.model_configs(["mha", "tpa"], "tiny", block_size=16 + 16 + 1)
+    for r in records:
+        cfg = configs[r["attention"]]
+        weights = parameter_count(cfg) * 4  # fp32
+        cache = r["batch"] * (r["prompt"] + 8) * kv_bytes_per_token(cfg, torch.float32)  # mean context
+        assert r["weight_bytes"] == weights and r["cache_bytes_per_step"] == cache
+        assert r["bound_tokens_per_s"] == pytest.approx(r["batch"] * 10e9 / (weights + cache))
+        assert r["fraction_of_bound"] == pytest.approx(r["tokens_per_s"] / r["bound_tokens_per_s"])
+        assert r["step"] == "eager" and r["tokens_per_s"] > 0 and r["prefill_ms"] > 0
+    by = {(r["attention"], r["prompt"], r["batch"]): r for r in records}
+    assert by["tpa", 16, 2]["cache_bytes_per_step"] < by["mha", 16, 2]["cache_bytes_per_step"]  # TPA's smaller cache

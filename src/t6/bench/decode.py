@@ -14,6 +14,11 @@ grow with the context). The mechanisms are timed interleaved, round by round, at
 and the median round is reported; ratios are to MHA measured in the same run (MHA's
 K/V cache is head-major, the layout SDPA reads fastest). On CUDA each row also gives the GPU
 time per token (the kernels' durations, torch.profiler): a wall time far above it is the host's.
+
+`--step` chooses the step timed, as generation runs it (`T6.generate`): `eager` calls the layer
+with views that grow with the context (the CPU's path: the fused C++ decode operators); `static`
+compiles it for fixed shapes over the cache-length bucket of the context (t6.model.decode), on CUDA
+captured as a CUDA graph and replayed; `auto` (default) is static on CUDA, eager elsewhere.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from t6.bench.common import (
     time_call,
     write_json,
 )
+from t6.model.decode import bucket, call_step, compile_step
 from t6.model.facts import decode_flops_per_cached_token
 from t6.model.t6 import Block
 
@@ -80,6 +86,28 @@ def attention_of(layer):
     return layer.attn if isinstance(layer, Block) else layer
 
 
+def resolve_step(step: str, device: str) -> str:
+    """--step auto: static on CUDA (a CUDA graph), eager elsewhere (the CPU's fused operators)."""
+    return ("static" if str(device).startswith("cuda") else "eager") if step == "auto" else step
+
+
+def decode_call(layer, compiled, cache, x: torch.Tensor, context: int, max_len: int):
+    """The call that decodes x [B, 1, d] at position `context`: the layer itself (compiled None: eager,
+    views growing with the context), or its fixed-shape compilation over the cache bucket of the context."""
+    pos = torch.tensor([context], device=x.device)  # [1]
+    if compiled is None:
+        return lambda: layer(x, pos, cache)
+    cache.static_len = bucket(context + 1, max_len)
+    cuda = x.device.type == "cuda"
+
+    def call():
+        if cuda:
+            torch.compiler.cudagraph_mark_step_begin()
+        return call_step(compiled, x, pos, cache)
+
+    return call
+
+
 def measure(
     configs: dict,
     contexts: list[int],
@@ -88,15 +116,19 @@ def measure(
     scope: str = "attention",
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
+    step: str = "eager",
     steps: int = 10,
     rounds: int = 5,
     warmup: int = 3,
     verbose: bool = True,
 ) -> list[dict]:
     """Decode records (one per name and context) for the given name -> ModelConfig, timed
-    interleaved round by round; `speed_vs_mha` is filled where a config is named "mha"."""
+    interleaved round by round; `speed_vs_mha` is filled where a config is named "mha".
+    step: "eager" or "static" (see the module's docstring)."""
+    if step not in ("eager", "static"):
+        raise ValueError(f"step={step!r} must be 'eager' or 'static'")
     max_len = max(contexts) + 1
-    layers, caches, info = {}, {}, {}
+    layers, caches, compiled, info = {}, {}, {}, {}
     for name, cfg in configs.items():
         cfg = dataclasses.replace(cfg, block_size=max(cfg.block_size, max_len))  # RoPE tables reach the context
         layer = build_layer(cfg, scope, device, dtype)
@@ -104,7 +136,9 @@ def measure(
         cache = attn.build_kv_cache(batch, max_len, dtype, device)
         for t in cache.tensors.values():
             t.normal_()  # a full cache of random keys/values (or factors, latents)
+            torch._dynamo.mark_static_address(t)  # a CUDA graph of the static step writes it in place
         layers[name], caches[name] = layer, cache
+        compiled[name] = compile_step(layer, device) if step == "static" else None
         info[name] = {
             "n_head": cfg.n_head,
             "options": cfg.attention_options,
@@ -114,19 +148,19 @@ def measure(
         }
     records = []
     for context in contexts:
-        pos = torch.tensor([context], device=device)  # the new token sees context + 1 tokens
         x = torch.randn(batch, 1, configs[next(iter(configs))].d_model, device=device, dtype=dtype)
         seconds = {name: [] for name in layers}
         with torch.inference_mode():
-            for name, layer in layers.items():  # warm up
-                time_call(lambda: layer(x, pos, caches[name]), warmup, device)
-            for _ in range(rounds):
-                for name, layer in layers.items():
-                    seconds[name].append(time_call(lambda: layer(x, pos, caches[name]), steps, device))
-            gpu = {
-                name: gpu_time_call(lambda: layer(x, pos, caches[name]), steps, device)
+            calls = {  # the new token sees context + 1 tokens
+                name: decode_call(layer, compiled[name], caches[name], x, context, max_len)
                 for name, layer in layers.items()
             }
+            for call in calls.values():  # warm up (and compile, capture)
+                time_call(call, warmup, device)
+            for _ in range(rounds):
+                for name, call in calls.items():
+                    seconds[name].append(time_call(call, steps, device))
+            gpu = {name: gpu_time_call(call, steps, device) for name, call in calls.items()}
         rows = []
         for name in layers:
             s = median(seconds[name])
@@ -135,6 +169,8 @@ def measure(
                     "attention": name,
                     "context": context,
                     "batch": batch,
+                    "step": step,
+                    "cache_view": context + 1 if step == "eager" else caches[name].static_len,
                     "ms_per_token": 1e3 * s,
                     **({} if gpu[name] is None else {"gpu_ms_per_token": 1e3 * gpu[name]}),  # CUDA only
                     "tokens_per_s": batch / s,
@@ -168,6 +204,7 @@ def run(args) -> dict:
         scope=args.scope,
         device=args.device,
         dtype=DTYPES[args.dtype],
+        step=resolve_step(args.step, args.device),
         steps=args.steps,
         rounds=args.rounds,
         warmup=args.warmup,
@@ -189,6 +226,8 @@ def run(args) -> dict:
 COLUMNS = [
     ("attention", "attention", ""),
     ("context", "context", "d"),
+    ("step", "step", ""),
+    ("cache_view", "cache view", "d"),
     ("n_head", "heads", "d"),
     ("layer_params", "layer params", ","),
     ("kv_cache_bytes_per_token", "cache B/token", "d"),
@@ -225,6 +264,13 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=10, help="decode calls per timed round")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the median is reported")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--step",
+        default="auto",
+        choices=["auto", "eager", "static"],
+        help="the decode step timed: eager (growing views), static (fixed shapes, compiled; a CUDA graph on "
+        "CUDA), auto: static on CUDA, eager elsewhere",
+    )
     parser.add_argument("--bandwidth-gbs", type=float, default=None, help="memory bandwidth (default: measured, CPU)")
     parser.add_argument(
         "--peak-tflops", type=float, default=None, help="peak FLOP/s in TFLOP/s (default: measured fp32, CPU)"

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from test_inference import NAMES, ScalarReads, tiny
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import t6.model.t6
 from t6.model.attention import KVCache
+from t6.model.attention.base import flex_decode
 from t6.model.decode import MIN_BUCKET, StaticDecoder, bucket
 from t6.model.t6 import left_pad
 
@@ -51,6 +53,23 @@ def test_a_static_cache_returns_fixed_length_views_and_masks_what_is_not_yet_wri
         mask = cache.attn_mask(pos).expand(2, len(pos), -1)  # [B, T, S]
         b, q, s = torch.meshgrid(*(torch.arange(n) for n in mask.shape), indexing="ij")
         assert torch.equal(cache.mask_mod(pos)(b, 0, q, s), mask)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("group", [1, 3, 4])  # 3: padded to FlexAttention's power-of-two groups
+def test_flex_decode_is_masked_softmax_attention_for_any_group_size(group):
+    B, h_kv, L, d = 2, 2, 300, 16
+    cache = KVCache({"k": (h_kv, d)}, batch_size=B, max_len=L, head_major=("k",))
+    cache.key_mask = torch.arange(L)[None, :] >= torch.tensor([[0], [37]])  # [B, L]: row 1 left-padded
+    cache.static_len = L
+    pos = torch.tensor([200])
+    q, k, v = torch.randn(B, h_kv * group, 1, d), torch.randn(B, h_kv, L, d), torch.randn(B, h_kv, L, d)
+    y = flex_decode(q, k, v, cache.mask_mod(pos), pos[-1])  # [B, h, 1, d]
+    mask = cache.attn_mask(pos)[:, None]  # [B, 1, 1, L]: keys 0..200, padding hidden
+    ref = F.scaled_dot_product_attention(
+        q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), attn_mask=mask
+    )  # [B, h, 1, d]
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
 
 
 def padded_batch():

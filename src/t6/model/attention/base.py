@@ -249,15 +249,28 @@ def flex_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_mod, new
 
     q [B, h, T, d]; k, v [B, h_kv, L, d] (h divisible by h_kv); mask_mod: KVCache.mask_mod;
     newest: the newest position, a device tensor []. Returns [B, h, T, d_v].
+
+    The decoding kernel takes a power of two query heads per K/V head (otherwise FlexAttention runs its
+    general kernel, one program per query head); other groups (MQA's 31 heads, GQA's 15 per K/V head at
+    medium) get zero query heads up to the next power of two, whose outputs are dropped.
     """
-    B, T, L = q.shape[0], q.shape[2], k.shape[2]
+    B, h, T, d = q.shape
+    h_kv, L = k.shape[1], k.shape[2]
+    g = h // h_kv  # query heads per K/V head
+    g_pow2 = 1 << (g - 1).bit_length()
+    if g_pow2 != g:
+        q = q.reshape(B, h_kv, g, T, d)  # [B, h_kv, g, T, d] (heads of a group are adjacent)
+        q = nn.functional.pad(q, (0, 0, 0, 0, 0, g_pow2 - g)).reshape(B, h_kv * g_pow2, T, d)  # [B, h_kv g', T, d]
     n = -(-L // FLEX_BLOCK)  # key blocks
     visited = (newest // FLEX_BLOCK + 1).to(torch.int32).expand(B, 1, 1).contiguous()  # [B, 1, 1]: blocks to the newest
     order = torch.arange(n, dtype=torch.int32, device=q.device).expand(B, 1, 1, n).contiguous()  # [B, 1, 1, n]
     blocks = BlockMask.from_kv_blocks(
         visited, order, BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod, seq_lengths=(T, L), compute_q_blocks=False
     )
-    return flex_attention(q, k, v, block_mask=blocks, enable_gqa=k.shape[1] != q.shape[1])  # [B, h, T, d_v]
+    y = flex_attention(q, k, v, block_mask=blocks, enable_gqa=g_pow2 > 1)  # [B, h_kv g', T, d_v]
+    if g_pow2 != g:
+        y = y.reshape(B, h_kv, g_pow2, T, -1)[:, :, :g].reshape(B, h, T, -1)  # [B, h, T, d_v]
+    return y
 
 
 class Attention(nn.Module):

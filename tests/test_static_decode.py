@@ -168,6 +168,21 @@ def test_decoding_choices_are_checked():
     assert model.static_decoder(2) is model.static_decoder(2) and model.static_decoder(2).max_len == 64
 
 
+@pytest.mark.slow  # inductor generates and compiles C++ for each layer (tens of seconds on 2 cores)
+def test_the_decode_benchmark_times_the_static_step_over_its_cache_bucket():
+    from t6.bench.decode import measure
+    from t6.model import ModelConfig
+
+    base = dict(n_layer=1, d_model=64, head_dim=16, vocab_size=128, block_size=16, n_head=4)
+    configs = {"mha": ModelConfig(attention="mha", **base), "tpa": ModelConfig(attention="tpa", **base)}
+    records = measure(configs, [300], step="static", steps=2, rounds=1, warmup=2, verbose=False)
+    assert [(r["attention"], r["step"], r["cache_view"]) for r in records] == [
+        ("mha", "static", 301),  # the bucket of 301 tokens, capped at the cache's 301 positions
+        ("tpa", "static", 301),
+    ]
+    assert all(r["tokens_per_s"] > 0 for r in records)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and inductor's GPU kernels need a CUDA GPU")
 @pytest.mark.parametrize("name", ["mha", "gqa", "tpa", "mla"])

@@ -40,7 +40,7 @@ def bucket(length: int, max_len: int, least: int = MIN_BUCKET) -> int:
     return min(max_len, max(least, 1 << (length - 1).bit_length()))
 
 
-def compile_step(fn, device: torch.device | str, backend: str = "inductor"):
+def compile_step(fn, device: torch.device | str, backend="inductor"):
     """fn compiled whole (fullgraph=True) for fixed shapes (dynamic=False: one graph per shape, never a
     symbolic one); with inductor on CUDA, captured as a CUDA graph (mode="reduce-overhead")."""
     mode = "reduce-overhead" if backend == "inductor" and torch.device(device).type == "cuda" else None
@@ -64,7 +64,8 @@ class StaticDecoder:
     """Fixed-shape greedy or sampled decoding for one batch size: the caches (max_len positions, default
     the model's block_size, in `dtype`), a key mask, and the compiled step. The step's inputs (tokens,
     position, caches, mask) live at fixed addresses, so a CUDA graph reads and writes them in place.
-    backend: torch.compile's ("inductor"; tests use "eager" or "aot_eager", which check the same graph)."""
+    backend: torch.compile's, a name or a callable ("inductor"; tests use "eager" or "aot_eager", which
+    check the same graph without generating code)."""
 
     def __init__(
         self,
@@ -72,7 +73,7 @@ class StaticDecoder:
         batch_size: int,
         max_len: int | None = None,
         dtype: torch.dtype | None = None,
-        backend: str = "inductor",
+        backend="inductor",
     ):
         self.model, self.batch_size = model, batch_size
         self.max_len = max_len or model.cfg.block_size

@@ -48,11 +48,13 @@ def test_a_static_cache_returns_fixed_length_views_and_masks_what_is_not_yet_wri
     assert k.shape == (2, 2, 8, 3) and k[:, :, 5].eq(1).all() and k.sum() == 2 * 2 * 3  # written at 5 only
     expected = torch.tensor([[0, 0, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 0, 0]], dtype=torch.bool)  # [B, 8]
     assert torch.equal(cache.attn_mask(pos), expected[:, None])
+    assert cache.lengths(pos).tolist() == [6, 6]  # the fused operators read no further
     for static_len, pos in ((8, torch.tensor([5])), (None, torch.tensor([3, 4, 5]))):  # mask_mod is attn_mask
         cache.static_len = static_len
         mask = cache.attn_mask(pos).expand(2, len(pos), -1)  # [B, T, S]
         b, q, s = torch.meshgrid(*(torch.arange(n) for n in mask.shape), indexing="ij")
         assert torch.equal(cache.mask_mod(pos)(b, 0, q, s), mask)
+    assert cache.lengths(pos) is None  # dynamic shapes: the views end at the newest token
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

@@ -185,6 +185,15 @@ class KVCache:
             mask = (keys if mask is None else mask & keys) | self_pos  # [B, T, end]
         return mask
 
+    def lengths(self, pos: torch.Tensor) -> torch.Tensor | None:
+        """The fused decode operators' `lengths` for queries at pos [T]: in a fixed-shape step each row's
+        cached tokens up to the newest, int64 [B] on the device, so their kernels skip the rest of the view;
+        None with dynamic shapes, whose views end there already."""
+        if self.static_len is None:
+            return None
+        B = next(iter(self.tensors.values())).shape[0]
+        return (pos[-1] + 1).expand(B).contiguous()  # [B]
+
     def mask_mod(self, pos: torch.Tensor):
         """`attn_mask` as FlexAttention's mask_mod: (batch row b, head h, query index q_idx, key position
         kv_idx) -> whether the query may see the key, evaluated inside the attention kernel, the mask never

@@ -101,7 +101,7 @@ class GroupedLatentAttention(Attention):
             y = self._explicit(q_nope, q_rope, c_kv, k_rope)  # [B, T, h, d_v]
         else:
             c_kv, k_rope = cache.update(pos, c_kv=c_kv, k_rope=k_rope)  # [B, n, S, d_c], [B, S, rope]
-            y = self._absorbed(q_nope, q_rope, c_kv, k_rope, cache.attn_mask(pos))  # [B, T, h, d_v]
+            y = self._absorbed(q_nope, q_rope, c_kv, k_rope, cache.attn_mask(pos), cache.lengths(pos))  # [B, T, h, d_v]
         return self.out(y.reshape(B, T, h * self.d_v))  # [B, T, d_model]
 
     def _explicit(self, q_nope, q_rope, c_kv, k_rope) -> torch.Tensor:
@@ -115,9 +115,10 @@ class GroupedLatentAttention(Attention):
         k_nope, v = kv.split([self.d_nope, self.d_v], dim=-1)  # [B, S, h, nope], [B, S, h, d_v]
         return explicit_attention(q_nope, q_rope, k_nope, v, k_rope, self.scale)  # [B, T, h, d_v]
 
-    def _absorbed(self, q_nope, q_rope, c_kv, k_rope, mask: torch.Tensor | None) -> torch.Tensor:
+    def _absorbed(self, q_nope, q_rope, c_kv, k_rope, mask: torch.Tensor | None, lengths=None) -> torch.Tensor:
         """Decoding path: each group attends over its cached latent head with W_UK and W_UV absorbed.
-        c_kv: [B, n, S, d_c]; mask: None (every query sees every cached token) or bool [B or 1, T, S]."""
+        c_kv: [B, n, S, d_c]; mask: None (every query sees every cached token) or bool [B or 1, T, S];
+        lengths: None or int [B], each row's valid cached tokens (KVCache.lengths), for the fused operator."""
         B, T, h = q_nope.shape[:3]
         n, g, S = self.n_lat, self.group, c_kv.shape[2]
         w = self.kv_up.weight.view(h, self.d_nope + self.d_v, self.d_c)  # [h, nope+d_v, d_c]
@@ -128,7 +129,8 @@ class GroupedLatentAttention(Attention):
             q_lat = (q_lat * self.scale).reshape(B, n, g, self.d_c)  # [B, n, g, d_c]
             q_rope = (q_rope * self.scale).reshape(B, n, g, self.d_rope)  # [B, n, g, rope]
             o = torch.cat(
-                [latent_decode(q_lat[:, j], q_rope[:, j], c_kv[:, j], k_rope, key_mask) for j in range(n)], dim=1
+                [latent_decode(q_lat[:, j], q_rope[:, j], c_kv[:, j], k_rope, key_mask, lengths) for j in range(n)],
+                dim=1,
             )  # [B, h, d_c]: group j against latent head j
             return torch.einsum("bhc,hvc->bhv", o, w_uv)[:, None]  # [B, 1, h, d_v]: W_UV applied after attention
         # The g heads of a group share one key/value (their latent head), so they become extra query

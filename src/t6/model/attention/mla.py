@@ -106,7 +106,7 @@ class MultiHeadLatentAttention(Attention):
             y = self._explicit(q_nope, q_rope, c_kv, k_rope)  # [B, T, h, d_v]
         else:
             c_kv, k_rope = cache.update(pos, c_kv=c_kv, k_rope=k_rope)  # [B, S, d_c], [B, S, rope]
-            y = self._absorbed(q_nope, q_rope, c_kv, k_rope, cache.attn_mask(pos))  # [B, T, h, d_v]
+            y = self._absorbed(q_nope, q_rope, c_kv, k_rope, cache.attn_mask(pos), cache.lengths(pos))  # [B, T, h, d_v]
         return self.out(y.reshape(B, T, h * self.d_v))  # [B, T, d_model]
 
     def _explicit(self, q_nope, q_rope, c_kv, k_rope) -> torch.Tensor:
@@ -117,9 +117,10 @@ class MultiHeadLatentAttention(Attention):
         k_nope, v = kv.split([self.d_nope, self.d_v], dim=-1)  # [B, S, h, nope], [B, S, h, d_v]
         return explicit_attention(q_nope, q_rope, k_nope, v, k_rope, self.scale)  # [B, T, h, d_v]
 
-    def _absorbed(self, q_nope, q_rope, c_kv, k_rope, mask: torch.Tensor | None) -> torch.Tensor:
+    def _absorbed(self, q_nope, q_rope, c_kv, k_rope, mask: torch.Tensor | None, lengths=None) -> torch.Tensor:
         """Decoding path: attend over the cached latents with W_UK and W_UV absorbed (one shared KV 'head').
-        mask: None (every query sees every cached token) or bool [B or 1, T, S] (causal, padding)."""
+        mask: None (every query sees every cached token) or bool [B or 1, T, S] (causal, padding); lengths:
+        None or int [B], each row's valid cached tokens (KVCache.lengths), for the fused operator."""
         h, T, S = self.cfg.n_head, q_nope.shape[1], c_kv.shape[1]
         w = self.kv_up.weight.view(h, self.d_nope + self.d_v, self.d_c)  # [h, nope+d_v, d_c]
         w_uk, w_uv = w.split([self.d_nope, self.d_v], dim=1)  # [h, nope, d_c], [h, d_v, d_c]
@@ -133,6 +134,7 @@ class MultiHeadLatentAttention(Attention):
                 c_kv,
                 k_rope,
                 key_mask,
+                lengths,
             )  # [B, h, d_c]
             return torch.einsum("bhc,hvc->bhv", o, w_uv)[:, None]  # [B, 1, h, d_v]: W_UV applied after attention
         # All heads share one key/value (the latent), so the heads become extra query rows of one

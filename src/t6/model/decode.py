@@ -42,7 +42,9 @@ def bucket(length: int, max_len: int, least: int = MIN_BUCKET) -> int:
 
 def compile_step(fn, device: torch.device | str, backend="inductor"):
     """fn compiled whole (fullgraph=True) for fixed shapes (dynamic=False: one graph per shape, never a
-    symbolic one); with inductor on CUDA, captured as a CUDA graph (mode="reduce-overhead")."""
+    symbolic one); with inductor on CUDA, captured as a CUDA graph (mode="reduce-overhead"). On the CPU,
+    inductor compiles the step too, but torch 2.13's C++ FlexAttention decoding kernel fails on grouped
+    query heads (GQA, MQA, GTA) from ~512 cached tokens on; generation keeps the eager step there."""
     mode = "reduce-overhead" if backend == "inductor" and torch.device(device).type == "cuda" else None
     return torch.compile(fn, fullgraph=True, dynamic=False, backend=backend, mode=mode)
 

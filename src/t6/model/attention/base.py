@@ -267,9 +267,9 @@ def flex_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_mod, new
     h_kv, L = k.shape[1], k.shape[2]
     g = h // h_kv  # query heads per K/V head
     g_pow2 = 1 << (g - 1).bit_length()
-    if g_pow2 != g:
-        q = q.reshape(B, h_kv, g, T, d)  # [B, h_kv, g, T, d] (heads of a group are adjacent)
-        q = nn.functional.pad(q, (0, 0, 0, 0, 0, g_pow2 - g)).reshape(B, h_kv * g_pow2, T, d)  # [B, h_kv g', T, d]
+    if g_pow2 != g:  # each group's heads (adjacent), then its zero heads
+        zeros = q.new_zeros(B, g_pow2 - g, T, d)  # [B, g' - g, T, d]
+        q = torch.cat([t for j in range(h_kv) for t in (q[:, j * g : (j + 1) * g], zeros)], dim=1)  # [B, h_kv g', T, d]
     n = -(-L // FLEX_BLOCK)  # key blocks
     visited = (newest // FLEX_BLOCK + 1).to(torch.int32).expand(B, 1, 1).contiguous()  # [B, 1, 1]: blocks to the newest
     order = torch.arange(n, dtype=torch.int32, device=q.device).expand(B, 1, 1, n).contiguous()  # [B, 1, 1, n]

@@ -12,7 +12,7 @@ without padding masks batch prefixes of one length only. With share_prefix=False
 runs whole, right-padded, sorted longest first (the per-choice path, kept as the reference).
 Either way the LM head is applied only at the positions that score a continuation token, which
 is most of the saving on a small model with a 50k vocabulary. Generation is greedy through
-`T6.generate` (KV cache).
+`T6.generate` (KV cache; on CUDA its fixed-shape decode step, replayed as a CUDA graph).
 """
 
 from __future__ import annotations

@@ -233,3 +233,47 @@ def test_every_command_the_docs_do_not_run_says_what_it_needs():
         "commands in ```bash blocks the suite does not run: make them ```console blocks (run, shrunk by "
         f"SHRINK) or name what they need in NEEDS: {unclassified}"
     )
+
+
+def runtime_imports(path: Path) -> set[str]:
+    """The t6 modules a file imports when it runs (deferred imports too), not those only type hints read."""
+    tree = ast.parse(path.read_text())
+    hints = {
+        id(n)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+        for n in ast.walk(block)
+    }
+    out = set()
+    for node in ast.walk(tree):
+        if id(node) in hints:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("t6"):
+            out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("t6"))
+    return out
+
+
+def test_no_module_imports_itself_through_others():
+    """The import graph of src/t6, deferred imports included, has no cycle (a package counts as its __init__)."""
+    src = ROOT / "src"
+    graph = {}
+    for path in (src / "t6").rglob("*.py"):
+        name = ".".join(path.relative_to(src).with_suffix("").parts).removesuffix(".__init__")
+        graph[name] = {m for m in runtime_imports(path) if m != name}
+    cycles = []
+
+    def visit(node: str, stack: list[str], done: set[str]) -> None:
+        for nxt in sorted(graph.get(node, ())):
+            if nxt in stack:
+                cycles.append(" -> ".join(stack[stack.index(nxt) :] + [nxt]))
+            elif nxt not in done:
+                visit(nxt, [*stack, nxt], done)
+        done.add(node)
+
+    done: set[str] = set()
+    for start in sorted(graph):
+        if start not in done:
+            visit(start, [start], done)
+    assert not cycles, cycles

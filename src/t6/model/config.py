@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from t6.model.attention import Options, get_mechanism
+
 
 class ConfigError(ValueError):
     """A configuration's problems, every one at once, each naming its field and the fix. Raised by the
@@ -52,9 +54,6 @@ class ModelConfig:
             problems.append(f"size.head_dim={self.head_dim} must be even (RoPE rotates pairs of dimensions)")
         if not isinstance(self.rope_theta, (int, float)) or self.rope_theta <= 0:
             problems.append(f"size.rope_theta={self.rope_theta!r} must be positive")
-        # Deferred import: the attention registry imports this module.
-        from t6.model.attention import Options, get_mechanism
-
         try:
             mechanism = get_mechanism(self.attention)
         except KeyError as err:
@@ -71,6 +70,4 @@ class ModelConfig:
 
     def options(self):
         """The attention's typed options (its `Options` dataclass)."""
-        from t6.model.attention import get_mechanism
-
         return get_mechanism(self.attention).cls.Options(**self.attention_options)

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from t6.model.config import ModelConfig
+if TYPE_CHECKING:  # the model config imports the registry; type hints only
+    from t6.model.config import ModelConfig
 
 
 @dataclass

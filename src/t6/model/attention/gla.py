@@ -30,6 +30,7 @@ Initialization: N(0, init_std) on every projection, ones on the norms, zero W_O 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -37,8 +38,10 @@ from torch import nn
 from t6.model.attention.base import Attention, KVCache, register
 from t6.model.attention.fused_decode import latent_decode
 from t6.model.attention.mla import MLAOptions, explicit_attention
-from t6.model.config import ModelConfig
 from t6.model.layers import Rotary
+
+if TYPE_CHECKING:  # the model config imports the registry; type hints only
+    from t6.model.config import ModelConfig
 
 
 @dataclass

@@ -24,6 +24,7 @@ Initialization: N(0, init_std) on every projection, zero W_O (`Attention.init_we
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -31,8 +32,10 @@ from torch import nn
 
 from t6.model.attention.base import Attention, KVCache, Options, register, sdpa
 from t6.model.attention.fused_decode import latent_decode
-from t6.model.config import ModelConfig
 from t6.model.layers import Rotary
+
+if TYPE_CHECKING:  # the model config imports the registry; type hints only
+    from t6.model.config import ModelConfig
 
 
 def explicit_attention(q_nope, q_rope, k_nope, v, k_rope, scale: float) -> torch.Tensor:

@@ -36,14 +36,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from t6.model.attention.base import Attention, KVCache, Options, register
 from t6.model.attention.fused_decode import tpa_decode
-from t6.model.config import ModelConfig
 from t6.model.layers import Rotary
+
+if TYPE_CHECKING:  # the model config imports the registry; type hints only
+    from t6.model.config import ModelConfig
 
 
 class Factor(nn.Module):

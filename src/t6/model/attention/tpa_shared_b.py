@@ -16,14 +16,17 @@ Initialization: Xavier-uniform factor maps, zero W_O (as `tpa`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from t6.model.attention.base import Attention, KVCache, Options, register
 from t6.model.attention.tpa import Factor, contract
-from t6.model.config import ModelConfig
 from t6.model.layers import Rotary
+
+if TYPE_CHECKING:  # the model config imports the registry; type hints only
+    from t6.model.config import ModelConfig
 
 
 @dataclass

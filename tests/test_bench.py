@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from t6.bench import common, kv_memory, prefill
+from t6.bench.common import model_configs
 from t6.config import conf_dir
+from t6.model import ModelConfig
 from t6.model.attention import PAPER, available
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -178,3 +180,83 @@ def test_generate_bench_reports_decode_speed_against_the_bandwidth_bound(tmp_pat
         assert r["step"] == "eager" and r["tokens_per_s"] > 0 and r["prefill_ms"] > 0
     by = {(r["attention"], r["prompt"], r["batch"]): r for r in records}
     assert by["tpa", 16, 2]["cache_bytes_per_step"] < by["mha", 16, 2]["cache_bytes_per_step"]  # TPA's smaller cache
+
+
+def test_benchmark_configs_are_parameter_matched_and_reject_unknown_names():
+    configs = model_configs(["mha", "mqa", "gqa", "tpa"], "medium")
+    assert {name: cfg.n_head for name, cfg in configs.items()} == {"mha": 16, "mqa": 31, "gqa": 30, "tpa": 47}
+    with pytest.raises(KeyError, match="no_such_attention"):
+        model_configs(["mha", "no_such_attention"], "medium")
+
+
+def test_benchmarks_run_and_write_their_records(tmp_path):
+    import json
+
+    from t6.bench import decode, kv_memory, prefill
+
+    names = "mha,tpa"
+    decode.main(
+        [
+            "--attentions",
+            names,
+            "--size",
+            "tiny",
+            "--contexts",
+            "32,64",
+            "--steps",
+            "1",
+            "--rounds",
+            "1",
+            "--warmup",
+            "1",
+            "--json",
+            str(tmp_path / "decode.json"),
+        ]
+    )
+    kv_memory.main(["--attentions", names, "--sizes", "tiny", "--json", str(tmp_path / "kv.json")])
+    prefill.main(
+        [
+            "--attentions",
+            names,
+            "--size",
+            "tiny",
+            "--contexts",
+            "32",
+            "--rounds",
+            "1",
+            "--json",
+            str(tmp_path / "prefill.json"),
+        ]
+    )
+    records = json.loads((tmp_path / "decode.json").read_text())["records"]
+    assert {(r["attention"], r["context"]) for r in records} >= {("mha", 32), ("tpa", 64)}
+    mha = {r["context"]: r for r in records if r["attention"] == "mha"}
+    for r in records:  # tokens/s is the batch over the step's time; ratios are to MHA at the same context
+        assert r["tokens_per_s"] == pytest.approx(1e3 * r["batch"] / r["ms_per_token"])
+        assert r["speed_vs_mha"] == pytest.approx(r["tokens_per_s"] / mha[r["context"]]["tokens_per_s"])
+    tpa = next(r for r in records if r["attention"] == "tpa")
+    assert tpa["kv_cache_bytes_per_token"] == 4 * (2 + 2) * (tpa["n_head"] + 64)  # fp32 factors, one layer
+    kv = {r["attention"]: r for r in json.loads((tmp_path / "kv.json").read_text())["records"]}
+    assert kv["mha"]["kv_cache_bytes_per_token"] == 4 * 2 * 2 * 4 * 64  # bf16, 4 layers, 2 h d_h
+    assert (
+        kv["tpa"]["smaller_than_mha"] == kv["mha"]["kv_cache_bytes_per_token"] / kv["tpa"]["kv_cache_bytes_per_token"]
+    )
+    assert {r["attention"] for r in json.loads((tmp_path / "prefill.json").read_text())["records"]} == {"mha", "tpa"}
+
+
+def test_decode_measure_times_given_shapes_past_their_block_size():
+    from t6.bench.decode import measure
+
+    base = dict(n_layer=1, d_model=64, head_dim=16, vocab_size=128, block_size=16, n_head=4)
+    configs = {
+        "mha": ModelConfig(attention="mha", **base),
+        "gqa2": ModelConfig(attention="gqa", attention_options={"n_kv_head": 2}, **base),
+    }
+    records = measure(configs, [40], steps=1, rounds=1, warmup=1, verbose=False)  # context 40 > block 16
+    by_name = {r["attention"]: r for r in records}
+    assert set(by_name) == {"mha", "gqa2"} and by_name["mha"]["speed_vs_mha"] == 1.0
+    assert by_name["gqa2"]["kv_cache_bytes_per_token"] * 2 == by_name["mha"]["kv_cache_bytes_per_token"]
+    assert all(r["context"] == 40 for r in records)
+    assert by_name["gqa2"]["speed_vs_mha"] == pytest.approx(
+        by_name["gqa2"]["tokens_per_s"] / by_name["mha"]["tokens_per_s"]
+    )

@@ -1,5 +1,5 @@
 """Inference: KV caches per mechanism, decoding from TPA's factors, generation (batched,
-padded, sampled), the checkpoint-to-text path, and the benchmarks' config building."""
+padded, sampled) and the checkpoint-to-text path."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from t6.bench.common import compose, model_configs
+from t6.bench.common import compose
 from t6.data.tokenizer import EOT
 from t6.inference.generate import generate_text, generation_device, run
 from t6.model import T6, ModelConfig
@@ -246,78 +246,3 @@ def test_generate_entry_loads_a_checkpoint_and_prints_text(tmp_path):
     with pytest.raises(ValueError, match="not a T6 checkpoint"):
         load_model(tmp_path / "bad.ckpt")
     assert EOT == 50256
-
-
-def test_benchmark_configs_are_parameter_matched_and_reject_unknown_names():
-    configs = model_configs(["mha", "mqa", "gqa", "tpa"], "medium")
-    assert {name: cfg.n_head for name, cfg in configs.items()} == {"mha": 16, "mqa": 31, "gqa": 30, "tpa": 47}
-    with pytest.raises(KeyError, match="no_such_attention"):
-        model_configs(["mha", "no_such_attention"], "medium")
-
-
-def test_benchmarks_run_and_write_their_records(tmp_path):
-    import json
-
-    from t6.bench import decode, kv_memory, prefill
-
-    names = "mha,tpa"
-    decode.main(
-        [
-            "--attentions",
-            names,
-            "--size",
-            "tiny",
-            "--contexts",
-            "32,64",
-            "--steps",
-            "1",
-            "--rounds",
-            "1",
-            "--warmup",
-            "1",
-            "--json",
-            str(tmp_path / "decode.json"),
-        ]
-    )
-    kv_memory.main(["--attentions", names, "--sizes", "tiny", "--json", str(tmp_path / "kv.json")])
-    prefill.main(
-        [
-            "--attentions",
-            names,
-            "--size",
-            "tiny",
-            "--contexts",
-            "32",
-            "--rounds",
-            "1",
-            "--json",
-            str(tmp_path / "prefill.json"),
-        ]
-    )
-    records = json.loads((tmp_path / "decode.json").read_text())["records"]
-    assert {(r["attention"], r["context"]) for r in records} >= {("mha", 32), ("tpa", 64)}
-    for r in records:
-        assert r["tokens_per_s"] > 0 and r["kv_cache_bytes_per_token"] > 0
-    tpa = next(r for r in records if r["attention"] == "tpa")
-    assert tpa["kv_cache_bytes_per_token"] == 4 * (2 + 2) * (tpa["n_head"] + 64)  # fp32 factors, one layer
-    kv = {r["attention"]: r for r in json.loads((tmp_path / "kv.json").read_text())["records"]}
-    assert kv["mha"]["kv_cache_bytes_per_token"] == 4 * 2 * 2 * 4 * 64  # bf16, 4 layers, 2 h d_h
-    assert (
-        kv["tpa"]["smaller_than_mha"] == kv["mha"]["kv_cache_bytes_per_token"] / kv["tpa"]["kv_cache_bytes_per_token"]
-    )
-    assert {r["attention"] for r in json.loads((tmp_path / "prefill.json").read_text())["records"]} == {"mha", "tpa"}
-
-
-def test_decode_measure_times_given_shapes_past_their_block_size():
-    from t6.bench.decode import measure
-
-    base = dict(n_layer=1, d_model=64, head_dim=16, vocab_size=128, block_size=16, n_head=4)
-    configs = {
-        "mha": ModelConfig(attention="mha", **base),
-        "gqa2": ModelConfig(attention="gqa", attention_options={"n_kv_head": 2}, **base),
-    }
-    records = measure(configs, [40], steps=1, rounds=1, warmup=1, verbose=False)  # context 40 > block 16
-    by_name = {r["attention"]: r for r in records}
-    assert set(by_name) == {"mha", "gqa2"} and by_name["mha"]["speed_vs_mha"] == 1.0
-    assert by_name["gqa2"]["kv_cache_bytes_per_token"] * 2 == by_name["mha"]["kv_cache_bytes_per_token"]
-    assert all(r["tokens_per_s"] > 0 and r["context"] == 40 for r in records)

@@ -208,6 +208,7 @@ def run(args) -> dict:
         steps=args.steps,
         rounds=args.rounds,
         warmup=args.warmup,
+        verbose=False,  # the table is printed once, with the roofline
     )
     add_roofline(records, bw, peak)
     print(table(records, COLUMNS + ROOFLINE))

@@ -65,7 +65,7 @@ def resolve_ckpt_path(cfg) -> str | None:
             )
         return str(last)
     if requested:
-        if not Path(requested).is_file():
+        if not Path(requested).exists():  # a directory is read (and refused, naming init_from=) by read_checkpoint
             raise FileNotFoundError(f"ckpt_path={requested!r} does not exist")
         return str(requested)
     if cfg.get("auto_resume", False) and last.is_file():

@@ -27,7 +27,7 @@ from t6.data.batching import accumulation_steps, check_batch_settings, sequences
 from t6.distributed import destroy_process_group
 from t6.evaluation.callback import build_eval_callback
 from t6.model.facts import model_facts
-from t6.model.load import WARM_START_FORMAT, read_checkpoint
+from t6.model.load import HF_FORMAT, WARM_START_FORMAT, read_checkpoint
 from t6.model.loss import use_liger
 from t6.module import T6LitModule
 from t6.quiet import quiet_libraries
@@ -57,10 +57,9 @@ def instantiate_dict(group: DictConfig | None) -> list[Any]:
 def read_checkpoint_meta(ckpt_path: str) -> dict:
     """The plain-data entries of a checkpoint (no tensors loaded into memory, no pickled code run)."""
     ckpt = read_checkpoint(ckpt_path, "ckpt_path", mmap=True)  # a corrupted file fails here, naming it
-    if ckpt.get("format") == WARM_START_FORMAT:
-        raise ValueError(
-            f"ckpt_path={ckpt_path!r} is a converted (warm-start) checkpoint: start from it with init_from="
-        )
+    if ckpt.get("format") in (WARM_START_FORMAT, HF_FORMAT):
+        kind = "a Hugging Face directory" if ckpt["format"] == HF_FORMAT else "a converted (warm-start) checkpoint"
+        raise ValueError(f"ckpt_path={ckpt_path!r} is {kind}: start from it with init_from=")
     return {k: ckpt[k] for k in ("mlflow_run_id", "run_config", "global_step") if k in ckpt}
 
 
@@ -313,8 +312,9 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
             with open_dict(cfg):
                 cfg.logger.mlflow.tags.source_run_id = init["source"]["mlflow_run_id"] or ""
                 cfg.logger.mlflow.tags.init_from = str(cfg.init_from)
-                conv = init["conversion"]
-                cfg.logger.mlflow.tags.conversion = f"{conv['target']} kv_heads={conv['kv_heads']} {conv['method']}"
+                conv = init.get("conversion")  # a converted checkpoint's; a Hugging Face directory has none
+                if conv:
+                    cfg.logger.mlflow.tags.conversion = f"{conv['target']} kv_heads={conv['kv_heads']} {conv['method']}"
     if meta.get("mlflow_run_id") and use_mlflow and cfg.logger.mlflow.run_id is None:
         cfg.logger.mlflow.run_id = meta["mlflow_run_id"]  # a resumed run logs into the same MLflow run
     loggers = instantiate_dict(cfg.get("logger"))  # an MLflow run is created on first use, after the preflight

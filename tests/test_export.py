@@ -125,6 +125,22 @@ def test_cache_holds_each_mechanisms_own_quantities(exports):
     }
 
 
+def test_transformers_saves_it_again_and_beam_search_reorders_the_cache(exports, tmp_path):
+    """A model fine-tuned and saved by transformers (sharded here) keeps its tied head and reads back into
+    T6 Lab; beam search through the cache (reordered every step) equals beam search recomputing everything."""
+    model, out = exports("mla")
+    load_hf(out).save_pretrained(tmp_path / "saved", max_shard_size="300KB")
+    assert (tmp_path / "saved" / "model.safetensors.index.json").is_file()
+    again = load_hf(tmp_path / "saved")
+    assert again.model.lm_head.weight is again.model.embed.weight
+    loaded = load_model(tmp_path / "saved")
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model.state_dict().items())
+    prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(1))
+    beams = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=6, num_beams=3, do_sample=False)
+    with torch.no_grad():
+        assert torch.equal(again.generate(prompt, **beams), again.generate(prompt, **beams, use_cache=False))
+
+
 def test_export_holds_the_config_weights_code_tokenizer_and_card(exports):
     model, out = exports("gqa")
     config = json.loads((out / "config.json").read_text())

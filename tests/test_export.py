@@ -258,7 +258,7 @@ def test_the_project_reads_an_export_back(full_export, make_cfg, tmp_path):
     loaded = load_model(out)
     assert loaded.cfg == model.cfg and loaded.lm_head.weight is loaded.embed.weight
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model.state_dict().items())
-    gen = compose("generate", [f"ckpt_path={out}", "prompt=ROMEO:", "max_new_tokens=5", "temperature=0"])
+    gen = compose("generate", [f"ckpt_path={out}", "prompt=ROMEO:", "max_new_tokens=5", "temperature=0", "device=cpu"])
     assert generate_run(gen) == generate_text(model, ["ROMEO:"], 5, temperature=0.0)
 
     ecfg = make_cfg(

@@ -33,7 +33,16 @@ from t6.hf.source import configuration_source, modeling_source
 from t6.hf.tokenizer import write_tokenizer
 from t6.model.config import ModelConfig
 from t6.model.facts import kv_elements_per_token, meta_model, parameter_count
-from t6.model.load import HF_CONFIG, HF_MODEL_TYPE, HF_PREFIX, HF_SOURCE, HF_WEIGHTS, model_state, read_checkpoint
+from t6.model.load import (
+    HF_CONFIG,
+    HF_MODEL_TYPE,
+    HF_PREFIX,
+    HF_SOURCE,
+    HF_WEIGHTS,
+    HF_WEIGHTS_INDEX,
+    model_state,
+    read_checkpoint,
+)
 from t6.model.t6 import T6
 
 log = logging.getLogger(__name__)
@@ -188,6 +197,8 @@ def write_export(
     if out.resolve() == path.resolve():
         raise ValueError(f"out={str(out)!r} is the checkpoint being exported; choose another directory")
     out.mkdir(parents=True, exist_ok=True)
+    for stale in [out / HF_WEIGHTS_INDEX, *out.glob("model-*-of-*.safetensors")]:  # a sharded save in the way
+        stale.unlink(missing_ok=True)
 
     from safetensors.torch import save_file
     from transformers import GenerationConfig

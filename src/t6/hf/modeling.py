@@ -144,7 +144,10 @@ class T6ForCausalLM(PreTrainedModel, GenerationMixin):
         mask = attention_mask.to(torch.bool)  # [B, S]
         if not bool((~mask[:, :-1] & mask[:, 1:]).any()):
             return None
-        return self.model.check_prompt_mask(mask, mask.shape)
+        try:
+            return self.model.check_prompt_mask(mask, mask.shape)
+        except ValueError as err:
+            raise ValueError(f"attention_mask: {err}") from None
 
     def forward(
         self,

@@ -157,7 +157,7 @@ def test_export_holds_the_config_weights_code_tokenizer_and_card(exports):
     assert tokenizer_config["tokenizer_class"] == "PreTrainedTokenizerFast" and (out / "tokenizer.json").is_file()
     card = (out / "README.md").read_text()
     assert "# T6 (gqa)" in card and f"n_kv_head={model.blocks[0].attn.n_kv}" in card and "3 optimizer steps" in card
-    assert "trust_remote_code=True" in card and "lm_eval --model hf" in card
+    assert "trust_remote_code=True" in card and "lm_eval --model hf" in card and "logits_cache=False" in card
     assert check_export(out, model, sample_tokens(model.cfg)) <= 1e-5
 
 
@@ -188,7 +188,7 @@ def test_tokenizer_encodes_the_shipped_corpus_as_t6(exports):
     from transformers import AutoTokenizer
 
     _, out = exports("tpa")
-    tokenizer = AutoTokenizer.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out, trust_remote_code=True)
     enc = gpt2_encoding()
     text = TINY_SHAKESPEARE.read_text(encoding="utf-8")
     ids = tokenizer(text, verbose=False)["input_ids"]
@@ -281,7 +281,10 @@ def test_the_project_reads_an_export_back(full_export, make_cfg, tmp_path):
 
 
 def lm_eval_hf(out: Path, include: Path, shots: int, tmp_path: Path) -> dict:
-    """lm-eval's own command line with its `hf` model on the directory, offline -> its results per task."""
+    """lm-eval's own command line with its `hf` model on the directory, offline -> its results per task.
+    logits_cache=False: lm-eval 0.4.13 groups requests whose context + continuation[:-1] agree and reads a
+    shorter continuation's scores from the leading positions of the longer one's (t6_cloze and t6_next_line
+    share text, so a few cloze items are misread; docs/export.md)."""
     results = tmp_path / f"lm_eval_{shots}shot"
     proc = subprocess.run(
         [
@@ -291,7 +294,7 @@ def lm_eval_hf(out: Path, include: Path, shots: int, tmp_path: Path) -> dict:
             "--model",
             "hf",
             "--model_args",
-            f"pretrained={out},trust_remote_code=True",
+            f"pretrained={out},trust_remote_code=True,logits_cache=False",
             "--tasks",
             "t6_cloze,t6_next_line",
             "--include_path",
@@ -333,7 +336,7 @@ def test_lm_eval_hf_model_on_the_export_gives_the_runs_accuracies(make_cfg, tmp_
 
     from transformers import AutoTokenizer
 
-    tokenizer, hf_model = AutoTokenizer.from_pretrained(out), load_hf(out)
+    tokenizer, hf_model = AutoTokenizer.from_pretrained(out, trust_remote_code=True), load_hf(out)
     prompt = tokenizer("ROMEO:", return_tensors="pt")
     with torch.no_grad():
         got = hf_model.generate(**prompt, max_new_tokens=30, do_sample=False)

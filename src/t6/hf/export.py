@@ -167,14 +167,15 @@ The model's code ships with it (`modeling_t6.py`), so load it with `trust_remote
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-tokenizer = AutoTokenizer.from_pretrained(DIR)
+tokenizer = AutoTokenizer.from_pretrained(DIR, trust_remote_code=True)
 model = AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)
 ids = tokenizer("ROMEO:", return_tensors="pt").input_ids
 print(tokenizer.decode(model.generate(ids, max_new_tokens=40)[0]))
 ```
 
 Evaluate it with lm-evaluation-harness:
-`lm_eval --model hf --model_args pretrained=DIR,trust_remote_code=True --tasks ...`.
+`lm_eval --model hf --model_args pretrained=DIR,trust_remote_code=True,logits_cache=False --tasks ...`
+(lm-eval 0.4.13's `logits_cache` misreads some continuations when tasks share text).
 T6 Lab reads the directory back: `python eval.py ckpt_path=DIR`, `python generate.py ckpt_path=DIR`,
 `python train.py init_from=DIR` (fine-tuning).
 

@@ -138,6 +138,7 @@ SHRINK = {
     "generate.py": ["max_new_tokens=8"],
     "summary.py": [],
     "report.py": ["--out", "{root}/report"],
+    "export.py": ["paths.root_dir={root}"],
     "t6.bench.decode": ["--steps", "1", "--rounds", "1", "--warmup", "0"],
 }
 
@@ -157,6 +158,7 @@ def shrunk(command: str, root: Path) -> list[str]:
     ):
         if typed in command:
             command = command.replace(typed, newest(written))
+    command = command.replace("/tmp/", f"{root}/tmp/")  # what the docs write to /tmp goes under root
     args = shlex.split(command)
     assert args[0] == "python", command
     entry = args[2] if args[1] == "-m" else args[1]
@@ -218,6 +220,7 @@ NEEDS = {
     "lm_eval": "lm-eval's own CLI on a checkpoint",
     "t6.evaluation": "lm-eval's own CLI on a checkpoint",
     "ssh": "another machine",
+    "python -c": "Python on the export (tests/test_export.py loads it so)",
 }
 
 

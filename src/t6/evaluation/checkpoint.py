@@ -20,7 +20,7 @@ def evaluate_checkpoint(cfg: DictConfig) -> tuple[dict[str, float], str]:
     if OmegaConf.is_missing(cfg, "ckpt_path") or not cfg.ckpt_path:
         raise ValueError("ckpt_path is required: python eval.py ckpt_path=logs/train/runs/<time>/checkpoints/last.ckpt")
     path = Path(cfg.ckpt_path)
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"ckpt_path={str(path)!r} does not exist")
     check_tracking_uri(cfg.tracking_uri)
     callback = build_eval_callback(cfg.eval)  # tasks and datasets checked before the model is loaded

@@ -32,8 +32,7 @@ class Rotary(nn.Module):
         super().__init__()
         if dim % 2:
             raise ValueError(f"RoPE dimension must be even, got {dim}")
-        self.dim = dim
-        self.max_len = max_len
+        self.dim, self.max_len, self.theta = dim, max_len, theta
         inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))  # [dim/2]
         angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # [max_len, dim/2]
         self.register_buffer("cos", angles.cos(), persistent=False)

@@ -164,12 +164,47 @@ def memory_table(payload: dict) -> str:
     return f"{caption(payload)} Attention {payload['records'][0]['attention']}.\n\n{markdown(header, rows)}"
 
 
+def export_table(payload: dict) -> str:
+    """An exported model's accuracies: the training run's, the `t6` adapter's and lm-eval's `hf` model's."""
+    machine, versions = payload["machine"], payload["versions"]
+    caption_ = "*" + "; ".join(
+        [
+            f"{machine['cores']} cores of an {machine['cpu']}",
+            *(f"{k} {v}" for k, v in versions.items()),
+            payload["date"],
+        ]
+    )
+    header = [
+        "task",
+        "shots",
+        "metric",
+        "the run",
+        "`t6` adapter",
+        "`hf`, logits_cache=False",
+        "`hf`, lm-eval's default",
+    ]
+    rows = []
+    for r in payload["table"]:
+        cached = f"{r['hf_logits_cache']:.4f}"
+        rows.append(
+            [
+                r["task"],
+                str(r["shots"]),
+                r["metric"],
+                *(f"{r[k]:.4f}" for k in ("run", "t6", "hf")),
+                cached if r["hf_logits_cache"] == r["hf"] else f"**{cached}**",
+            ]
+        )
+    return f"{caption_}.*\n\n{markdown(header, rows)}"
+
+
 RENDERERS: dict[str, Callable[[dict], str]] = {
     "decode": decode_table,
     "prefill": prefill_table,
     "kv_memory": kv_memory_table,
     "train_step": train_step_table,
     "memory": memory_table,
+    "export": export_table,
 }
 
 

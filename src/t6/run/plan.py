@@ -31,7 +31,7 @@ from t6.evaluation.callback import check_eval_tasks
 from t6.hardware import device as hw_device
 from t6.hardware import memory, probes
 from t6.model.config import ConfigError, ModelConfig
-from t6.model.load import WARM_START_FORMAT, read_checkpoint
+from t6.model.load import HF_FORMAT, WARM_START_FORMAT, read_checkpoint
 from t6.model.loss import use_liger
 from t6.run import checks
 from t6.run.resume import resolve_ckpt_path
@@ -334,8 +334,9 @@ def plan_resume(cfg: DictConfig) -> Resume | None:
     if path is None:
         return None
     ckpt = read_checkpoint(path, "ckpt_path", mmap=True)
-    if ckpt.get("format") == WARM_START_FORMAT:
-        raise ValueError(f"ckpt_path={path!r} is a converted (warm-start) checkpoint: start from it with init_from=")
+    if ckpt.get("format") in (WARM_START_FORMAT, HF_FORMAT):
+        kind = "a Hugging Face directory" if ckpt["format"] == HF_FORMAT else "a converted (warm-start) checkpoint"
+        raise ValueError(f"ckpt_path={path!r} is {kind}: start from it with init_from=")
     requested = cfg.get("ckpt_path")
     how = "auto_resume: this run directory's last.ckpt" if not requested else f"ckpt_path={requested}"
     return Resume(path, int(ckpt.get("global_step", 0)), ckpt.get("mlflow_run_id"), how)
@@ -349,13 +350,9 @@ def plan_warm_start(cfg: DictConfig) -> WarmStart | None:
 
     init = load_warm_start(cfg.init_from)
     changes = tuple(recipe.adopt_model_config(cfg, init["model_config"]))
-    conv = init["conversion"]
-    return WarmStart(
-        str(cfg.init_from),
-        init["source"].get("mlflow_run_id") or "",
-        f"{conv['target']} kv_heads={conv['kv_heads']} {conv['method']}",
-        changes,
-    )
+    conv = init.get("conversion")  # a converted checkpoint's; a Hugging Face directory has none
+    how = f"{conv['target']} kv_heads={conv['kv_heads']} {conv['method']}" if conv else "a Hugging Face directory"
+    return WarmStart(str(cfg.init_from), (init.get("source") or {}).get("mlflow_run_id") or "", how, changes)
 
 
 def plan_tracking(cfg: DictConfig, resume: Resume | None, warm: WarmStart | None) -> Tracking | None:

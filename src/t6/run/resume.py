@@ -28,7 +28,7 @@ def resolve_ckpt_path(cfg) -> str | None:
             )
         return str(last)
     if requested:
-        if not Path(requested).is_file():
+        if not Path(requested).exists():  # a directory is read (and refused, naming init_from=) by the plan
             raise FileNotFoundError(
                 f"ckpt_path={requested!r} does not exist; give a checkpoint file (e.g. "
                 "logs/train/runs/<time>/checkpoints/last.ckpt), or ckpt_path=last for this run directory's"

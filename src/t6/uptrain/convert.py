@@ -30,7 +30,7 @@ import torch
 from t6.data.batching import sequences_per_step, world_size
 from t6.model import ModelConfig
 from t6.model.facts import meta_model
-from t6.model.load import WARM_START_FORMAT, check_weights, read_checkpoint
+from t6.model.load import HF_FORMAT, WARM_START_FORMAT, check_weights, read_checkpoint
 
 TARGETS = ("gqa", "mqa")
 METHODS = ("mean", "first")
@@ -163,13 +163,14 @@ def convert_checkpoint(
 
 
 def load_warm_start(path: str | Path) -> dict:
-    """A converted checkpoint for `init_from`, checked: the format, and weights that fit its model config."""
+    """A converted checkpoint or a Hugging Face directory for `init_from`, checked: the format, and weights
+    that fit its model config."""
     path = Path(path)
     ckpt = read_checkpoint(path, "init_from")
-    if ckpt.get("format") != WARM_START_FORMAT:
+    if ckpt.get("format") not in (WARM_START_FORMAT, HF_FORMAT):
         raise ValueError(
-            f"init_from={str(path)!r} is not a warm-start checkpoint (write one with `python convert.py`); "
-            "to resume a training checkpoint use ckpt_path="
+            f"init_from={str(path)!r} is not a warm-start checkpoint (write one with `python convert.py`, or give "
+            "a Hugging Face directory written by `python export.py`); to resume a training checkpoint use ckpt_path="
         )
     cfg = ModelConfig(**ckpt["model_config"])
     check_weights(ckpt["state_dict"], cfg, f"init_from={path}")

@@ -12,6 +12,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 from torchmetrics import MeanMetric
 
 from t6.model import T6, ModelConfig
+from t6.model.loss import IGNORE_INDEX
 from t6.training.fsdp import clip_grad_norm
 from t6.training.optim import MuonWithAdamW, param_groups, param_kinds
 
@@ -112,7 +113,8 @@ class T6LitModule(L.LightningModule):
             log.warning("%s; skipping the update (%d steps so far)", message, self.skipped_steps)
 
     def validation_step(self, batch, batch_idx: int) -> None:
-        self.val_loss.update(self.loss(batch), weight=batch[0].shape[0])
+        tokens = (batch[1] != IGNORE_INDEX).sum()  # [] the padding rows of the last batch count for nothing
+        self.val_loss.update(torch.where(tokens > 0, self.loss(batch), 0.0), weight=tokens)
 
     def on_validation_epoch_end(self) -> None:
         loss = self.val_loss.compute()

@@ -125,6 +125,9 @@ def eval_problems(eval_cfg: DictConfig | None) -> list[str]:
     shots = list(eval_cfg.get("num_fewshot") or [])
     if any(not isinstance(n, int) or n < 0 for n in shots):
         problems.append(f"eval.num_fewshot={shots} must hold numbers of examples >= 0")
+    batch = eval_cfg.get("batch_size", "auto")
+    if batch != "auto" and (not isinstance(batch, int) or isinstance(batch, bool) or batch <= 0):
+        problems.append(f"eval.batch_size={batch!r} must be a positive number of rows or auto (from the memory left)")
     every = eval_cfg.get("every_n_steps")
     if every is not None and (not isinstance(every, int) or every <= 0):
         problems.append(f"eval.every_n_steps={every} must be a positive number of steps or null")

@@ -94,8 +94,14 @@ def training_problems(cfg: DictConfig) -> list[str]:
         problems.append(f"loss_impl={impl!r} must be one of {', '.join(IMPLS)}")
     if cfg.get("nonfinite_loss", "stop") not in NONFINITE:
         problems.append(f"nonfinite_loss={cfg.get('nonfinite_loss')!r} must be 'stop' or 'skip'")
-    if not isinstance(cfg.get("compile", False), bool):
-        problems.append(f"compile={cfg.get('compile')!r} must be true or false")
+    if not isinstance(cfg.get("compile", "auto"), bool) and cfg.get("compile", "auto") != "auto":
+        problems.append(f"compile={cfg.get('compile')!r} must be auto (on CUDA, off on the CPU), true or false")
+    every = ((cfg.get("callbacks") or {}).get("model_checkpoint") or {}).get("every_n_train_steps")
+    if every is not None and every != "auto" and (not isinstance(every, int) or isinstance(every, bool) or every < 0):
+        problems.append(
+            f"callbacks.model_checkpoint.every_n_train_steps={every!r} must be auto (from the run's length and "
+            "the checkpoint's size), a number of steps (0: only last.ckpt, at the end) or null (after every validation)"
+        )
     return problems
 
 

@@ -39,8 +39,9 @@ class T6LitModule(L.LightningModule):
         "skip" (that step makes no update on any rank; its batches, step count and learning-rate
         schedule still advance, so the data position stays a function of the step). The norm is
         global (all-reduced under DDP and FSDP), so every rank decides the same without a collective.
-        compile: each transformer block compiled on its own (one graph per block, so DDP's gradient
-        all-reduce and FSDP's all-gathers overlap the other blocks' backward).
+        compile: every transformer block compiled for training and validation (T6.compile_blocks: one graph
+        shared by the blocks, the loss outside it; DDP's all-reduce and FSDP's all-gathers overlap the other
+        blocks' work).
         loss_chunk_tokens: tokens per chunk of the LM head + cross-entropy (None: all logits at once);
         loss_impl: "auto" (Liger-Kernel's fused kernel on CUDA, t6.model.loss's chunks elsewhere), "chunked",
         "liger"."""
@@ -58,8 +59,7 @@ class T6LitModule(L.LightningModule):
         self.run_config = run_config
         self.val_loss = MeanMetric()
         if compile:
-            for block in self.model.blocks:
-                block.compile()  # in place: checkpoints keep the plain `model.` parameter names
+            self.model.compile_blocks()  # checkpoints keep the plain `model.` parameter names
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)  # [B, T, vocab]

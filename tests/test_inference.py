@@ -240,7 +240,8 @@ def test_generate_entry_loads_a_checkpoint_and_prints_text(tmp_path):
         ],
     )
     assert run(gen_cfg)[:1] == generate_text(loaded, ["ROMEO:"], 4, temperature=0)
-    assert gen_cfg.device == "auto" and generation_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    default = compose("generate", [f"ckpt_path={tmp_path / 'last.ckpt'}"]).device
+    assert default == "auto" and generation_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
     with pytest.raises(FileNotFoundError, match="ckpt_path="):
         load_model(tmp_path / "missing.ckpt")
     torch.save({"state_dict": {}}, tmp_path / "bad.ckpt")

@@ -175,6 +175,10 @@ def test_an_fsdp_plan_shards_the_memory_and_counts_the_processes(make_cfg, monke
     assert plan.hardware.precision == "bf16-mixed" and "processes       16 (FSDP: 8 device(s) x 2 node(s))" in (
         plan.describe()
     )
+    assert plan.hardware.compile is True  # compile=auto on CUDA
+    assert plan.checkpoints.background is False  # FSDP gathers the state into host memory: written at once
+    gpu = plan_run(make_cfg("trainer=gpu", "trainer.max_steps=8", "trainer.val_check_interval=4"))
+    assert gpu.checkpoints.background is True and "written in the background" in gpu.describe()
 
 
 def cap_memory(monkeypatch, bytes_available: int) -> None:

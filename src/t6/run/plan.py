@@ -263,7 +263,7 @@ def plan_run(cfg: DictConfig) -> RunPlan:
     instantiate_data(cfg).check()  # the shards exist and are whole (or the text they are made from does)
     check_eval_tasks(cfg.get("eval"))  # unknown tasks, missing datasets
     batch = plan_batch(cfg, mcfg, hardware, parallel)
-    checkpoints = plan_checkpoints(cfg, mcfg, hardware, batch)
+    checkpoints = plan_checkpoints(cfg, mcfg, hardware, parallel, batch)
     with open_dict(cfg):
         cfg.trainer.precision = hardware.precision
         cfg.compile = hardware.compile
@@ -504,10 +504,13 @@ def preflight(cfg, mcfg, hardware: Hardware, parallel: Parallel, requested, per_
 ASSUMED_MFU = 0.4
 
 
-def plan_checkpoints(cfg: DictConfig, mcfg: ModelConfig, hardware: Hardware, batch: BatchPlan) -> Checkpoints | None:
-    """How checkpoints are written (in the background from a GPU, with the Trainer's BackgroundCheckpointIO)
-    and, for callbacks.model_checkpoint.every_n_train_steps=auto, how often: from the checkpoint's size and
-    an estimate of the step's time (its FLOPs at ASSUMED_MFU of the device's peak),
+def plan_checkpoints(
+    cfg: DictConfig, mcfg: ModelConfig, hardware: Hardware, parallel: Parallel, batch: BatchPlan
+) -> Checkpoints | None:
+    """How checkpoints are written (in the background from a GPU, with the Trainer's BackgroundCheckpointIO;
+    FSDP gathers the state into rank 0's host memory, which is written at once) and, for
+    callbacks.model_checkpoint.every_n_train_steps=auto, how often: from the checkpoint's size and an
+    estimate of the step's time (its FLOPs at ASSUMED_MFU of the device's peak),
     t6.training.callbacks.checkpoint.checkpoint_interval."""
     from hydra.utils import get_class
 
@@ -520,7 +523,8 @@ def plan_checkpoints(cfg: DictConfig, mcfg: ModelConfig, hardware: Hardware, bat
         return None
     plugins = [p for p in cfg.trainer.get("plugins") or [] if isinstance(p, DictConfig) and "_target_" in p]
     io = next((p for p in plugins if issubclass(get_class(p._target_), BackgroundCheckpointIO)), None)
-    background = io is not None and (hardware.device == "cuda" if io.get("background") is None else io.background)
+    on_gpu = hardware.device == "cuda" and parallel.strategy is not Strategy.FSDP
+    background = io is not None and (on_gpu if io.get("background") is None else io.background)
     every = conf.get("every_n_train_steps")
     if every != "auto":
         return Checkpoints(every, f"callbacks.model_checkpoint.every_n_train_steps={every}", background)

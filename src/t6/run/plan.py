@@ -512,7 +512,7 @@ def plan_checkpoints(
     callbacks.model_checkpoint.every_n_train_steps=auto, how often: from the checkpoint's size and an
     estimate of the step's time (its FLOPs at ASSUMED_MFU of the device's peak),
     t6.training.callbacks.checkpoint.checkpoint_interval."""
-    from hydra.utils import get_class
+    from hydra.utils import get_object
 
     from t6.model.facts import flops_per_token, meta_model
     from t6.training.callbacks.checkpoint import checkpoint_interval
@@ -522,7 +522,8 @@ def plan_checkpoints(
     if not conf:
         return None
     plugins = [p for p in cfg.trainer.get("plugins") or [] if isinstance(p, DictConfig) and "_target_" in p]
-    io = next((p for p in plugins if issubclass(get_class(p._target_), BackgroundCheckpointIO)), None)
+    kinds = [(p, get_object(p._target_)) for p in plugins]
+    io = next((p for p, kind in kinds if inspect.isclass(kind) and issubclass(kind, BackgroundCheckpointIO)), None)
     on_gpu = hardware.device == "cuda" and parallel.strategy is not Strategy.FSDP
     background = io is not None and (on_gpu if io.get("background") is None else io.background)
     every = conf.get("every_n_train_steps")

@@ -33,6 +33,7 @@ TEST_RUN = [
     "logger.mlflow.log_model=false",
     "print_config=false",
     "auto_resume=false",  # tests reuse one run dir; resume only where a test asks for it
+    "trainer.accelerator=cpu",  # CPU tests on any machine, a CUDA one too (dropped where a test picks trainer=...)
 ]
 
 
@@ -80,6 +81,8 @@ def make_cfg(tmp_path, shared_data_dir, monkeypatch):
 
     def make(*overrides: str, config_name: str = "train", small: bool = True) -> DictConfig:
         base = [*TEST_SIZE, *TEST_RUN] if small else []
+        if any(o.startswith("trainer=") for o in overrides):  # that trainer's own accelerator (gpu, ddp, fsdp)
+            base = [o for o in base if not o.startswith("trainer.accelerator=")]
         if small and not any(o.startswith("eval") for o in overrides):
             base.append("eval=none")  # downstream evaluation only where a test asks for it
         cfg = compose_config([*base, *overrides], tmp_path, config_name)

@@ -65,8 +65,10 @@ def test_loss_bench_runs_each_setting_liger_included(tmp_path, monkeypatch):
     from t6.bench import loss
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the interpreter reads CPU tensors only, on a CUDA machine too
     out = tmp_path / "loss.json"
     args = "--size tiny --batch-size 1 --seq-len 16 --steps 1 --warmup 0 --threads 1 --override size.n_layer=1"
+    args += " --device cpu"
     rows = loss.main([*args.split(), "--chunks", "none,8,liger", "--json", str(out)])
     assert [r["chunk_tokens"] for r in rows] == ["none", 8, "liger"]
     assert all(r["step_ms"] > 0 and r["peak_mib"] > 0 for r in rows)

@@ -105,3 +105,26 @@ def test_sequences_per_step_is_the_global_batch_else_micro_batch_times_world():
         sequences_per_step(6, None, world_size=None)
     with pytest.raises(ValueError, match="data.batch_size=auto needs data.global_batch_size"):
         sequences_per_step("auto", None, world_size=8)
+
+
+def test_validation_batches_have_one_shape_and_the_padding_counts_for_nothing():
+    from torch.utils.data import DataLoader
+
+    from t6.data.datamodule import ValWindows
+    from t6.model import ModelConfig
+    from t6.model.loss import IGNORE_INDEX
+    from t6.training.module import T6LitModule
+
+    windows = Windows([np.arange(1, 10_001, dtype=np.uint16) % 97], seq_len=10)
+    padded = ValWindows(windows, max_windows=7, multiple=4)  # 7 windows -> 8 rows: one of padding
+    batches = list(DataLoader(padded, batch_size=4))
+    assert [tuple(x.shape) for x, _ in batches] == [(4, 10), (4, 10)]
+    assert (batches[1][1][3] == IGNORE_INDEX).all() and (batches[1][1][:3] != IGNORE_INDEX).all()
+    cfg = ModelConfig(attention="mha", n_layer=1, d_model=32, n_head=2, head_dim=16, block_size=16, vocab_size=97)
+    module = T6LitModule(model_config=vars(cfg)).eval()
+    with torch.no_grad():
+        for i, batch in enumerate(batches):
+            module.validation_step(batch, i)
+        real = [windows.get(w) for w in range(7)]
+        mean = sum(module.loss((x[None], y[None])) for x, y in real) / 7  # every window has 10 tokens
+    torch.testing.assert_close(module.val_loss.compute(), mean, rtol=1e-6, atol=1e-6)

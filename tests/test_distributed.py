@@ -217,7 +217,9 @@ def test_ddp_evaluation_splits_the_requests_and_scores_like_one_process(tmp_path
 
     # The same step-8 weights scored by one process over all 9 documents (the ranks had 5 and 4, padded).
     callback = build_eval_callback(make_cfg("eval=local", "eval.limit=9", "eval.num_fewshot=[0]").eval)
-    single = flat_metrics(run_harness(load_model(last), callback.spec, callback.task_manager), callback.spec)
+    single = flat_metrics(
+        run_harness(load_model(last, device="cpu"), callback.spec, callback.task_manager), callback.spec
+    )
     for name in ("eval/0shot/t6_next_line/acc", key):
         assert history(client(tmp_path), run_.info.run_id, name)[8] == [pytest.approx(single[name], abs=1e-9)], name
 

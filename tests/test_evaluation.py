@@ -51,7 +51,7 @@ def direct_logprob(model: T6, ctx: list[int], cont: list[int]) -> tuple[float, b
 def test_loglikelihood_equals_model_logprob_including_long_contexts():
     model = random_model(block_size=64)
     lm = T6LM(model=model, batch_size=3)
-    # lm_eval's --batch_size forms: N, "N", auto, auto:N (auto has no search here: 16)
+    # lm_eval's --batch_size forms: N, "N", auto, auto:N (auto on the CPU: 16)
     assert [T6LM(model=model, batch_size=b).batch_size for b in ("8", "auto", "auto:4", None)] == [8, 16, 16, 16]
     g = torch.Generator().manual_seed(1)
     requests = []
@@ -351,3 +351,38 @@ def test_trained_model_beats_chance_on_local_task_and_fresh_model_does_not(make_
     # 100 items, chance 0.25 (binomial sd 0.043): trained far above, fresh within chance
     assert acc["trained"] > 0.5, acc
     assert acc["fresh"] < 0.4, acc
+
+
+def test_auto_batch_size_is_the_rows_the_memory_left_holds():
+    from t6.evaluation.adapter import AUTO_MAX_ROWS, AUTO_MEMORY_SHARE, rows_that_fit
+
+    gib = 2**30
+    assert rows_that_fit(20 * gib, gib / 4) == AUTO_MEMORY_SHARE * 80 == 64
+    assert rows_that_fit(10 * gib, 20 * gib) == 1  # at least one row: the evaluation then says what is missing
+    assert rows_that_fit(1000 * gib, 1) == AUTO_MAX_ROWS
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="measures CUDA memory")
+def test_auto_batch_size_on_cuda_measures_a_scoring_pass():
+    model = random_model(block_size=64).cuda()
+    lm = T6LM(model=model, batch_size="auto")
+    assert 16 <= lm.batch_size <= 256  # a tiny model on a GPU: many rows
+    assert lm.loglikelihood_rolling  # the probe left the model usable
+    ctx, cont = [1, 2, 3], [4, 5]
+    got = lm._loglikelihood_tokens([(None, ctx, cont)])[0]
+    assert got[0] == pytest.approx(direct_logprob(model, ctx, cont)[0], abs=1e-3)
+
+
+def test_progress_bars_stay_out_of_non_terminal_output():
+    code = (
+        "from t6.run.quiet import quiet_progress_bars; quiet_progress_bars(); import tqdm; "
+        "[None for _ in tqdm.tqdm(range(3), desc='building contexts')]"
+    )
+    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT / "src")}
+    env.pop("TQDM_DISABLE", None)
+    quiet = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    loud = subprocess.run(
+        [sys.executable, "-c", code.split("; ", 2)[-1]], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert quiet.returncode == loud.returncode == 0
+    assert "building contexts" in loud.stderr and "building contexts" not in quiet.stderr

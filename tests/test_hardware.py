@@ -58,7 +58,7 @@ def test_default_trainer_lets_lightning_choose_and_cpu_gpu_stay_explicit(tmp_pat
         trainer = compose_config([f"trainer={name}"], tmp_path).trainer
         assert trainer.accelerator == "gpu" and trainer.precision == "auto"
         assert (
-            trainer.plugins[0]._target_ == "t6.training.checkpoint_io.AtomicCheckpointIO"
+            trainer.plugins[0]._target_ == "t6.training.checkpoint_io.BackgroundCheckpointIO"
         )  # inherited from the default
     ddp = compose_config(["trainer=ddp"], tmp_path).trainer.strategy  # gradients as views into DDP's buckets
     assert ddp._target_ == "lightning.pytorch.strategies.DDPStrategy" and ddp.gradient_as_bucket_view is True

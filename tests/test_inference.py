@@ -229,17 +229,24 @@ def test_generate_entry_loads_a_checkpoint_and_prints_text(tmp_path):
     torch.manual_seed(0)
     model = T6(cfg).eval()
     write_checkpoint(model, tmp_path / "last.ckpt")
-    loaded = load_model(tmp_path / "last.ckpt")
+    loaded = load_model(tmp_path / "last.ckpt", device="cpu")
     for (k, v), (k2, v2) in zip(model.state_dict().items(), loaded.state_dict().items()):
         assert k == k2 and torch.equal(v, v2)
     texts = generate_text(loaded, ["ROMEO:", "First Citizen:\nWe are"], 5, temperature=0)
     assert texts[0].startswith("ROMEO:") and texts[1].startswith("First Citizen:\nWe are") and len(texts) == 2
     gen_cfg = compose(
         "generate",
-        [f"ckpt_path={tmp_path / 'last.ckpt'}", "max_new_tokens=4", "temperature=0", "prompt=[ROMEO:,JULIET:]"],
+        [
+            f"ckpt_path={tmp_path / 'last.ckpt'}",
+            "max_new_tokens=4",
+            "temperature=0",
+            "prompt=[ROMEO:,JULIET:]",
+            "device=cpu",
+        ],
     )
     assert run(gen_cfg)[:1] == generate_text(loaded, ["ROMEO:"], 4, temperature=0)
-    assert gen_cfg.device == "auto" and generation_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    default = compose("generate", [f"ckpt_path={tmp_path / 'last.ckpt'}"]).device
+    assert default == "auto" and generation_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
     with pytest.raises(FileNotFoundError, match="ckpt_path="):
         load_model(tmp_path / "missing.ckpt")
     torch.save({"state_dict": {}}, tmp_path / "bad.ckpt")

@@ -100,9 +100,14 @@ def test_loss_impl_chooses_liger_on_cuda_only_and_names_a_bad_setting(monkeypatc
 
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# Triton's interpreter from the start, on a machine without CUDA (Liger puts buffers on a CUDA device it finds, which
+# the interpreter cannot read): the subprocess test below runs these so on any machine.
+IN_INTERPRETER = pytest.mark.skipif(
+    not INTERPRETED or torch.cuda.is_available(), reason="needs Triton's interpreter and no CUDA: the subprocess test"
+)
 
 
-@pytest.mark.skipif(not INTERPRETED, reason="needs Triton's interpreter from the start: the subprocess test runs it")
+@IN_INTERPRETER
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16_autocast"])
 def test_liger_loss_and_gradients_equal_the_chunked_path(autocast):
     """Liger's kernel against the chunked path: fp32 to float rounding; under bf16 autocast both
@@ -124,7 +129,7 @@ def test_liger_loss_and_gradients_equal_the_chunked_path(autocast):
         torch.testing.assert_close(got, ref, **tol, msg=name)
 
 
-@pytest.mark.skipif(not INTERPRETED, reason="needs Triton's interpreter from the start: the subprocess test runs it")
+@IN_INTERPRETER
 def test_liger_holds_the_rows_of_logits_the_memory_estimate_counts():
     """t6.hardware.memory counts liger_chunk_rows(N, V, d) rows of logits for Liger's loss: the rows of every
     [rows, V] product Liger forms (recorded at the dispatcher)."""
@@ -154,21 +159,23 @@ def test_liger_runs_in_the_triton_interpreter():
     defined, at import, and this process has imported triton already)."""
     if INTERPRETED:
         return  # the test above runs in this process
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-k",
-            "test_liger_loss_and_gradients_equal_the_chunked_path or test_liger_holds_the_rows",
-            str(__file__),
-        ],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        cwd=Path(__file__).parents[1],
+    done = (
+        subprocess.run(  # on the CPU: Liger puts buffers on a CUDA device it finds, which the interpreter cannot read
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "-k",
+                "test_liger_loss_and_gradients_equal_the_chunked_path or test_liger_holds_the_rows",
+                str(__file__),
+            ],
+            env={**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""},
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parents[1],
+        )
     )
     assert done.returncode == 0 and "3 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]

@@ -13,7 +13,8 @@ CHANCE = 0.25  # four choices
 
 @pytest.mark.slow  # the main job itself: ~3.5 min of training and ~30 s of evaluation on 2 cores
 def test_main_job_learns_and_beats_chance_on_the_cloze(tmp_path, shared_data_dir):
-    cfg = compose_config(["logger=none", "eval.num_fewshot=[0]", f"paths.data_dir={shared_data_dir}"], tmp_path)
+    overrides = ["logger=none", "eval.num_fewshot=[0]", f"paths.data_dir={shared_data_dir}", "trainer.accelerator=cpu"]
+    cfg = compose_config(overrides, tmp_path)  # the CPU's numbers, on a CUDA machine too
     assert cfg.trainer.max_steps == 160 and cfg.size.name == "tiny" and cfg.attention.name == "tpa"
     assert cfg.size.d_model == 128
     metrics, objects = train(cfg)

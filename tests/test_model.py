@@ -32,6 +32,29 @@ def test_cached_decoding_equals_full_forward(attention, tmp_path):
 
 
 @pytest.mark.parametrize("attention", ATTENTIONS)
+def test_compiled_blocks_are_one_whole_graph_and_compute_the_same(attention, tmp_path):
+    """T6.compile_blocks, what training compiles: every block through one graph (the blocks share it),
+    without a graph break (fullgraph), forward and backward as eager; calls with a cache stay eager."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    eager, compiled = tiny_model(attention, tmp_path).train(), tiny_model(attention, tmp_path).train()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled.compile_blocks(backend=counter)
+    idx = torch.randint(0, eager.cfg.vocab_size, (2, 16))
+    losses = [m(idx[:, :-1], targets=idx[:, 1:]) for m in (eager, compiled)]
+    for loss in losses:
+        loss.backward()
+    assert counter.frame_count == 1  # one graph for both blocks
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+    for p, q in zip(compiled.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+    with torch.no_grad():
+        compiled(idx[:, :4], 0, compiled.build_kv_caches(2, 8))  # a prefill through the cache: eager
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
 def test_causal(attention, tmp_path):
     model = tiny_model(attention, tmp_path)
     idx = torch.randint(0, model.cfg.vocab_size, (1, 20))

@@ -81,11 +81,51 @@ def test_every_problem_of_the_config_is_reported_at_once(make_cfg, tmp_path):
         (["dataset=local"], "dataset= chooses what prepare.py tokenizes.*data=local"),
         (["eval=local", "eval.num_fewshot=[-1]"], r"eval.num_fewshot=\[-1\] must hold numbers of examples >= 0"),
         (["nonfinite_loss=ignore"], "nonfinite_loss='ignore' must be 'stop' or 'skip'"),
+        (["compile=yes"], "compile='yes' must be auto .on CUDA, off on the CPU., true or false"),
+        (["callbacks.model_checkpoint.every_n_train_steps=-1"], "every_n_train_steps=-1 must be auto"),
     ],
 )
 def test_a_bad_setting_names_its_field(overrides, match, make_cfg):
     with pytest.raises(ConfigError, match=match):
         plan_run(make_cfg(*overrides))
+
+
+def test_compile_auto_is_on_for_cuda_and_off_for_the_cpu():
+    assert device.choose_compile("auto", "cuda")[0] is True
+    assert device.choose_compile("auto", "cpu")[0] is False
+    assert device.choose_compile(True, "cpu") == (True, "compile=true")
+    assert device.choose_compile(False, "cuda") == (False, "compile=false")
+
+
+def test_the_plan_decides_compile_and_the_checkpoints(make_cfg, monkeypatch):
+    monkeypatch.setattr(device, "measured_matmul_flops", lambda *_: 1e11)  # a 100 GFLOP/s CPU
+    plan = plan_run(make_cfg("callbacks.model_checkpoint.every_n_train_steps=auto", "trainer.max_steps=100000"))
+    assert plan.cfg.compile is False and plan.params()["plan/compile"] is False
+    every = plan.cfg.callbacks.model_checkpoint.every_n_train_steps
+    assert isinstance(every, int) and every == plan.checkpoints.every_n_steps and every >= 1
+    assert plan.checkpoints.background is False  # a CPU run's state is written at once
+    text = plan.describe()
+    assert "compile         off (compile=auto on cpu" in text
+    assert f"checkpoints     every {every} steps, written synchronously (auto: Young's interval" in text
+    short = plan_run(make_cfg("callbacks.model_checkpoint.every_n_train_steps=auto", "trainer.max_steps=2"))
+    assert short.cfg.callbacks.model_checkpoint.every_n_train_steps == 0  # only last.ckpt, at the end
+    assert "checkpoints     at the end only" in short.describe()
+    on = plan_run(make_cfg("compile=true", "trainer.plugins.0.background=true"))
+    assert on.cfg.compile is True and on.checkpoints.background is True
+    assert "the first step and the first validation compile (expect ~" in on.describe()
+
+
+def test_checkpoint_interval_is_youngs_rounded_down():
+    from t6.training.callbacks.checkpoint import FAILURE_INTERVAL_S, WRITE_BYTES_S, checkpoint_interval, nice_floor
+
+    assert [nice_floor(x) for x in (1, 1.9, 2, 4.9, 5, 9.99, 10, 88, 199, 500, 12_345)] == [
+        1, 1, 2, 2, 5, 5, 10, 50, 100, 500, 10_000
+    ]  # fmt: skip
+    state = int(WRITE_BYTES_S)  # written synchronously, a save blocks 1 s: Young's interval sqrt(2 x 1 s x 24 h)
+    step_s = (2 * FAILURE_INTERVAL_S) ** 0.5 / 300  # ... which is 300 steps
+    assert checkpoint_interval(state, step_s, False, 10_000)[0] == 200  # rounded down
+    assert checkpoint_interval(state, step_s, True, 10_000)[0] == 50  # blocks 0.1 s in the background: 94.9 steps
+    assert checkpoint_interval(state, step_s, False, 300)[0] == 0  # the run is no longer: only last.ckpt
 
 
 def test_liger_where_triton_cannot_run_is_an_error(make_cfg, monkeypatch):
@@ -135,6 +175,10 @@ def test_an_fsdp_plan_shards_the_memory_and_counts_the_processes(make_cfg, monke
     assert plan.hardware.precision == "bf16-mixed" and "processes       16 (FSDP: 8 device(s) x 2 node(s))" in (
         plan.describe()
     )
+    assert plan.hardware.compile is True  # compile=auto on CUDA
+    assert plan.checkpoints.background is False  # FSDP gathers the state into host memory: written at once
+    gpu = plan_run(make_cfg("trainer=gpu", "trainer.max_steps=8", "trainer.val_check_interval=4"))
+    assert gpu.checkpoints.background is True and "written in the background" in gpu.describe()
 
 
 def cap_memory(monkeypatch, bytes_available: int) -> None:

@@ -152,7 +152,7 @@ class Payload:
 
 def test_checkpoints_never_run_pickled_code(make_cfg, tmp_path, monkeypatch):
     _, first = train(in_dir(make_cfg("trainer.max_steps=4"), tmp_path / "a"))
-    assert isinstance(first["trainer"].strategy.checkpoint_io, AtomicCheckpointIO)
+    assert isinstance(first["trainer"].strategy.checkpoint_io.checkpoint_io, AtomicCheckpointIO)
     ckpt = torch.load(tmp_path / "a" / "checkpoints" / "last.ckpt", weights_only=True)
     marker = tmp_path / "pwned"
     monkeypatch.setenv("T6_PAYLOAD_MARKER", str(marker))
@@ -222,3 +222,81 @@ def test_a_linked_last_ckpt_points_at_the_final_step(make_cfg):
     assert (ckpt_dir / "last.ckpt").is_symlink()
     assert torch.load(ckpt_dir / "last.ckpt", map_location="cpu", weights_only=True)["global_step"] == 6
     assert sorted(p.name for p in ckpt_dir.iterdir()) == ["last.ckpt", "step000006.ckpt"]  # save_top_k: 1
+
+
+class Gate:
+    """AtomicCheckpointIO.save_checkpoint held back until released (a slow disk), recording each write."""
+
+    def __init__(self, monkeypatch):
+        import threading
+
+        self.open, self.written, save = threading.Event(), [], AtomicCheckpointIO.save_checkpoint
+
+        def held(io, checkpoint, path, storage_options=None):
+            assert self.open.wait(30)
+            save(io, checkpoint, path, storage_options)
+            self.written.append(Path(path).name)
+
+        monkeypatch.setattr(AtomicCheckpointIO, "save_checkpoint", held)
+
+
+def test_background_save_writes_the_state_as_it_was_and_in_order(tmp_path, monkeypatch):
+    from t6.training.checkpoint_io import BackgroundCheckpointIO
+
+    gate = Gate(monkeypatch)
+    io, weight = BackgroundCheckpointIO(background=True), torch.zeros(4)
+    io.save_checkpoint({"w": weight}, tmp_path / "a.ckpt")  # returns while the writer waits
+    weight += 1  # training goes on and changes the weights in place
+    io.save_checkpoint({"w": weight}, tmp_path / "b.ckpt")
+    io.remove_checkpoint(tmp_path / "a.ckpt")  # asked for before a.ckpt is on disk
+    assert gate.written == [] and not (tmp_path / "a.ckpt").exists()
+    gate.open.set()
+    io.wait()
+    assert gate.written == ["a.ckpt", "b.ckpt"] and sorted(p.name for p in tmp_path.iterdir()) == ["b.ckpt"]
+    assert torch.equal(io.load_checkpoint(tmp_path / "b.ckpt")["w"], torch.ones(4))
+    io.save_checkpoint({"w": weight.clone(), "bad": Unpicklable()}, tmp_path / "b.ckpt")
+    with pytest.raises(RuntimeError, match="disk full"):  # the writer's error, on the training thread
+        io.wait()
+    assert torch.equal(io.load_checkpoint(tmp_path / "b.ckpt")["w"], torch.ones(4))  # the old file, whole
+    io.teardown()
+
+
+def test_a_cpu_checkpoint_is_written_at_once_by_default(tmp_path, monkeypatch):
+    from t6.training.checkpoint_io import BackgroundCheckpointIO
+
+    gate = Gate(monkeypatch)
+    gate.open.set()
+    BackgroundCheckpointIO().save_checkpoint({"w": torch.ones(2)}, tmp_path / "a.ckpt")
+    assert gate.written == ["a.ckpt"]  # on return, without a wait
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a checkpoint on a GPU needs CUDA")
+def test_a_gpu_checkpoint_is_written_in_the_background_by_default(tmp_path, monkeypatch):
+    from t6.training.checkpoint_io import BackgroundCheckpointIO
+
+    gate = Gate(monkeypatch)
+    io, weight = BackgroundCheckpointIO(), torch.zeros(4, device="cuda")
+    io.save_checkpoint({"w": weight}, tmp_path / "a.ckpt")
+    weight += 1
+    assert gate.written == []
+    gate.open.set()
+    io.wait()
+    assert torch.equal(io.load_checkpoint(tmp_path / "a.ckpt")["w"], torch.zeros(4))
+
+
+def test_sigterm_save_in_the_background_is_on_disk_before_the_run_exits(make_cfg, tmp_path, monkeypatch):
+    import threading
+
+    save = AtomicCheckpointIO.save_checkpoint
+
+    def slow(io, checkpoint, path, storage_options=None):
+        assert threading.current_thread() is not threading.main_thread()  # written by the background thread
+        threading.Event().wait(1.0)  # a slow disk
+        save(io, checkpoint, path, storage_options)
+
+    monkeypatch.setattr(AtomicCheckpointIO, "save_checkpoint", slow)
+    cfg = make_cfg("trainer.plugins.0.background=true", "callbacks.model_checkpoint.every_n_train_steps=0")
+    with pytest.raises(SystemExit):
+        train(in_dir(cfg, tmp_path / "run", "term=test_resume.SigtermAt(3)"))
+    ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert ckpt["global_step"] == 3

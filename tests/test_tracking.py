@@ -32,7 +32,7 @@ def test_log_model_final_uploads_only_the_weights_only_model(make_cfg, tmp_path)
     assert "optimizer_states" not in weights and "optimizer_states" in torch.load(last, weights_only=True)
     assert model.stat().st_size < 0.5 * last.stat().st_size  # AdamW keeps two more tensors per weight
     assert weights["global_step"] == 8
-    loaded = load_model(model)  # generate.py / eval.py read it as they read last.ckpt
+    loaded = load_model(model, device="cpu")  # generate.py / eval.py read it as they read last.ckpt
     for name, tensor in objects["model"].model.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
 

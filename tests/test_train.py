@@ -119,11 +119,30 @@ def test_compiled_module_keeps_plain_checkpoint_keys():
     cfg = dict(attention="tpa", n_layer=1, d_model=64, n_head=2, vocab_size=128, block_size=16)
     plain, compiled = T6LitModule(model_config=cfg), T6LitModule(model_config=cfg, compile=True)
     assert list(compiled.state_dict()) == list(plain.state_dict())  # compile is lazy: nothing runs here
-    # One graph per transformer block, each the unit DDP buckets and FSDP shards: not one graph
-    # for the whole model, whose single backward the gradient all-reduce could not overlap.
+    # Each transformer block compiled, the unit DDP buckets and FSDP shards: not one graph for the
+    # whole model, whose single backward the gradient all-reduce could not overlap.
     assert compiled.model._compiled_call_impl is None
-    assert all(block._compiled_call_impl is not None for block in compiled.model.blocks)
-    assert all(block._compiled_call_impl is None for block in plain.model.blocks)
+    assert all(block.compiled is not None and block._compiled_call_impl is None for block in compiled.model.blocks)
+    assert all(block.compiled is None for block in plain.model.blocks)
+
+
+@pytest.mark.slow
+def test_compiled_training_validates_without_recompiling_and_logs_its_compile_time(make_cfg):
+    """compile=true on the CPU with inductor: the blocks' graph compiles once for training and once for
+    validation (no gradients), however many windows the validation set has (7 here: batches of 4 and 3
+    unpadded), and the first step's time and the compile's share reach MLflow."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    cfg = make_cfg("compile=true", "data.val_windows=7", "trainer.max_steps=5", "trainer.val_check_interval=2")
+    metrics, objects = train(cfg)
+    assert objects["plan"].hardware.compile is True
+    assert counters["stats"]["unique_graphs"] == 2  # training, validation: no graph per batch shape
+    assert "val/loss" in metrics and torch.isfinite(torch.tensor(metrics["val/loss"]))
+    run = mlflow_client(cfg).get_run(objects["mlflow"].run_id)
+    first, compile_s = run.data.metrics["perf/first_step_s"], run.data.metrics["perf/compile_s"]
+    assert first > compile_s > 0.5 * first  # the first step is mostly compiling
 
 
 def test_fsdp_reduces_gradients_in_fp32_under_mixed_precision():

@@ -6,8 +6,10 @@ For every attention the real model of `conf/attention/NAME.yaml` x `conf/size/SI
 parameter-matched head count) runs forward + backward + AdamW step on random tokens; after
 warm-up steps the median step time gives tokens/s, reported with the ratio to MHA. Each row
 also carries the FLOPs per token that FlopCounterMode counts for forward + backward at this
-sequence length (`t6.model.facts.flops_per_token`), so achieved FLOP/s (and MFU against a peak)
-follow from the same row.
+sequence length (`t6.model.facts.flops_per_token`), so achieved FLOP/s and MFU follow from the same
+row: MFU against --peak-tflops, else the device's peak from Lightning's table (a GPU it knows) or a
+measured matmul (the CPU), named in the output. --compile compiles what training compiles (each
+block, T6.compile_blocks), the loss outside.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from t6.bench.common import (
     time_call,
     write_json,
 )
+from t6.hardware.device import peak_flops
 from t6.model import T6, ModelConfig
 from t6.model.facts import flops_per_token
 from t6.model.loss import IMPLS
@@ -39,14 +42,15 @@ def bench_one(mcfg: ModelConfig, args: argparse.Namespace, device: str) -> tuple
     model = T6(mcfg).to(device)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.startswith("cuda"))
-    step_fn = torch.compile(model) if args.compile else model
+    if args.compile:
+        model.compile_blocks()  # the region training compiles (compile=true): each block, the loss outside
     idx = torch.randint(0, mcfg.vocab_size, (args.batch_size, args.seq_len + 1), device=device)
     x, y = idx[:, :-1], idx[:, 1:]  # [B, T] each
     autocast = torch.autocast(torch.device(device).type, dtype=DTYPES[args.dtype], enabled=args.dtype != "float32")
 
     def step() -> None:
         with autocast:
-            loss = step_fn(x, targets=y, loss_chunk_tokens=args.loss_chunk_tokens, loss_impl=args.loss_impl)  # []
+            loss = model(x, targets=y, loss_chunk_tokens=args.loss_chunk_tokens, loss_impl=args.loss_impl)  # []
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -57,7 +61,19 @@ def bench_one(mcfg: ModelConfig, args: argparse.Namespace, device: str) -> tuple
     return times, model.num_params()
 
 
+def peak(args: argparse.Namespace) -> tuple[float, str]:
+    """The device's peak FLOP/s at --dtype for the MFU column: --peak-tflops, else Lightning's table or a
+    measured matmul (t6.hardware.device.peak_flops)."""
+    if args.peak_tflops:
+        return args.peak_tflops * 1e12, "--peak-tflops"
+    if args.dtype == "float32" and args.device.startswith("cuda"):
+        torch.set_float32_matmul_precision("high")  # as training runs fp32 on CUDA: TF32, and its peak
+    return peak_flops(args.device, DTYPES[args.dtype])
+
+
 def run(args: argparse.Namespace) -> list[dict]:
+    peak_flops_s, source = peak(args)
+    print(f"MFU against {peak_flops_s / 1e12:.4g} TFLOP/s: {source}", flush=True)
     rows = []
     for attention, mcfg in model_configs(args.attentions, args.size, overrides=args.override).items():
         if args.seq_len > mcfg.block_size:
@@ -80,7 +96,9 @@ def run(args: argparse.Namespace) -> list[dict]:
                 "tokens_per_s": tokens_per_s,
                 "flops_per_token_train": flops,  # forward + backward, FlopCounterMode
                 "achieved_tflops": flops * tokens_per_s / 1e12,
-                "mfu": flops * tokens_per_s / 1e12 / args.peak_tflops if args.peak_tflops else None,
+                "mfu": flops * tokens_per_s / peak_flops_s,
+                "peak_tflops": peak_flops_s / 1e12,
+                "peak_source": source,
             }
         )
         print(f"  {attention}: {step * 1e3:.1f} ms/step", flush=True)
@@ -116,7 +134,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--steps", type=int, default=10, help="timed steps per attention")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument(
+        "--compile", action="store_true", help="torch.compile each block, as training does (T6.compile_blocks)"
+    )
     p.add_argument(
         "--loss-chunk-tokens",
         type=chunk_tokens,
@@ -133,8 +153,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--peak-tflops",
         type=float,
-        help="the device's peak TFLOP/s at --dtype, for the MFU column "
-        "(e.g. 989 for an H100 SXM in bf16, 312 for an A100)",
+        help="the device's peak TFLOP/s at --dtype, for the MFU column (default: Lightning's table for a GPU it "
+        "knows, else a measured matmul, as on the CPU)",
     )
     return p
 

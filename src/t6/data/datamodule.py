@@ -4,7 +4,8 @@ Training reads an endless, deterministic stream of windows: sample s of the glob
 stream is window perm_epoch(s) of the training shards, and rank r of W takes samples
 r, r + W, r + 2W, ... The stream position is a function of the optimizer step, saved in
 the checkpoint, so a resumed run continues exactly where the interrupted one stopped.
-Validation reads fixed, non-overlapping windows of the validation split. With
+Validation reads fixed, non-overlapping windows of the validation split, in batches of one shape (the
+last padded with rows no loss counts). With
 `num_workers` > 0, worker k of K builds the rank's batches k, k + K, ... and the DataLoader
 hands them out round-robin, so the stream's order is the same for every worker count; batches
 are pinned for the host-to-device copy on CUDA. Shards are prepared under a file lock, so the
@@ -25,6 +26,7 @@ from t6.data.batching import accumulation_steps, check_batch_settings, sequences
 from t6.data.corpus import TINY_SHAKESPEARE, prepare_text_corpus
 from t6.data.shards import Manifest, ShardError
 from t6.data.tokenizer import tokenizer_id
+from t6.model.loss import IGNORE_INDEX
 
 
 class Windows:
@@ -78,15 +80,22 @@ class TrainStream(IterableDataset):
 
 
 class ValWindows(Dataset):
-    def __init__(self, windows: Windows, max_windows: int | None):
-        self.windows = windows
+    """The first `max_windows` validation windows (all when None), padded to a multiple of `multiple`
+    with rows whose targets are all IGNORE_INDEX: every validation batch has one shape (a compiled model
+    validates through one graph) and the padding counts in no loss."""
+
+    def __init__(self, windows: Windows, max_windows: int | None, multiple: int = 1):
+        self.windows, self.multiple = windows, multiple
         self.n = len(windows) if max_windows is None else min(len(windows), max_windows)
 
     def __len__(self) -> int:
-        return self.n
+        return -(-self.n // self.multiple) * self.multiple
 
     def __getitem__(self, i: int):
-        return self.windows.get(i)
+        if i < self.n:
+            return self.windows.get(i)
+        x = torch.zeros(self.windows.seq_len, dtype=torch.int64)  # [T]
+        return x, torch.full_like(x, IGNORE_INDEX)  # input [T], target [T] that no loss counts
 
 
 class TokenDataModule(L.LightningDataModule):
@@ -183,8 +192,10 @@ class TokenDataModule(L.LightningDataModule):
         )
 
     def val_dataloader(self) -> DataLoader:
+        world = self.trainer.world_size if self.trainer else 1
+        padded = ValWindows(self.val_set.windows, self.val_windows, self.batch_size * world)  # whole batches per rank
         return DataLoader(
-            self.val_set,
+            padded,
             batch_size=self.batch_size,
             shuffle=False,
             generator=self.loader_generator(),

@@ -28,6 +28,16 @@ from t6.data.tokenizer import EOT, gpt2_encoding
 from t6.model import T6
 from t6.model.load import load_model
 
+AUTO_CPU_ROWS = 16  # batch_size=auto on the CPU
+AUTO_MEMORY_SHARE = 0.8  # of the memory left, for an evaluation's batch on CUDA
+AUTO_MAX_ROWS = 256  # more rows per pass buys little: requests share passes by prefix and length
+AUTO_PROBE_ROWS, AUTO_PROBE_TOKENS = 4, 32  # the measured probe batch: full-length requests, the last tokens scored
+
+
+def rows_that_fit(available: float, per_row: float) -> int:
+    """Rows of per_row bytes that AUTO_MEMORY_SHARE of available bytes hold, between 1 and AUTO_MAX_ROWS."""
+    return int(max(1, min(AUTO_MAX_ROWS, AUTO_MEMORY_SHARE * available // max(per_row, 1))))
+
 
 @register_model("t6")
 class T6LM(TemplateLM):
@@ -42,8 +52,9 @@ class T6LM(TemplateLM):
         **kwargs,
     ):
         """model: a T6 to evaluate as it is, or checkpoint: a training checkpoint to load.
-        batch_size: sequences per forward pass ("auto" and None mean 16): requests, or with
-        share_prefix the continuations that run together on their prefilled contexts.
+        batch_size: sequences per forward pass: requests, or with share_prefix the continuations that run
+        together on their prefilled contexts; "auto" (and None, and lm-eval's auto:N) picks it from the
+        device's memory (`auto_batch_size`).
         share_prefix: prefill a context once for all its continuations (False: once per request)."""
         super().__init__()
         if device is not None and str(device).startswith("cuda") and not torch.cuda.is_available():
@@ -59,8 +70,7 @@ class T6LM(TemplateLM):
         self.model = model
         self._device = next(model.parameters()).device if device is None else torch.device(device)
         self.model.to(self._device)
-        # lm_eval's --batch_size: N, auto or auto:N (re-search N times); T6 has no search, auto means 16
-        self.batch_size = 16 if batch_size is None or str(batch_size).startswith("auto") else int(batch_size)
+        self.block_size = model.cfg.block_size
         self.max_gen_toks = int(max_gen_toks)
         if not isinstance(share_prefix, bool):
             raise ValueError(
@@ -68,8 +78,33 @@ class T6LM(TemplateLM):
             )
         self.share_prefix = share_prefix
         self.padding_masks = all(block.attn.supports_key_mask for block in model.blocks)
-        self.block_size = model.cfg.block_size
+        # lm_eval's --batch_size: N, auto or auto:N (its re-search count, which one measurement makes moot)
+        self.batch_size = (
+            self.auto_batch_size() if batch_size is None or str(batch_size).startswith("auto") else int(batch_size)
+        )
         self.enc = gpt2_encoding()
+
+    def auto_batch_size(self) -> int:
+        """batch_size=auto. On CUDA: the rows that AUTO_MEMORY_SHARE of the memory left (free, plus what the
+        caching allocator holds unused) holds, at most AUTO_MAX_ROWS, each row's memory measured as the peak of
+        one scoring pass over a probe batch of AUTO_PROBE_ROWS full-length requests (their prefixes prefilled
+        into KV caches, the last AUTO_PROBE_TOKENS tokens scored) under the caller's autocast, as evaluation
+        will run. Elsewhere AUTO_CPU_ROWS: on the CPU a larger batch buys nothing, the cores are busy at 16."""
+        if self._device.type != "cuda":
+            return AUTO_CPU_ROWS
+        device = self._device
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        prefix = [EOT] * (self.block_size - AUTO_PROBE_TOKENS)
+        probe = [[(None, prefix, [EOT] * AUTO_PROBE_TOKENS)] for _ in range(AUTO_PROBE_ROWS)]  # one group each
+        with torch.no_grad():
+            self._score_shared(probe)
+        torch.cuda.synchronize(device)
+        per_row = (torch.cuda.max_memory_allocated(device) - before) / AUTO_PROBE_ROWS
+        free, _ = torch.cuda.mem_get_info(device)
+        unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return rows_that_fit(free + unused, per_row)
 
     # -- tokenizer ------------------------------------------------------------------
     @property
@@ -89,12 +124,13 @@ class T6LM(TemplateLM):
     # -- scoring --------------------------------------------------------------------
     def _hidden(self, idx: torch.Tensor, start_pos: int = 0, caches: list | None = None) -> torch.Tensor:
         """idx [B, T] at positions start_pos.. -> final-norm hidden states [B, T, d]: T6.forward
-        without the LM head (caches: the model's KV caches, read and extended)."""
+        without the LM head (caches: the model's KV caches, read and extended). The blocks run eager
+        even in a model compiled for training (T6.compile_blocks): every batch has its own shape."""
         m = self.model
         pos = torch.arange(start_pos, start_pos + idx.shape[1], device=idx.device)  # [T]
         x = m.embed(idx)  # [B, T, d]
         for i, block in enumerate(m.blocks):
-            x = block(x, pos, None if caches is None else caches[i])  # [B, T, d]
+            x = block.layers(x, pos, None if caches is None else caches[i])  # [B, T, d], never compiled
         return m.norm(x)  # [B, T, d]
 
     def _prefill(self, idx: torch.Tensor, caches: list) -> None:

@@ -60,10 +60,18 @@ class DownstreamEval(L.Callback):
             results = run_harness(model, self.spec, self.task_manager, data_parallel=trainer.world_size > 1)
         del model
         if trainer.is_global_zero:
+            evaluated = time.perf_counter()
             metrics = self.log_to_loggers(trainer, results, step)
             self.history.append((step, metrics))
             shown = ", ".join(f"{k}={v:.4f}" for k, v in metrics.items() if k.endswith("/avg"))
-            log.info("downstream evaluation at step %d in %.1f s: %s", step, time.perf_counter() - start, shown)
+            logged = time.perf_counter() - evaluated
+            log.info(
+                "downstream evaluation at step %d in %.1f s (logging %.2f s): %s",
+                step,
+                evaluated - start,
+                logged,
+                shown,
+            )
 
     def log_to_loggers(self, trainer: L.Trainer, results: dict, step: int) -> dict[str, float]:
         from t6.evaluation.harness import flat_metrics

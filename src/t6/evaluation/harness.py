@@ -40,7 +40,7 @@ class EvalSpec:
     metrics: dict[str, str] = field(default_factory=dict)  # task -> metric in the average (default "acc")
     avg_tasks: list[str] | None = None  # the tasks averaged into eval/{n}shot/avg (default: all)
     limit: int | float | None = None
-    batch_size: int = 16
+    batch_size: int | str = "auto"  # rows per forward pass; auto: from the device's memory (T6LM.auto_batch_size)
     fewshot_seed: int = 1234
     include_path: list[str] = field(default_factory=list)
 
@@ -223,7 +223,7 @@ def spec_from_config(eval_cfg: dict, include_path: list[str | Path] = ()) -> Eva
         metrics=dict(eval_cfg.get("metrics") or {}),
         avg_tasks=list(eval_cfg["avg_tasks"]) if eval_cfg.get("avg_tasks") else None,
         limit=eval_cfg.get("limit"),
-        batch_size=int(eval_cfg.get("batch_size", 16)),
+        batch_size=eval_cfg.get("batch_size", "auto"),
         fewshot_seed=int(eval_cfg.get("fewshot_seed", 1234)),
         include_path=[str(p) for p in [*(eval_cfg.get("include_path") or []), *include_path]],
     )

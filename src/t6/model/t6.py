@@ -7,6 +7,8 @@ logits = RMSNorm(x) @ embed^T          (tied embedding / LM head)
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -24,8 +26,15 @@ class Block(nn.Module):
         self.attn = get_attention_class(cfg.attention)(cfg)
         self.ffn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.ffn = SwiGLU(cfg.d_model, cfg.ffn_hidden)
+        self.compiled: Callable | None = None  # `layers` compiled (T6.compile_blocks), for calls without a cache
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        if cache is None and self.compiled is not None:
+            return self.compiled(x, pos)  # [B, T, d]
+        return self.layers(x, pos, cache)  # [B, T, d]
+
+    def layers(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """The block itself, never compiled: x [B, T, d] -> [B, T, d]."""
         x = x + self.attn(self.attn_norm(x), pos, cache)  # [B, T, d]
         return x + self.ffn(self.ffn_norm(x))  # [B, T, d]
 
@@ -107,6 +116,18 @@ class T6(nn.Module):
         if torch.is_autocast_enabled(device.type):
             return torch.get_autocast_dtype(device.type)
         return self.embed.weight.dtype
+
+    def compile_blocks(self, backend: str = "inductor") -> None:
+        """torch.compile every block for calls without a KV cache (training, validation, the benchmarks):
+        one graph, shared by all blocks (the same code, their parameters the graph's inputs), whole
+        (fullgraph: a graph break is an error) and for fixed shapes (dynamic=False: a new shape compiles
+        a graph of its own, never a dynamic one). The embedding and the loss stay outside (the loss runs
+        its own kernels, t6.model.loss); calls with a cache (generation) and `Block.layers` stay eager,
+        their shapes changing at every call. Compiling each block rather than the model lets DDP's
+        gradient all-reduce and FSDP's all-gathers overlap the other blocks' work. Parameter names and
+        checkpoints are unchanged."""
+        for block in self.blocks:
+            block.compiled = torch.compile(block.layers, fullgraph=True, dynamic=False, backend=backend)
 
     def build_kv_caches(self, batch_size: int, max_len: int | None = None, dtype=None, device=None) -> list[KVCache]:
         """One cache per layer, allocated once; each attention decides what it stores, in `cache_dtype`

@@ -94,8 +94,14 @@ def training_problems(cfg: DictConfig) -> list[str]:
         problems.append(f"loss_impl={impl!r} must be one of {', '.join(IMPLS)}")
     if cfg.get("nonfinite_loss", "stop") not in NONFINITE:
         problems.append(f"nonfinite_loss={cfg.get('nonfinite_loss')!r} must be 'stop' or 'skip'")
-    if not isinstance(cfg.get("compile", False), bool):
-        problems.append(f"compile={cfg.get('compile')!r} must be true or false")
+    if not isinstance(cfg.get("compile", "auto"), bool) and cfg.get("compile", "auto") != "auto":
+        problems.append(f"compile={cfg.get('compile')!r} must be auto (on CUDA, off on the CPU), true or false")
+    every = ((cfg.get("callbacks") or {}).get("model_checkpoint") or {}).get("every_n_train_steps")
+    if every is not None and every != "auto" and (not isinstance(every, int) or isinstance(every, bool) or every < 0):
+        problems.append(
+            f"callbacks.model_checkpoint.every_n_train_steps={every!r} must be auto (from the run's length and "
+            "the checkpoint's size), a number of steps (0: only last.ckpt, at the end) or null (after every validation)"
+        )
     return problems
 
 
@@ -125,6 +131,9 @@ def eval_problems(eval_cfg: DictConfig | None) -> list[str]:
     shots = list(eval_cfg.get("num_fewshot") or [])
     if any(not isinstance(n, int) or n < 0 for n in shots):
         problems.append(f"eval.num_fewshot={shots} must hold numbers of examples >= 0")
+    batch = eval_cfg.get("batch_size", "auto")
+    if batch != "auto" and (not isinstance(batch, int) or isinstance(batch, bool) or batch <= 0):
+        problems.append(f"eval.batch_size={batch!r} must be a positive number of rows or auto (from the memory left)")
     every = eval_cfg.get("every_n_steps")
     if every is not None and (not isinstance(every, int) or every <= 0):
         problems.append(f"eval.every_n_steps={every} must be a positive number of steps or null")

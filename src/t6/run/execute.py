@@ -55,7 +55,7 @@ def execute(plan: RunPlan) -> tuple[dict[str, float], dict[str, Any]]:
         model_config=asdict(plan.model),
         optimizer=instantiate(cfg.optimizer),
         scheduler=instantiate(cfg.lr_ablation.scheduler) if cfg.lr_ablation.get("scheduler") else None,
-        compile=cfg.get("compile", False),
+        compile=plan.hardware.compile,
         run_config=OmegaConf.to_container(cfg, resolve=True),
         nonfinite_loss=cfg.get("nonfinite_loss", "stop"),
         loss_chunk_tokens=cfg.get("loss_chunk_tokens"),

@@ -8,12 +8,14 @@ The plan reads what it needs (the warm start, the checkpoint to resume from, the
 tracking store, the sweep file, the machine's memory) and writes nothing. It decides in this order:
 
 1. the config's own problems, every one at once (`ConfigError`, t6.run.checks);
-2. the device and precision, and the processes (strategy, devices, nodes);
+2. the device, precision and compilation, and the processes (strategy, devices, nodes);
 3. the schedule, the resume point, the data, the tracking target and the sweep parent;
-4. the micro-batch and its accumulation, by the memory preflight (t6.hardware.memory).
+4. the micro-batch and its accumulation, by the memory preflight (t6.hardware.memory);
+5. how checkpoints are written and how often (t6.training.callbacks.checkpoint).
 
-`plan.cfg` is a copy of the config as the run uses it: precision and micro-batch numbers instead of
-`auto`, the MLflow run to continue, the sweep's tags. The caller's config is left as it was.
+`plan.cfg` is a copy of the config as the run uses it: precision, compile, micro-batch and checkpoint
+interval instead of `auto`, the MLflow run to continue, the sweep's tags. The caller's config is left as
+it was.
 """
 
 from __future__ import annotations
@@ -54,6 +56,16 @@ class Hardware:
     device_why: str
     precision: str  # Lightning's precision string, e.g. bf16-mixed
     precision_why: str
+    compile: bool = False  # each block compiled (T6.compile_blocks)
+    compile_why: str = ""
+
+    def describe_compile(self) -> str:
+        if not self.compile:
+            return f"off ({self.compile_why})"
+        expect = hw_device.EXPECTED_COMPILE_S.get(self.device)
+        expected = f"expect ~{expect:.0f} s, " if expect else ""
+        first = f"the first step and the first validation compile ({expected}logged as perf/compile_s)"
+        return f"on ({self.compile_why}); {first}"
 
 
 @dataclass(frozen=True)
@@ -127,6 +139,20 @@ class Schedule:
 
 
 @dataclass(frozen=True)
+class Checkpoints:
+    every_n_steps: int | None  # periodic saves (0: none, last.ckpt at the end and on SIGTERM; None: at validations)
+    why: str
+    background: bool  # written by a thread from a host copy (t6.training.checkpoint_io)
+
+    def describe(self) -> str:
+        when = {0: "at the end only", None: "after every validation"}.get(
+            self.every_n_steps, f"every {self.every_n_steps} step{'s' if self.every_n_steps != 1 else ''}"
+        )
+        how = "in the background" if self.background else "synchronously"
+        return f"{when}, written {how} ({self.why})"
+
+
+@dataclass(frozen=True)
 class Resume:
     ckpt_path: str
     step: int
@@ -175,6 +201,7 @@ class RunPlan:
     resume: Resume | None
     warm_start: WarmStart | None
     tracking: Tracking | None
+    checkpoints: Checkpoints | None = None  # None: no checkpoint callback
     warnings: tuple[str, ...] = field(default=())
 
     def describe(self) -> str:
@@ -183,12 +210,15 @@ class RunPlan:
         lines = [
             f"device          {hw.device} ({hw.device_why}), precision {hw.precision} ({hw.precision_why})",
             f"processes       {par.world_size} ({par.strategy.value}: {par.devices} device(s) x {par.nodes} node(s))",
+            f"compile         {hw.describe_compile()}",
             f"batch           {self.batch.describe()}",
         ]
         if self.batch.memory is not None:
             lines.append(f"memory          {self.batch.memory.describe()}")
         schedule = self.schedule.describe() if self.schedule else "constant learning rate (no lr_ablation.scheduler)"
         lines.append(f"schedule        {schedule}")
+        if self.checkpoints is not None:
+            lines.append(f"checkpoints     {self.checkpoints.describe()}")
         if self.resume is not None:
             lines.append(f"resume          {self.resume.describe()}")
         if self.warm_start is not None:
@@ -202,6 +232,7 @@ class RunPlan:
         out = {
             "plan/device": self.hardware.device,
             "plan/precision": self.hardware.precision,
+            "plan/compile": self.hardware.compile,
             "plan/strategy": self.parallel.strategy.name.lower(),
             "plan/world_size": self.parallel.world_size,
             "plan/micro_batch": self.batch.micro_batch,
@@ -210,6 +241,9 @@ class RunPlan:
         }
         if self.batch.memory is not None:
             out["plan/memory_estimate_gib"] = round(self.batch.memory.estimate.total / memory.GIB, 2)
+        if self.checkpoints is not None:
+            out["plan/checkpoint_every_n_steps"] = str(self.checkpoints.every_n_steps)
+            out["plan/checkpoint_background"] = self.checkpoints.background
         return out
 
 
@@ -229,21 +263,27 @@ def plan_run(cfg: DictConfig) -> RunPlan:
     instantiate_data(cfg).check()  # the shards exist and are whole (or the text they are made from does)
     check_eval_tasks(cfg.get("eval"))  # unknown tasks, missing datasets
     batch = plan_batch(cfg, mcfg, hardware, parallel)
+    checkpoints = plan_checkpoints(cfg, mcfg, hardware, parallel, batch)
     with open_dict(cfg):
         cfg.trainer.precision = hardware.precision
+        cfg.compile = hardware.compile
         cfg.data.batch_size = batch.micro_batch  # logged, and stored in checkpoints, as the number used
+        if checkpoints is not None:  # auto -> the number
+            cfg.callbacks.model_checkpoint.every_n_train_steps = checkpoints.every_n_steps
     warnings = tuple(f"init_from sets {change}" for change in (warm.changes if warm else ()))
     warnings += tuple(w for w in [schedule.warning() if schedule else None] if w)
-    return RunPlan(cfg, mcfg, hardware, parallel, batch, schedule, resume, warm, tracking, warnings)
+    return RunPlan(cfg, mcfg, hardware, parallel, batch, schedule, resume, warm, tracking, checkpoints, warnings)
 
 
 # ------------------------------------------------------------------------------------ decisions
 
 
 def choose_hardware(cfg: DictConfig) -> Hardware:
-    """trainer.accelerator -> the device; trainer.precision=auto -> what that device computes fast."""
+    """trainer.accelerator -> the device; trainer.precision=auto -> what that device computes fast;
+    compile=auto -> whether compiling pays there."""
     device, device_why = hw_device.choose_device(cfg.trainer.get("accelerator", "auto"))
     precision, precision_why = hw_device.choose_precision(cfg.trainer.get("precision", "auto"), device)
+    compile_, compile_why = hw_device.choose_compile(cfg.get("compile", "auto"), device)
     if device == "cuda" and not hw_device.cuda_available():
         raise ConfigError(
             "No CUDA device",
@@ -252,7 +292,7 @@ def choose_hardware(cfg: DictConfig) -> Hardware:
                 "trainer=default (accelerator auto: the GPU when there is one, else the CPU) or trainer=cpu"
             ],
         )
-    return Hardware(device, device_why, precision, precision_why)
+    return Hardware(device, device_why, precision, precision_why, compile_, compile_why)
 
 
 def strategy_kind(strategy: Any, world: int) -> Strategy:
@@ -455,3 +495,43 @@ def preflight(cfg, mcfg, hardware: Hardware, parallel: Parallel, requested, per_
         )
 
     return memory.fit_micro_batch(estimate, requested, per_device, available, source, ways_out)
+
+
+# The share of the device's peak a training step is assumed to reach when the plan estimates its time.
+ASSUMED_MFU = 0.4
+
+
+def plan_checkpoints(
+    cfg: DictConfig, mcfg: ModelConfig, hardware: Hardware, parallel: Parallel, batch: BatchPlan
+) -> Checkpoints | None:
+    """How checkpoints are written (in the background from a GPU, with the Trainer's BackgroundCheckpointIO;
+    FSDP gathers the state into rank 0's host memory, which is written at once) and, for
+    callbacks.model_checkpoint.every_n_train_steps=auto, how often: from the checkpoint's size and an
+    estimate of the step's time (its FLOPs at ASSUMED_MFU of the device's peak),
+    t6.training.callbacks.checkpoint.checkpoint_interval."""
+    from hydra.utils import get_object
+
+    from t6.model.facts import flops_per_token, meta_model
+    from t6.training.callbacks.checkpoint import checkpoint_interval
+    from t6.training.checkpoint_io import BackgroundCheckpointIO
+
+    conf = (cfg.get("callbacks") or {}).get("model_checkpoint")
+    if not conf:
+        return None
+    plugins = [p for p in cfg.trainer.get("plugins") or [] if isinstance(p, DictConfig) and "_target_" in p]
+    kinds = [(p, get_object(p._target_)) for p in plugins]
+    io = next((p for p, kind in kinds if inspect.isclass(kind) and issubclass(kind, BackgroundCheckpointIO)), None)
+    on_gpu = hardware.device == "cuda" and parallel.strategy is not Strategy.FSDP
+    background = io is not None and (on_gpu if io.get("background") is None else io.background)
+    every = conf.get("every_n_train_steps")
+    if every != "auto":
+        return Checkpoints(every, f"callbacks.model_checkpoint.every_n_train_steps={every}", background)
+    model = meta_model(mcfg)
+    optimizer, _ = memory.optimizer_state_bytes(model, cfg.optimizer._target_, 4)
+    state = model.num_params() * hw_device.param_dtype(hardware.precision).itemsize + optimizer
+    dtype = hw_device.compute_dtype(hardware.precision)
+    peak, _ = hw_device.peak_flops(hardware.device, dtype)
+    tokens = batch.micro_batch * batch.accumulation * batch.seq_len  # per device and optimizer step
+    step_s = flops_per_token(model, batch.seq_len) * tokens / (peak * ASSUMED_MFU)
+    every, why = checkpoint_interval(state, step_s, background, int(cfg.trainer.max_steps))
+    return Checkpoints(every, why, background)

@@ -12,6 +12,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 from torchmetrics import MeanMetric
 
 from t6.model import T6, ModelConfig
+from t6.model.loss import IGNORE_INDEX
 from t6.training.fsdp import clip_grad_norm
 from t6.training.optim import MuonWithAdamW, param_groups, param_kinds
 
@@ -38,8 +39,9 @@ class T6LitModule(L.LightningModule):
         "skip" (that step makes no update on any rank; its batches, step count and learning-rate
         schedule still advance, so the data position stays a function of the step). The norm is
         global (all-reduced under DDP and FSDP), so every rank decides the same without a collective.
-        compile: each transformer block compiled on its own (one graph per block, so DDP's gradient
-        all-reduce and FSDP's all-gathers overlap the other blocks' backward).
+        compile: every transformer block compiled for training and validation (T6.compile_blocks: one graph
+        shared by the blocks, the loss outside it; DDP's all-reduce and FSDP's all-gathers overlap the other
+        blocks' work).
         loss_chunk_tokens: tokens per chunk of the LM head + cross-entropy (None: all logits at once);
         loss_impl: "auto" (Liger-Kernel's fused kernel on CUDA, t6.model.loss's chunks elsewhere), "chunked",
         "liger"."""
@@ -57,8 +59,7 @@ class T6LitModule(L.LightningModule):
         self.run_config = run_config
         self.val_loss = MeanMetric()
         if compile:
-            for block in self.model.blocks:
-                block.compile()  # in place: checkpoints keep the plain `model.` parameter names
+            self.model.compile_blocks()  # checkpoints keep the plain `model.` parameter names
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)  # [B, T, vocab]
@@ -112,7 +113,8 @@ class T6LitModule(L.LightningModule):
             log.warning("%s; skipping the update (%d steps so far)", message, self.skipped_steps)
 
     def validation_step(self, batch, batch_idx: int) -> None:
-        self.val_loss.update(self.loss(batch), weight=batch[0].shape[0])
+        tokens = (batch[1] != IGNORE_INDEX).sum()  # [] the padding rows of the last batch count for nothing
+        self.val_loss.update(torch.where(tokens > 0, self.loss(batch), 0.0), weight=tokens)
 
     def on_validation_epoch_end(self) -> None:
         loss = self.val_loss.compute()

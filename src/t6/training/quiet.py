@@ -6,11 +6,16 @@ them (a filter on exact message beginnings, never a whole logger, level or warni
   was configured" (the config states Lightning's default explicitly);
 - lm-eval: "Overwriting default num_fewshot" (the eval group sets num_fewshot on purpose);
 - torch: the `LeafSpec` deprecation that Lightning 2.6's own `_pytree` triggers on every run.
+
+And `quiet_progress_bars`: where stderr is not a terminal (nohup, SLURM logs, CI), no tqdm progress bar
+(lm-eval draws several per evaluation), each redrawn line of which would stay in the log file.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import warnings
 
 DROPPED = {
@@ -40,3 +45,10 @@ def quiet_libraries() -> None:
         if not any(isinstance(f, DropMessages) for f in logger.filters):
             logger.addFilter(DropMessages(beginnings))
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", module="lightning")
+
+
+def quiet_progress_bars() -> None:
+    """Where stderr is not a terminal, disable every tqdm bar of the process (TQDM_DISABLE, which tqdm reads
+    when it is imported: call this first). A TQDM_DISABLE already set is kept."""
+    if not sys.stderr.isatty():
+        os.environ.setdefault("TQDM_DISABLE", "1")

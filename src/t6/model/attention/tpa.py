@@ -14,7 +14,8 @@ Cached per token and layer: A_K, B_K, A_V, B_V, that is (R_K + R_V)(h + d_h) num
 
 Two ways to attend:
 - materialized (training, prefill, long chunks): K and V are contracted to [S, h, d_h] and
-  passed to SDPA;
+  passed to SDPA; without a cache (training, validation) every factor comes from one stacked
+  projection (`factors`) and, under torch.compile, the contractions fuse with RoPE (`contract`);
 - from the factors (cached decoding of up to `factor_decode_max_tokens` new tokens): per
   cached token s and head i, with the query's own factors (FlashTPA, paper v3 App. A.4),
 
@@ -39,6 +40,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from t6.model.attention.base import Attention, KVCache, Options, register
@@ -63,15 +65,25 @@ class Factor(nn.Module):
         nn.init.xavier_uniform_(self.b.weight)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        B, T, _ = x.shape
-        a = self.a(x).view(B, T, self.rank, self.n_head)  # [B, T, R, h]
-        b = self.b(x).view(B, T, self.rank, self.head_dim)  # [B, T, R, d_h]
-        return a, b
+        b = self.b(x).unflatten(-1, (self.rank, self.head_dim))  # [B, T, R, d_h]
+        return self.head_factor(self.a(x)), b  # [B, T, R, h], [B, T, R, d_h]
+
+    def head_factor(self, a: torch.Tensor) -> torch.Tensor:
+        """The head map's output [B, T, R h] -> A [B, T, R, h] (where variants transform A)."""
+        return a.unflatten(-1, (self.rank, self.n_head))  # [B, T, R, h]
 
 
 def contract(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """(1/R) A^T B per token: a [B, T, R, h], b [B, T, R, d_h] -> [B, T, h, d_h]."""
-    return torch.einsum("btrh,btrd->bthd", a, b) / a.shape[2]
+    """(1/R) A^T B per token: a [B, T, R, h], b [B, T, R, d_h] -> [B, T, h, d_h].
+
+    Eager, a batched matmul over the tokens. Under torch.compile, the sum of the R outer products
+    written out: inductor fuses it with the ops around it (RoPE on B, the 1/R, the backward's
+    reductions) into one kernel, where a batched matmul with an inner dimension of R = 2..6 is a
+    library call of its own in each direction (tests/test_tpa_training.py counts them). Eager, that
+    form would materialize [B, T, R, h, d_h]."""
+    if torch.compiler.is_compiling():
+        return (a[..., None] * b[..., None, :]).sum(2) / a.shape[2]  # [B, T, R, h, d_h] summed over R: [B, T, h, d_h]
+    return torch.einsum("btrh,btrd->bthd", a, b) / a.shape[2]  # [B, T, h, d_h]
 
 
 @dataclass
@@ -139,8 +151,35 @@ class TensorProductAttention(Attention):
         q = self.query_factors(x, pos)
         return q if self.kv_only else contract(*q)  # [B, T, h, d_h]
 
+    def factors(self, x: torch.Tensor, pos: torch.Tensor):
+        """Every factor of a whole sequence from one matmul: x [B, T, d_model] -> (the query: A_Q
+        [B, T, R_Q, h] and rotated B_Q [B, T, R_Q, d_h], or TPA-KVonly's rotated query [B, T, h, d_h];
+        A_K [B, T, R_K, h]; rotated B_K [B, T, R_K, d_h]; A_V [B, T, R_V, h]; B_V [B, T, R_V, d_h]).
+
+        The factor maps' weights are stacked into one projection, (R_Q + R_K + R_V)(h + d_h) wide
+        (1,110 at medium), instead of six narrow matmuls; the outputs RoPE rotates (B_Q or the query,
+        then B_K) are adjacent in it and rotated in one pass."""
+        d = self.cfg.head_dim
+        heads = [self.k.a, self.v.a] if self.kv_only else [self.q.a, self.k.a, self.v.a]
+        rotated = [self.q if self.kv_only else self.q.b, self.k.b]
+        maps = [*heads, *rotated, self.v.b]
+        out = F.linear(x, torch.cat([m.weight for m in maps]))  # [B, T, sum of the maps' widths]
+        widths = [m.out_features for m in heads] + [sum(m.out_features for m in rotated), self.v.b.out_features]
+        # [B, T, R h] per head factor, [B, T, (R_Q + R_K) d_h] to rotate, [B, T, R_V d_h]
+        *a_outs, qk, b_v = out.split(widths, dim=-1)
+        qk = self.rope(qk.unflatten(-1, (-1, d)), pos)  # [B, T, R_Q + R_K, d_h] (KVonly: h + R_K)
+        q, b_k = qk.split([qk.shape[2] - self.k_rank, self.k_rank], dim=2)  # [B, T, R_Q or h, d_h], [B, T, R_K, d_h]
+        a_k, a_v = self.k.head_factor(a_outs[-2]), self.v.head_factor(a_outs[-1])  # [B, T, R_K, h], [B, T, R_V, h]
+        b_v = b_v.unflatten(-1, (self.v_rank, d))  # [B, T, R_V, d_h]
+        if not self.kv_only:
+            q = (self.q.head_factor(a_outs[0]), q)  # ([B, T, R_Q, h], [B, T, R_Q, d_h])
+        return q, a_k, b_k, a_v, b_v
+
     def forward(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
+        if cache is None:  # whole sequences (training, validation): K and V materialized for SDPA
+            y = self.attend_materialized(*self.factors(x, pos), pos, None)  # [B, T, h, d_h]
+            return self.out(y.reshape(B, T, -1))  # [B, T, d_model]
         q = self.query_factors(x, pos)  # TPA: ([B, T, R_Q, h], [B, T, R_Q, d_h]); KVonly: [B, T, h, d_h]
         a_k, b_k = self.k(x)  # [B, T, R_K, h], [B, T, R_K, d_h]
         b_k = self.rope(b_k, pos)  # keys rotated once, before caching

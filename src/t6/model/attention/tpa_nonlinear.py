@@ -44,9 +44,8 @@ class ActivatedFactor(Factor):
         super().__init__(d_model, rank, n_head, head_dim)
         self.activation = activation
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        a, b = super().forward(x)  # [B, T, R, h], [B, T, R, d_h]
-        return self.activation(a), b
+    def head_factor(self, a: torch.Tensor) -> torch.Tensor:
+        return self.activation(super().head_factor(a))  # sigma(A) [B, T, R, h]
 
 
 @register("tpa_sigmoid", activation="sigmoid")

@@ -2,6 +2,7 @@
 `SameMicroBatch` with the memory plan of a data-parallel run)."""
 
 from t6.training.callbacks.checkpoint import RunCheckpoint
+from t6.training.callbacks.compile_time import CompileTime
 from t6.training.callbacks.final_validation import FinalValidation
 from t6.training.callbacks.micro_batch import SameMicroBatch
 from t6.training.callbacks.preemption import PreemptionCheckpoint
@@ -9,6 +10,7 @@ from t6.training.callbacks.rng import RNGState
 from t6.training.callbacks.throughput import ThroughputMonitor
 
 __all__ = [
+    "CompileTime",
     "FinalValidation",
     "PreemptionCheckpoint",
     "RNGState",

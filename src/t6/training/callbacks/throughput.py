@@ -2,23 +2,28 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 import lightning as L
 import torch
-from lightning.fabric.utilities.throughput import get_available_flops
 from lightning.pytorch.callbacks import ThroughputMonitor as LightningThroughputMonitor
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities import rank_zero_only
+
+from t6.hardware.device import peak_flops
+
+log = logging.getLogger(__name__)
 
 
 class ThroughputMonitor(LightningThroughputMonitor):
     """Lightning's ThroughputMonitor fed the model's FLOPs as t6.model.facts measures them (FlopCounterMode
     on a meta-device copy, so nothing is allocated), logging `train/samples_per_sec`,
     `train/items_per_sec` (tokens), `train/flops_per_sec` for all ranks and `train/device/...` per
-    device, and `train/device/mfu` against the device's peak: `peak_tflops` when given, else
-    Lightning's table for the run's compute dtype (bf16 / fp16 under mixed precision; TF32 for fp32
-    on CUDA). Three changes to Lightning's own:
+    device, and `train/device/mfu` against the device's peak for the run's compute dtype (bf16 / fp16
+    under mixed precision; TF32 for fp32 on CUDA): `peak_tflops` when given, else
+    `t6.hardware.device.peak_flops` (Lightning's table for a GPU it knows, else a measured matmul, as on
+    the CPU), said once in the log. Three changes to Lightning's own:
 
     - It measures once per `log_every_n_steps` optimizer steps, not every micro-batch, so its
       CUDA synchronize costs one host-device sync per logging interval.
@@ -42,7 +47,12 @@ class ThroughputMonitor(LightningThroughputMonitor):
         super().setup(trainer, pl_module, stage)
         precision = str(trainer.precision)
         dtype = torch.bfloat16 if "bf16" in precision else torch.float16 if "16" in precision else torch.float32
-        peak = self.peak_tflops * 1e12 if self.peak_tflops else get_available_flops(trainer.strategy.root_device, dtype)
+        if self.peak_tflops:
+            peak, source = self.peak_tflops * 1e12, "callbacks.throughput.peak_tflops"
+        else:
+            peak, source = peak_flops(trainer.strategy.root_device, dtype)
+        if stage == "fit" and trainer.is_global_zero:
+            log.info("MFU against a peak of %.4g TFLOP/s: %s", peak / 1e12, source)
         self.available_flops = peak
         for throughput in self._throughputs.values():
             throughput.available_flops = peak

@@ -152,13 +152,13 @@ def shrunk(command: str, root: Path) -> list[str]:
         assert found, f"no {pattern} under {root}/logs for `{command}`"
         return str(found[-1])
 
+    command = command.replace("/tmp/", f"{root}/tmp/")  # what the docs write to /tmp goes under root
     for typed, written in (
         ("logs/train/runs/<time>", "train/runs/*"),
         ("logs/train/multiruns/<time>", "train/multiruns/*"),
     ):
         if typed in command:
             command = command.replace(typed, newest(written))
-    command = command.replace("/tmp/", f"{root}/tmp/")  # what the docs write to /tmp goes under root
     args = shlex.split(command)
     assert args[0] == "python", command
     entry = args[2] if args[1] == "-m" else args[1]

@@ -4,8 +4,9 @@
 1. the data (the embedded corpus is tokenized on first use), the evaluation's local tasks, the MLflow store;
 2. the LightningModule (with a warm start's weights), loggers, callbacks and the Trainer;
 3. the announcement, the run's parameters in MLflow, the system-metrics monitor;
-4. fit; SIGTERM (preemption) and Ctrl-C save last.ckpt (t6.training.callbacks.PreemptionCheckpoint) and
-   end the MLflow run as KILLED before the SIGTERMException leaves, carrying the signal as `signum`;
+4. fit; a stop signal (SIGTERM, SIGINT, SIGUSR1/2 to any rank) is agreed on by every rank at an optimizer
+   step's end (t6.training.preemption), last.ckpt is saved there (t6.training.callbacks.RunCheckpoint)
+   and the MLflow run ends as KILLED before the SIGTERMException leaves, carrying the signal as `signum`;
 5. the model upload and the greedy samples.
 """
 
@@ -32,14 +33,21 @@ from t6.run.plan import RunPlan
 from t6.run.samples import log_samples
 from t6.tracking.mlflow import open_tracking_store, save_and_upload_model, tag_training_experiment
 from t6.tracking.system_metrics import SystemMetrics
-from t6.training.callbacks import PreemptionCheckpoint, SameMicroBatch
+from t6.training import preemption
+from t6.training.callbacks import SameMicroBatch
 from t6.training.module import T6LitModule
+from t6.training.preemption import stop_signals
 
 log = logging.getLogger(__name__)
 
 
 def execute(plan: RunPlan) -> tuple[dict[str, float], dict[str, Any]]:
     """Fit as planned. Returns (final metrics, the objects built: model, datamodule, trainer, mlflow, plan, ...)."""
+    with stop_signals:  # from here on a stop signal is a request the ranks agree on (t6.training.preemption)
+        return run_plan(plan)
+
+
+def run_plan(plan: RunPlan) -> tuple[dict[str, float], dict[str, Any]]:
     cfg = plan.cfg
     datamodule: L.LightningDataModule = instantiate(cfg.data)
     datamodule.prepare_data()
@@ -66,6 +74,7 @@ def execute(plan: RunPlan) -> tuple[dict[str, float], dict[str, Any]]:
 
         model.model.load_state_dict(load_warm_start(plan.warm_start.path)["state_dict"])  # a resume overrides these
     trainer = build_trainer(plan, eval_callback)
+    preemption.install(trainer)
     if trainer.world_size != plan.parallel.world_size:
         raise RuntimeError(
             f"Lightning started {trainer.world_size} processes where the plan counted {plan.parallel.world_size} "
@@ -100,8 +109,8 @@ def execute(plan: RunPlan) -> tuple[dict[str, float], dict[str, Any]]:
         if mlflow is not None and trainer.is_global_zero and mlflow.run_id:
             mlflow.experiment.set_tag(mlflow.run_id, "last_step", str(trainer.global_step))
             mlflow.experiment.set_terminated(mlflow.run_id, "KILLED")
-        preemption = next((cb for cb in trainer.callbacks if isinstance(cb, PreemptionCheckpoint)), None)
-        stop.signum = preemption.signum if preemption is not None else signal.SIGTERM
+        stop.signum = stop_signals.agreed or signal.SIGTERM
+        stop.cluster_environment = getattr(trainer.strategy, "cluster_environment", None)  # for hand_over
         raise
     else:
         if mlflow is not None and trainer.is_global_zero:

@@ -16,6 +16,15 @@ import torch
 from t6.training.preemption import STOP_SIGNALS, StopSignals, agree_on_step_end, hand_over, stop_signals
 
 
+@pytest.fixture(autouse=True)
+def _handlers_restored():
+    """hand_over ignores the stop signals for the rest of a process's life; a test process goes on."""
+    saved = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    yield
+    for signum, handler in saved.items():
+        signal.signal(signum, handler)
+
+
 def fake_trainer():
     connector = SimpleNamespace(received_sigterm=False)
     epoch_loop = SimpleNamespace(_skip_next_val=False)
@@ -68,6 +77,7 @@ def test_hand_over_gives_the_signal_to_its_previous_owner_after_the_save():
     finally:
         signal.signal(signal.SIGUSR2, previous)
     assert seen == [signal.SIGUSR2] and exit_.value.code == 140
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN  # a launcher's SIGTERM cannot cut the exit short
 
 
 def test_hand_over_requeues_a_slurm_job_on_lightnings_requeue_signal(tmp_path, monkeypatch):

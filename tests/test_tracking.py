@@ -108,9 +108,12 @@ def test_writes_wait_in_the_outbox_while_the_store_is_down_and_sync_sends_them(t
     uri, client, run_id = local_run(tmp_path)
     outbox = Outbox("http://127.0.0.1:9", tmp_path / "outbox" / "rank0.jsonl")  # a server that never answers
     down = OutboxClient(outbox)
+    client.log_param(run_id, "lr", "1")
     start = time.perf_counter()
     for step in range(50):
         down.log_batch(run_id, metrics=[Metric("train/loss", 10.0 - step / 10, 1000 + step, step)])
+        if step == 10:
+            down.log_param(run_id, "lr", "2")  # a write the store will refuse (a parameter cannot change)
     down.set_tag(run_id, "last_step", "50")
     down.set_terminated(run_id, "KILLED")
     assert time.perf_counter() - start < 1.0  # training never waits for the store
@@ -120,7 +123,8 @@ def test_writes_wait_in_the_outbox_while_the_store_is_down_and_sync_sends_them(t
     run = client.get_run(run_id)
     losses = client.get_metric_history(run_id, "train/loss")
     assert [m.step for m in sorted(losses, key=lambda m: m.step)] == list(range(50))
-    assert run.data.tags["last_step"] == "50" and run.info.status == "KILLED"
+    assert run.data.tags["last_step"] == "50" and run.info.status == "KILLED"  # the writes after it arrived
+    assert run.data.params["lr"] == "1"
     assert sync([str(tmp_path / "outbox"), "--tracking-uri", uri]) == 0  # again: nothing left to send
     assert len(client.get_metric_history(run_id, "train/loss")) == 50
 

@@ -92,6 +92,10 @@ class Outbox:
             try:
                 send(self.client, batch)
             except Exception as err:  # the store's errors have no common type (HTTP, SQL, connection)
+                if refused(err):  # the store answered and said no: retrying cannot help, the rest must go on
+                    log.error("MLflow store %s refused a write, dropped (%s): %s", self.uri, err, batch[0])
+                    self.done(batch)
+                    continue
                 with self.cond:
                     if self.unreachable_since is None:
                         self.unreachable_since = time.time()
@@ -102,10 +106,7 @@ class Outbox:
                     backoff = min(2 * backoff, self.max_backoff_s)
                 continue
             with self.cond:
-                for _ in batch:
-                    self.pending.popleft()
-                self.sent += len(batch)
-                write_sent(self.sent_file, self.sent)
+                self.done(batch)
                 if self.unreachable_since is not None:
                     log.warning(
                         "MLflow store %s answers again after %.0f s; sending the writes that waited",
@@ -114,6 +115,14 @@ class Outbox:
                     )
                 self.unreachable_since, self.error, backoff = None, None, 1.0
                 self.cond.notify_all()
+
+    def done(self, batch: list[dict]) -> None:
+        """The store has dealt with these (the first pending writes): count them as sent."""
+        with self.cond:
+            for _ in batch:
+                self.pending.popleft()
+            self.sent += len(batch)
+            write_sent(self.sent_file, self.sent)
 
     def flush(self, timeout_s: float) -> bool:
         """Wait up to timeout_s for every write so far to be sent; whether they were."""
@@ -146,6 +155,14 @@ class Outbox:
                 self.spool.parent,
             )
         return done and not left
+
+
+def refused(err: BaseException) -> bool:
+    """Whether the store answered and refused the write (a 4xx: a bad value, a run it does not hold), rather
+    than not answering (a connection error, a 5xx, a locked database: worth retrying)."""
+    from mlflow.exceptions import MlflowException
+
+    return isinstance(err, MlflowException) and 400 <= err.get_http_status_code() < 500
 
 
 def take_batch(pending: deque[dict]) -> list[dict]:

@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from t6.tracking.outbox import send, sent_count, take_batch, unsent, write_sent
+from t6.tracking.outbox import refused, send, sent_count, take_batch, unsent, write_sent
 
 
 def spools(path: Path) -> list[Path]:
@@ -37,7 +37,12 @@ def sync_spool(spool: Path, tracking_uri: str | None = None) -> int:
     done = 0
     while pending:
         batch = take_batch(pending)
-        send(client, batch)
+        try:
+            send(client, batch)
+        except Exception as err:
+            if not refused(err):
+                raise  # still unreachable: what is left stays for the next sync
+            print(f"{spool}: the store refused a write, dropped ({err})", file=sys.stderr)
         for _ in batch:
             pending.popleft()
         count += len(batch)

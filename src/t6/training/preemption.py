@@ -93,7 +93,8 @@ def agree_on_step_end(trainer, norm: torch.Tensor) -> bool:
     """The one host read of an optimizer step: whether the gradient norm is finite on every rank, and whether
     any rank was asked to stop, in one all_reduce(MAX) (only where several processes run). A stop agreed here
     sets Lightning's flag on every rank at the same step. Returns whether the norm is finite."""
-    flags = torch.stack([torch.isfinite(norm).logical_not().float(), norm.new_full((), stop_signals.requested)])  # [2]
+    request = torch.full((), float(stop_signals.requested), device=norm.device)  # a fill kernel: no copy from the host
+    flags = torch.stack([torch.isfinite(norm).logical_not().float(), request])  # [2]
     if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)  # [2] on every rank
     nonfinite, stop = (int(v) for v in flags.tolist())  # the host sync
@@ -125,8 +126,11 @@ def install(trainer) -> None:
 
 def hand_over(signum: int, cluster_environment=None) -> None:
     """After the checkpoint is saved: the signal's previous owner acts on it (submitit requeues on USR2, and
-    exits itself), or Lightning's SLURM auto-requeue signal requeues the job; then exit 128 + signum."""
+    exits itself), or Lightning's SLURM auto-requeue signal requeues the job; then exit 128 + signum. The stop
+    signals are ignored from here on (torchrun's agent, seeing another rank exit first, signals the rest)."""
     handler = signal.getsignal(signum)
+    for other in STOP_SIGNALS:  # on the way out with 128 + signum: a launcher's later SIGTERM changes nothing
+        signal.signal(other, signal.SIG_IGN)
     if callable(handler) and handler is not signal.default_int_handler:
         handler(signum, None)
     elif slurm_requeues(signum, cluster_environment):

@@ -1,8 +1,8 @@
 """The tables of experiments/faults/README.md, from the records the fault suite and the SIGTERM measurement wrote:
 
-    T6_FAULTS_OUT=experiments/faults python -m pytest tests/test_faults.py     # -> trials.json
-    python experiments/faults/sigterm_all_ranks.py --out experiments/faults/sigterm_after.json
-    python experiments/faults/report.py                                         # prints the tables
+T6_FAULTS_OUT=experiments/faults python -m pytest tests/test_faults.py     # -> trials.json
+python experiments/faults/sigterm_all_ranks.py --out experiments/faults/sigterm_after.json
+python experiments/faults/report.py                                         # prints the tables
 """
 
 from __future__ import annotations
@@ -49,11 +49,11 @@ def trials_table(records: list[dict]) -> str:
 
 def summary(records: list[dict]) -> str:
     seeded = [r for r in records if r["trial"].startswith("w")]
+    two, four = (sum(r["world"] == world for r in seeded) for world in (2, 4))
     phases = Counter(p for r in seeded for p in r["landed"])
     signals = Counter(s for r in seeded for s in r["signals"].values())
     return (
-        f"{len(records)} trials ({len(seeded)} seeded signal trials: {sum(r['world'] == 2 for r in seeded)} on 2 ranks, "
-        f"{sum(r['world'] == 4 for r in seeded)} on 4); hung {sum(r['hung'] for r in records)}, MLflow runs per trial "
+        f"{len(records)} trials ({len(seeded)} seeded signal trials: {two} on 2 ranks, {four} on 4); hung {sum(r['hung'] for r in records)}, MLflow runs per trial "
         f"{sorted({r['mlflow_runs'] for r in records})}; signals landed during "
         + ", ".join(f"{k} {v}" for k, v in sorted(phases.items()))
         + "; signals sent "
@@ -63,7 +63,8 @@ def summary(records: list[dict]) -> str:
 
 def sigterm_table(runs: dict[str, dict]) -> str:
     lines = [
-        "| code | trials | hung (no exit within the timeout) | last.ckpt saved at the stop | worker exit codes | seconds to exit |",
+        "| code | trials | hung (no exit within the timeout) | last.ckpt saved at the stop | worker exit codes "
+        "| seconds to exit |",
         "|---|---|---|---|---|---|",
     ]
     for name, run in runs.items():

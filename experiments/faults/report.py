@@ -52,11 +52,12 @@ def summary(records: list[dict]) -> str:
     two, four = (sum(r["world"] == world for r in seeded) for world in (2, 4))
     phases = Counter(p for r in seeded for p in r["landed"])
     signals = Counter(s for r in seeded for s in r["signals"].values())
+    hung, runs = sum(r["hung"] for r in records), sorted({r["mlflow_runs"] for r in records})
     return (
-        f"{len(records)} trials ({len(seeded)} seeded signal trials: {two} on 2 ranks, {four} on 4); hung {sum(r['hung'] for r in records)}, MLflow runs per trial "
-        f"{sorted({r['mlflow_runs'] for r in records})}; signals landed during "
+        f"{len(records)} trials ({len(seeded)} seeded signal trials: {two} on 2 ranks, {four} on 4); hung {hung}, "
+        f"MLflow runs per trial {runs}; signals landed during "
         + ", ".join(f"{k} {v}" for k, v in sorted(phases.items()))
-        + "; signals sent "
+        + "; the signals that landed: "
         + ", ".join(f"{k} {v}" for k, v in sorted(signals.items()))
     )
 

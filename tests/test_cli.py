@@ -93,7 +93,7 @@ def test_summary_multirun_prints_one_comparison_table(tmp_path):
 def test_a_bad_override_leaves_no_run_folder_and_a_run_prints_no_library_noise(tmp_path, shared_data_dir):
     args, env = command(tmp_path, shared_data_dir, "size.head_dim=63", f"hydra.run.dir={tmp_path / 'bad'}")
     proc = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 1 and "head_dim" in proc.stderr
+    assert proc.returncode == 2 and "head_dim" in proc.stderr
     assert not (tmp_path / "bad").exists()
 
     args, env = command(tmp_path, shared_data_dir, "trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'good'}")

@@ -175,7 +175,7 @@ def clip_grad_norm(wrapped: nn.Module, module: nn.Module, max_norm: float | None
         return wrapped.clip_grad_norm_(max_norm if max_norm else float("inf"))
     params = [p for p in module.parameters() if p.grad is not None]
     if not params:
-        return torch.zeros(())
+        return torch.zeros((), device=next(module.parameters()).device)  # where the agreement all-reduces it
     if max_norm:
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
     return torch.nn.utils.get_total_norm([p.grad for p in params])

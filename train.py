@@ -35,6 +35,7 @@ def main(cfg: DictConfig) -> float | None:
     from t6.run.execute import execute
     from t6.run.plan import plan_run
     from t6.run.summary import closing_summary
+    from t6.training.preemption import hand_over
 
     quiet_libraries()
     try:
@@ -54,11 +55,11 @@ def main(cfg: DictConfig) -> float | None:
         if env_rank() == 0:
             discard_unused_run_dir(HydraConfig.get().runtime.output_dir)
         raise
-    except SIGTERMException as stop:  # SIGTERM or Ctrl-C: last.ckpt saved, the MLflow run marked KILLED
+    except SIGTERMException as stop:  # a stop signal every rank agreed on: last.ckpt saved, the MLflow run KILLED
         signum = getattr(stop, "signum", signal.SIGTERM)
         what = "interrupted (Ctrl-C)" if signum == signal.SIGINT else f"terminated ({signal.Signals(signum).name})"
         print(f"{what}: last.ckpt saved; run the same command again to resume", file=sys.stderr)
-        sys.exit(128 + signum)  # 143 for SIGTERM, 130 for Ctrl-C: what schedulers and shells expect
+        hand_over(signum, getattr(stop, "cluster_environment", None))  # requeue (submitit, SLURM); exit 128 + signum
     if objects["trainer"].is_global_zero:
         print(closing_summary(metrics, objects))
     return metrics.get("val/loss")  # for Hydra sweepers that optimize a value

@@ -5,6 +5,7 @@ start it twice)."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -44,6 +45,30 @@ class NaNOnRank(L.Callback):
         if self.handle is not None and trainer.global_step != self.step:
             self.handle.remove()
             self.handle = None
+
+
+class ComputeDtypes(L.Callback):
+    """At the first training step, the dtype of the weight each module type holds in its forward and of what it
+    returns, written to `path` by rank 0 (loaded through +callbacks.dtypes._target_=test_distributed.ComputeDtypes)."""
+
+    def __init__(self, path: str):
+        self.path, self.seen, self.handles = Path(path), {}, []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == 0 and not self.handles:
+            for module in pl_module.model.modules():
+                if getattr(module, "weight", None) is not None:
+                    self.handles.append(module.register_forward_hook(self.record))
+
+    def record(self, module, args, out):
+        out = out[0] if isinstance(out, tuple) else out
+        self.seen.setdefault(type(module).__name__, [str(module.weight.dtype), str(out.dtype)])
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        for handle in self.handles:
+            handle.remove()
+        if trainer.global_rank == 0 and self.seen and not self.path.exists():
+            self.path.write_text(json.dumps(self.seen))
 
 
 def command(tmp_path: Path, data_dir: Path, *overrides: str) -> tuple[list[str], dict]:
@@ -193,6 +218,48 @@ def test_fsdp_trains_clips_skips_evaluates_and_resumes_like_ddp(tmp_path, shared
     for name in ("fsdp", "resumed"):  # whole tensors, the same values (up to summation order, which Adam's
         for key, ref in last["ddp"]["state_dict"].items():  # normalized step amplifies where a gradient is ~0)
             torch.testing.assert_close(last[name]["state_dict"][key], ref, rtol=1e-4, atol=5e-5, msg=f"{name} {key}")
+
+
+def test_fsdp_bf16_mixed_computes_as_ddp_does(tmp_path, shared_data_dir):
+    """bf16-mixed: FSDP keeps fp32 parameters (gathered, reduced and updated in fp32) and autocasts the matmuls,
+    as DDP does; the two train alike to bf16's precision (Lightning's FSDP precision would compute every module
+    from bf16 weights)."""
+    common = [
+        "trainer.precision=bf16-mixed",
+        "data.batch_size=2",
+        "data.global_batch_size=8",
+        "trainer.max_steps=6",
+        "callbacks.model_checkpoint.every_n_train_steps=3",
+        "+callbacks.dtypes._target_=test_distributed.ComputeDtypes",
+        "samples=null",
+    ]
+    for name, strategy in (("ddp", DDP), ("fsdp", FSDP)):
+        run(
+            tmp_path,
+            shared_data_dir,
+            *strategy,
+            *common,
+            f"+callbacks.dtypes.path={tmp_path / name}.json",
+            f"experiment_name={name}",
+            f"hydra.run.dir={tmp_path / name}",
+        )
+    ddp, fsdp = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("ddp", "fsdp"))
+    assert fsdp == ddp and ddp["Linear"] == ["torch.float32", "torch.bfloat16"]  # fp32 weights, bf16 matmuls
+    c = client(tmp_path)
+    (ddp_run,) = c.search_runs([c.get_experiment_by_name("ddp").experiment_id])
+    (fsdp_run,) = c.search_runs([c.get_experiment_by_name("fsdp").experiment_id])
+    ddp_loss, fsdp_loss = history(c, ddp_run.info.run_id, "train/loss"), history(c, fsdp_run.info.run_id, "train/loss")
+    assert sorted(ddp_loss) == sorted(fsdp_loss) == list(range(6))
+    for step in range(6):  # bf16 keeps 8 significant bits: 2^-8 relative
+        assert fsdp_loss[step][0] == pytest.approx(ddp_loss[step][0], rel=2**-8), step
+    ddp_last, fsdp_last = (
+        torch.load(tmp_path / name / "checkpoints" / "last.ckpt", weights_only=True) for name in ("ddp", "fsdp")
+    )
+    for key, ref in ddp_last["state_dict"].items():  # fp32 master weights, the same to bf16's precision (as a
+        weights = fsdp_last["state_dict"][key]  # whole: Adam's normalized step can flip single entries by ~lr)
+        assert weights.dtype == torch.float32 and torch.linalg.norm(weights - ref) <= 2**-8 * torch.linalg.norm(ref), (
+            key
+        )
 
 
 def test_ddp_evaluation_splits_the_requests_and_scores_like_one_process(tmp_path, shared_data_dir, make_cfg):

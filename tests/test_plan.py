@@ -83,6 +83,15 @@ def test_every_problem_of_the_config_is_reported_at_once(make_cfg, tmp_path):
         (["nonfinite_loss=ignore"], "nonfinite_loss='ignore' must be 'stop' or 'skip'"),
         (["compile=yes"], "compile='yes' must be auto .on CUDA, off on the CPU., true or false"),
         (["callbacks.model_checkpoint.every_n_train_steps=-1"], "every_n_train_steps=-1 must be auto"),
+        (
+            [
+                "trainer=fsdp",
+                "trainer.accelerator=cpu",
+                "trainer.devices=2",
+                "trainer.strategy.state_dict_type=sharded",
+            ],
+            r"state_dict_type=sharded: .*single files.*use trainer.strategy.state_dict_type=full",
+        ),
     ],
 )
 def test_a_bad_setting_names_its_field(overrides, match, make_cfg):
@@ -289,6 +298,35 @@ def test_a_resume_says_where_it_continues_and_needs_its_mlflow_run(make_cfg, tmp
     assert "point MLFLOW_TRACKING_URI at the store" in text and "logger.mlflow.continue_run=false" in text
     fresh = plan_run(make_cfg("trainer.max_steps=6", "ckpt_path=last", "logger.mlflow.continue_run=false"))
     assert fresh.resume.step == 4 and fresh.tracking.run_id is None  # the training continues, in a new MLflow run
+
+
+def test_a_sharded_checkpoint_directory_is_not_resumed_from_silently(make_cfg):
+    """A sharded FSDP checkpoint is a directory: auto_resume would not see it as last.ckpt and start over."""
+    cfg = make_cfg("auto_resume=true")
+    last = Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt"
+    last.mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"last.ckpt is a directory \(a sharded FSDP checkpoint.*state_dict_type=full"):
+        plan_run(cfg)
+    with pytest.raises(ValueError, match="is a directory"):
+        plan_run(make_cfg(f"ckpt_path={last}"))
+
+
+def test_a_resume_with_the_tracking_server_down_says_so_and_goes_on(make_cfg, tmp_path, monkeypatch):
+    from t6.run.train import train
+
+    _, first = train(make_cfg("trainer.max_steps=2", "callbacks.model_checkpoint.every_n_train_steps=2"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")  # nothing answers there
+    plan = plan_run(make_cfg("trainer.max_steps=4", "ckpt_path=last"))
+    assert plan.tracking.run_id == first["mlflow"].run_id and "Connection refused" in plan.tracking.unreachable
+    assert "MLflow http://127.0.0.1:9" in plan.describe()
+    outbox = Path(plan.cfg.paths.output_dir) / "mlflow-outbox"
+    note = (
+        f"the server is unreachable ({plan.tracking.unreachable}): training goes on, logging to {outbox}, sent to "
+        f"the server when it answers; what is left at the end: python -m t6.tracking.sync {outbox}"
+    )
+    assert note in plan.describe() and note in plan.warnings
+    with pytest.raises(ConnectionError, match="127.0.0.1:9 is unreachable"):  # a new run needs the server
+        plan_run(make_cfg("trainer.max_steps=4"))
 
 
 def test_a_run_that_never_leaves_warmup_is_warned_with_a_fix_that_changes_something(make_cfg):

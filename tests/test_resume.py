@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pickle
 import signal
+import time
 from pathlib import Path
 
 import lightning as L
@@ -31,7 +32,8 @@ class Recorder(L.Callback):
 
 
 class SigtermAt(L.Callback):
-    """Sends this process a real SIGTERM after optimizer step `step`."""
+    """Sends this process a real SIGTERM after optimizer step `step` (the run stops at the end of the next one,
+    where the ranks agree on it)."""
 
     def __init__(self, step: int):
         self.step = step
@@ -80,23 +82,48 @@ def test_sigterm_then_auto_resume_matches_an_uninterrupted_run(make_cfg, tmp_pat
 
     run_dir = tmp_path / "preempted"
     with pytest.raises(SystemExit):  # Lightning's SIGTERMException
-        train(in_dir(make_cfg(), run_dir, "rec=test_resume.Recorder", "term=test_resume.SigtermAt(3)"))
+        train(in_dir(make_cfg(), run_dir, "rec=test_resume.Recorder", "term=test_resume.SigtermAt(4)"))
     last = run_dir / "checkpoints" / "last.ckpt"
     ckpt = torch.load(last, map_location="cpu", weights_only=True)
-    assert ckpt["global_step"] == 3  # saved by the SIGTERM path, not a periodic checkpoint (every 4 steps)
+    assert ckpt["global_step"] == 5  # saved by the SIGTERM path, not a periodic checkpoint (every 4 steps)
     client = mlflow.MlflowClient(tracking_uri=make_cfg().logger.mlflow.tracking_uri)
     run_id = ckpt["mlflow_run_id"]
     assert client.get_run(run_id).info.status == "KILLED"
 
     _, resumed = train(in_dir(make_cfg("auto_resume=true"), run_dir, "rec=test_resume.Recorder"))  # same run dir
     rec = recorder(resumed)
-    assert resumed["trainer"].global_step == 8 and sorted(rec.loss) == [4, 5, 6, 7, 8]
+    assert resumed["trainer"].global_step == 8 and sorted(rec.loss) == [6, 7, 8]
     for step in rec.loss:
         assert rec.loss[step] == full_rec.loss[step], step  # bitwise: same weights, optimizer, data, schedule
         assert rec.draw[step] == full_rec.draw[step], step  # RNG continues where it stopped
     assert resumed["mlflow"].run_id == run_id and client.get_run(run_id).info.status == "FINISHED"
     steps = [m.step for m in client.get_metric_history(run_id, "train/loss")]
     assert sorted(set(steps)) == list(range(8))
+
+
+class SlowCheckpointIO(AtomicCheckpointIO):
+    """A checkpoint write that takes a second (as a large model's does), run in a thread by AsyncCheckpointIO."""
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
+        time.sleep(1.0)
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+
+def test_a_stop_saves_through_an_asynchronous_checkpoint_io(make_cfg, tmp_path):
+    """With Lightning's AsyncCheckpointIO the stop's last.ckpt is written in a thread; it is whole, at the stop's
+    step, by the time the run has stopped."""
+    cfg = in_dir(make_cfg(), tmp_path / "async", "term=test_resume.SigtermAt(2)")
+    with open_dict(cfg):
+        cfg.trainer.plugins = [
+            {
+                "_target_": "lightning.pytorch.plugins.io.AsyncCheckpointIO",
+                "checkpoint_io": {"_target_": "test_resume.SlowCheckpointIO"},
+            }
+        ]
+    with pytest.raises(SystemExit):
+        train(cfg)
+    ckpt = torch.load(tmp_path / "async" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert ckpt["global_step"] == 3 and "optimizer_states" in ckpt
 
 
 def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(make_cfg, tmp_path):

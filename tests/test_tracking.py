@@ -86,3 +86,93 @@ def test_experiment_opens_as_model_training_and_runs_log_system_metrics(make_cfg
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
     metrics = client.get_run(objects["mlflow"].run_id).data.metrics
     assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= set(metrics)
+
+
+def local_run(tmp_path):
+    uri = f"sqlite:///{tmp_path}/store/mlflow.db"
+    from t6.tracking.mlflow import open_tracking_store
+
+    open_tracking_store(uri)
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    return uri, client, client.create_run(client.create_experiment("outbox")).info.run_id
+
+
+def test_writes_wait_in_the_outbox_while_the_store_is_down_and_sync_sends_them(tmp_path):
+    import time
+
+    from mlflow.entities import Metric
+
+    from t6.tracking.outbox import Outbox, OutboxClient
+    from t6.tracking.sync import main as sync
+
+    uri, client, run_id = local_run(tmp_path)
+    outbox = Outbox("http://127.0.0.1:9", tmp_path / "outbox" / "rank0.jsonl")  # a server that never answers
+    down = OutboxClient(outbox)
+    client.log_param(run_id, "lr", "1")
+    start = time.perf_counter()
+    for step in range(50):
+        down.log_batch(run_id, metrics=[Metric("train/loss", 10.0 - step / 10, 1000 + step, step)])
+        if step == 10:
+            down.log_param(run_id, "lr", "2")  # a write the store will refuse (a parameter cannot change)
+    down.set_tag(run_id, "last_step", "50")
+    down.set_terminated(run_id, "KILLED")
+    assert time.perf_counter() - start < 1.0  # training never waits for the store
+    assert not outbox.close(timeout_s=1.0) and outbox.unreachable_since is not None
+
+    assert sync([str(tmp_path / "outbox"), "--tracking-uri", uri]) == 0  # the command the warning names
+    run = client.get_run(run_id)
+    losses = client.get_metric_history(run_id, "train/loss")
+    assert [m.step for m in sorted(losses, key=lambda m: m.step)] == list(range(50))
+    assert run.data.tags["last_step"] == "50" and run.info.status == "KILLED"  # the writes after it arrived
+    assert run.data.params["lr"] == "1"
+    assert sync([str(tmp_path / "outbox"), "--tracking-uri", uri]) == 0  # again: nothing left to send
+    assert len(client.get_metric_history(run_id, "train/loss")) == 50
+
+
+def test_the_outbox_retries_with_backoff_in_order_and_a_later_process_sends_what_was_left(tmp_path, monkeypatch):
+    from mlflow.entities import Metric
+
+    from t6.tracking.outbox import Outbox, OutboxClient
+
+    uri, client, run_id = local_run(tmp_path)
+    spool = tmp_path / "outbox" / "rank0.jsonl"
+    first = Outbox("http://127.0.0.1:9", spool)
+    OutboxClient(first).log_batch(run_id, metrics=[Metric("m", 1.0, 1, 0)])
+    first.close(timeout_s=0.5)  # a process that ended with the store down
+
+    calls = []
+    real = mlflow.MlflowClient.log_batch
+
+    def flaky(self, *args, **kwargs):  # the store answers from the third try on
+        calls.append(kwargs["metrics"][0].step if kwargs.get("metrics") else None)
+        if len(calls) < 3:
+            raise ConnectionError("store down")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(mlflow.MlflowClient, "log_batch", flaky)
+    second = Outbox(uri, spool)  # the resumed run: the same spool, the store reachable again
+    writer = OutboxClient(second)
+    for step in (1, 2):
+        writer.log_batch(run_id, metrics=[Metric("m", float(step + 1), 2 + step, step)])
+    assert second.close(timeout_s=30)
+    assert calls[:3] == [0, 0, 0]  # the earlier process's write first, retried until the store took it
+    history = sorted(client.get_metric_history(run_id, "m"), key=lambda m: m.step)
+    assert [(m.step, m.value) for m in history] == [(0, 1.0), (1, 2.0), (2, 3.0)]
+
+
+def test_a_continued_run_is_known_while_the_store_is_down(tmp_path):
+    from t6.tracking.logger import OutboxMLFlowLogger
+
+    logger = OutboxMLFlowLogger(
+        experiment_name="t6",
+        run_name="tpa-tiny",
+        tracking_uri="http://127.0.0.1:9",
+        run_id="abc",
+        outbox_dir=tmp_path / "outbox",
+        flush_timeout_s=0.5,
+    )
+    run = logger.experiment.get_run("abc")  # Lightning's logger would read the run from the store first
+    assert run.info.run_id == "abc" and run.info.run_name == "tpa-tiny"
+    logger.log_metrics({"train/loss": 1.0}, step=0)
+    assert not logger.close()
+    assert '"train/loss", 1.0' in (tmp_path / "outbox" / "rank0.jsonl").read_text()

@@ -145,15 +145,20 @@ def test_compiled_training_validates_without_recompiling_and_logs_its_compile_ti
     assert first > compile_s > 0.5 * first  # the first step is mostly compiling
 
 
-def test_fsdp_reduces_gradients_in_fp32_under_mixed_precision():
+def test_fsdp_mixed_precision_keeps_fp32_parameters_and_autocasts_on_their_device():
     from lightning.pytorch.plugins.precision import FSDPPrecision
 
     from t6.training.fsdp import T6FSDPStrategy
 
     strategy = T6FSDPStrategy()
-    strategy.precision_plugin = FSDPPrecision("bf16-mixed")
+    strategy.precision_plugin = FSDPPrecision("bf16-mixed")  # what Lightning's connector makes of the setting
     mp = strategy.mixed_precision_config
-    assert (mp.param_dtype, mp.reduce_dtype) == (torch.bfloat16, torch.float32)
+    assert (mp.param_dtype, mp.reduce_dtype, mp.buffer_dtype) == (torch.float32,) * 3  # gathered, reduced in fp32
+    strategy.precision_plugin.device_type = "cpu"  # set from the root device at setup
+    with strategy.precision_plugin.forward_context():
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    strategy.precision_plugin = FSDPPrecision("bf16-true")
+    assert strategy.mixed_precision_config.param_dtype == torch.bfloat16  # a *-true precision stays Lightning's
     assert strategy.kwargs["use_orig_params"] is True  # parameter names survive wrapping
 
 

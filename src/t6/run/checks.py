@@ -37,6 +37,7 @@ def config_problems(cfg: DictConfig) -> tuple[ModelConfig | None, list[str]]:
     problems += raised(check_samples, cfg)
     problems += training_problems(cfg)
     problems += trainer_problems(cfg.trainer)
+    problems += checkpoint_format_problems(cfg.trainer)
     problems += eval_problems(cfg.get("eval"))
     if mlflow_config(cfg) is not None:
         problems += raised(log_model_choice, cfg.logger.mlflow.get("log_model", False))
@@ -119,6 +120,21 @@ def trainer_problems(trainer: DictConfig) -> list[str]:
         hint = f"; did you mean trainer.{close[0]}?" if close else f"; lightning.Trainer takes {', '.join(known)}"
         problems.append(f"trainer.{key} is not a setting of lightning.Trainer{hint}")
     return problems
+
+
+def checkpoint_format_problems(trainer: DictConfig) -> list[str]:
+    """FSDP's `state_dict_type: sharded` writes each checkpoint as a directory of shards, in place, by every rank:
+    resuming (ckpt_path, ckpt_path=last, auto_resume), the MLflow model upload, eval.py and generate.py read one
+    file, and a directory cannot replace the previous checkpoint atomically."""
+    strategy = trainer.get("strategy")
+    kind = strategy.get("state_dict_type", "full") if isinstance(strategy, DictConfig) else "full"
+    if kind == "full":
+        return []
+    return [
+        f"trainer.strategy.state_dict_type={kind}: T6 Lab checkpoints are single files (resume, ckpt_path=last, "
+        "auto_resume, the MLflow model upload, eval.py and generate.py read one file, replaced atomically); "
+        "use trainer.strategy.state_dict_type=full (rank 0 gathers the model and optimizer into one file)"
+    ]
 
 
 def eval_problems(eval_cfg: DictConfig | None) -> list[str]:

@@ -3,9 +3,11 @@
 
 1. the data (the embedded corpus is tokenized on first use), the evaluation's local tasks, the MLflow store;
 2. the LightningModule (with a warm start's weights), loggers, callbacks and the Trainer;
-3. the announcement, the run's parameters in MLflow, the system-metrics monitor;
-4. fit; SIGTERM (preemption) and Ctrl-C save last.ckpt (t6.training.callbacks.PreemptionCheckpoint) and
-   end the MLflow run as KILLED before the SIGTERMException leaves, carrying the signal as `signum`;
+3. the announcement, the run's parameters in MLflow (its writes go through an outbox, t6.tracking.outbox),
+   the system-metrics monitor of every node (a callback);
+4. fit; a stop signal (SIGTERM, SIGINT, SIGUSR1/2 to any rank) is agreed on by every rank at an optimizer
+   step's end (t6.training.preemption), last.ckpt is saved there (t6.training.callbacks.PreemptionCheckpoint)
+   and the MLflow run ends as KILLED before the SIGTERMException leaves, carrying the signal as `signum`;
 5. the model upload and the greedy samples.
 """
 
@@ -14,12 +16,12 @@ from __future__ import annotations
 import logging
 import signal
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 from hydra.utils import instantiate
-from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
@@ -30,16 +32,24 @@ from t6.model.facts import model_facts
 from t6.run.launch import destroy_process_group
 from t6.run.plan import RunPlan
 from t6.run.samples import log_samples
+from t6.tracking.logger import OutboxMLFlowLogger
 from t6.tracking.mlflow import open_tracking_store, save_and_upload_model, tag_training_experiment
 from t6.tracking.system_metrics import SystemMetrics
-from t6.training.callbacks import PreemptionCheckpoint, SameMicroBatch
+from t6.training import preemption
+from t6.training.callbacks import SameMicroBatch
 from t6.training.module import T6LitModule
+from t6.training.preemption import stop_signals
 
 log = logging.getLogger(__name__)
 
 
 def execute(plan: RunPlan) -> tuple[dict[str, float], dict[str, Any]]:
     """Fit as planned. Returns (final metrics, the objects built: model, datamodule, trainer, mlflow, plan, ...)."""
+    with stop_signals:  # from here on a stop signal is a request the ranks agree on (t6.training.preemption)
+        return run_plan(plan)
+
+
+def run_plan(plan: RunPlan) -> tuple[dict[str, float], dict[str, Any]]:
     cfg = plan.cfg
     datamodule: L.LightningDataModule = instantiate(cfg.data)
     datamodule.prepare_data()
@@ -66,6 +76,7 @@ def execute(plan: RunPlan) -> tuple[dict[str, float], dict[str, Any]]:
 
         model.model.load_state_dict(load_warm_start(plan.warm_start.path)["state_dict"])  # a resume overrides these
     trainer = build_trainer(plan, eval_callback)
+    preemption.install(trainer)
     if trainer.world_size != plan.parallel.world_size:
         raise RuntimeError(
             f"Lightning started {trainer.world_size} processes where the plan counted {plan.parallel.world_size} "
@@ -74,34 +85,29 @@ def execute(plan: RunPlan) -> tuple[dict[str, float], dict[str, Any]]:
         )
     announce(plan)
 
-    mlflow = next((lg for lg in trainer.loggers if isinstance(lg, MLFlowLogger)), None)
+    mlflow = next((lg for lg in trainer.loggers if isinstance(lg, OutboxMLFlowLogger)), None)
     checkpoint_dir = trainer.checkpoint_callback.dirpath if trainer.checkpoint_callback else ""
-    if mlflow is not None and trainer.is_global_zero:
-        tag_training_experiment(mlflow.experiment, mlflow.experiment_id)  # MLflow's UI: the model-training view
     if mlflow is not None and plan.tracking.run_id is None:
+        if trainer.is_global_zero:  # MLflow's UI: the model-training view
+            tag_training_experiment(mlflow.experiment, mlflow.experiment_id)
         log_run_config(mlflow, plan, str(checkpoint_dir))
     elif mlflow is not None and trainer.is_global_zero:
         mlflow.experiment.update_run(mlflow.run_id, status="RUNNING")  # it was KILLED or FAILED when interrupted
-    system = None
-    interval = plan.tracking.system_metrics_s if plan.tracking is not None else None
-    if mlflow is not None and interval and trainer.local_rank == 0:  # one monitor per node
-        node = f"node{trainer.node_rank}" if trainer.num_nodes > 1 else None
-        system = SystemMetrics(
-            mlflow.run_id, plan.tracking.uri, interval, resume=plan.tracking.run_id is not None, node_id=node
-        )
 
     uploaded = None
     try:
-        if system is not None:
-            system.__enter__()
         ckpt_path = plan.resume.ckpt_path if plan.resume else None
         trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
     except SIGTERMException as stop:
         if mlflow is not None and trainer.is_global_zero and mlflow.run_id:
             mlflow.experiment.set_tag(mlflow.run_id, "last_step", str(trainer.global_step))
             mlflow.experiment.set_terminated(mlflow.run_id, "KILLED")
-        preemption = next((cb for cb in trainer.callbacks if isinstance(cb, PreemptionCheckpoint)), None)
-        stop.signum = preemption.signum if preemption is not None else signal.SIGTERM
+        stop.signum = stop_signals.agreed or signal.SIGTERM
+        stop.cluster_environment = getattr(trainer.strategy, "cluster_environment", None)  # for hand_over
+        raise
+    except Exception as err:
+        if trainer.world_size > 1:  # a peer that died, a disk that filled: what this rank saw, and what is left
+            log.error(failure_note(trainer, err))
         raise
     else:
         if mlflow is not None and trainer.is_global_zero:
@@ -109,9 +115,9 @@ def execute(plan: RunPlan) -> tuple[dict[str, float], dict[str, Any]]:
         uploaded = save_and_upload_model(trainer, mlflow, checkpoint_dir)  # logger.mlflow.log_model
         samples = log_samples(cfg, trainer, model.model, mlflow)
     finally:
-        if system is not None:
-            system.__exit__()
         destroy_process_group()  # a sweep's next job in this process starts its own group
+        if mlflow is not None:
+            mlflow.close()  # what waits for the store is sent now (up to logger.mlflow.flush_timeout_s)
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     if eval_callback is not None and eval_callback.history:
@@ -129,6 +135,24 @@ def execute(plan: RunPlan) -> tuple[dict[str, float], dict[str, Any]]:
     return metrics, objects
 
 
+def failure_note(trainer: L.Trainer, err: BaseException) -> str:
+    """The line a rank of a multi-process run leaves when training fails: the error, the step, and the last
+    complete checkpoint to resume from (a rank killed outright, or a write that failed, leaves the others with
+    a collective whose peer is gone: this says so once instead of in a library's words only)."""
+    ckpt = trainer.checkpoint_callback
+    last = Path(ckpt.dirpath) / "last.ckpt" if ckpt is not None and ckpt.dirpath else None
+    kept = (
+        f"the last complete checkpoint is {last}: re-run the same command to resume from it"
+        if last is not None and last.is_file()
+        else "no checkpoint was saved yet"
+    )
+    first = str(err).splitlines()[0][:300] if str(err) else ""
+    return (
+        f"training stopped on rank {trainer.global_rank} of {trainer.world_size} at step {trainer.global_step}: "
+        f"{type(err).__name__}: {first} (when another rank died or failed first, its own error is the cause); {kept}"
+    )
+
+
 def instantiate_dict(group: DictConfig | None) -> list[Any]:
     """Instantiate every `_target_` entry of a dict-of-configs group (callbacks, loggers)."""
     if not group:
@@ -141,6 +165,8 @@ def build_trainer(plan: RunPlan, eval_callback: L.Callback | None) -> L.Trainer:
     accumulation that keeps data.global_batch_size, validation counted in optimizer steps."""
     cfg = plan.cfg
     callbacks = instantiate_dict(cfg.get("callbacks")) + ([eval_callback] if eval_callback else [])
+    if plan.tracking is not None and plan.tracking.system_metrics_s:
+        callbacks.append(SystemMetrics(plan.tracking.system_metrics_s))  # one monitor per node
     if plan.batch.memory is not None and plan.batch.memory.auto and plan.parallel.world_size > 1:
         callbacks.append(SameMicroBatch(plan.batch.micro_batch, plan.batch.memory.available))  # ranks compare plans
     accumulate = plan.batch.accumulation
@@ -163,7 +189,7 @@ def announce(plan: RunPlan) -> None:
         log.warning(warning)
 
 
-def log_run_config(logger: MLFlowLogger, plan: RunPlan, checkpoint_dir: str) -> None:
+def log_run_config(logger: OutboxMLFlowLogger, plan: RunPlan, checkpoint_dir: str) -> None:
     """Once per run: the flattened, resolved config and the plan's decisions as params, the model's size and
     KV cache per token (`model/...`, measured on the built model, cache in bf16) for the report, the YAML as
     an artifact, the checkpoint dir as a tag."""

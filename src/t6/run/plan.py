@@ -37,7 +37,8 @@ from t6.model.load import HF_FORMAT, WARM_START_FORMAT, read_checkpoint
 from t6.model.loss import use_liger
 from t6.run import checks
 from t6.run.resume import resolve_ckpt_path
-from t6.tracking.mlflow import check_tracking_store, log_model_choice, mlflow_config
+from t6.tracking.mlflow import StoreUnreachable, check_tracking_store, log_model_choice, mlflow_config
+from t6.tracking.outbox import SYNC_COMMAND
 from t6.tracking.sweep import attach_to_sweep, sweep_job_info
 from t6.uptrain import recipe  # noqa: F401  (registers the uptrain recipe's resolvers)
 
@@ -183,11 +184,22 @@ class Tracking:
     sweep_parent: str | None
     system_metrics_s: float | None
     upload: str | None  # logger.mlflow.log_model: final, last or None
+    outbox_dir: str  # where writes wait for the store
+    unreachable: str | None = None  # a resume found the server down: why (the run logs to its outbox meanwhile)
 
     def describe(self) -> str:
         run = f"continues run {self.run_id}" if self.run_id else f"new run {self.run_name!r}"
         sweep = f", child of sweep run {self.sweep_parent}" if self.sweep_parent else ""
-        return f"MLflow {self.uri}, experiment {self.experiment!r}, {run}{sweep}"
+        text = f"MLflow {self.uri}, experiment {self.experiment!r}, {run}{sweep}"
+        if self.unreachable:
+            text += f"\n                {self.offline_note()}"
+        return text
+
+    def offline_note(self) -> str:
+        return (
+            f"the server is unreachable ({self.unreachable}): training goes on, logging to {self.outbox_dir}, sent "
+            f"to the server when it answers; what is left at the end: {SYNC_COMMAND} {self.outbox_dir}"
+        )
 
 
 @dataclass(frozen=True)
@@ -272,6 +284,7 @@ def plan_run(cfg: DictConfig) -> RunPlan:
             cfg.callbacks.model_checkpoint.every_n_train_steps = checkpoints.every_n_steps
     warnings = tuple(f"init_from sets {change}" for change in (warm.changes if warm else ()))
     warnings += tuple(w for w in [schedule.warning() if schedule else None] if w)
+    warnings += (tracking.offline_note(),) if tracking is not None and tracking.unreachable else ()
     return RunPlan(cfg, mcfg, hardware, parallel, batch, schedule, resume, warm, tracking, checkpoints, warnings)
 
 
@@ -402,7 +415,13 @@ def plan_tracking(cfg: DictConfig, resume: Resume | None, warm: WarmStart | None
     if conf is None:
         return None
     continues = resume.mlflow_run_id if resume is not None and conf.get("continue_run", True) else None
-    check_tracking_store(conf.tracking_uri, continues, resume.ckpt_path if resume else None)
+    unreachable = None
+    try:
+        check_tracking_store(conf.tracking_uri, continues, resume.ckpt_path if resume else None)
+    except StoreUnreachable as err:
+        if not continues:
+            raise  # a new run needs the server to create it
+        unreachable = str(err.__cause__ or err)  # a resume continues its run in the outbox
     sweep = sweep_job_info()
     if sweep is not None:
         attach_to_sweep(cfg, sweep)  # a multirun job: a child run of the sweep's parent run
@@ -422,6 +441,8 @@ def plan_tracking(cfg: DictConfig, resume: Resume | None, warm: WarmStart | None
         sweep["parent_run_id"] if sweep else None,
         interval,
         log_model_choice(conf.get("log_model", False)),
+        str(conf.outbox_dir),
+        unreachable,
     )
 
 

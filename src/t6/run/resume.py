@@ -20,6 +20,13 @@ def resolve_ckpt_path(cfg) -> str | None:
     the run directory already has one (a re-run or requeued job with a fixed run dir)."""
     requested = cfg.get("ckpt_path")
     last = checkpoint_dir(cfg) / "last.ckpt"
+    for path in (last, Path(requested) if requested and requested != "last" else None):
+        if path is not None and path.is_dir():
+            raise ValueError(
+                f"{path} is a directory (a sharded FSDP checkpoint, state_dict_type=sharded): T6 Lab resumes from "
+                "single-file checkpoints; train with trainer.strategy.state_dict_type=full, or give ckpt_path= a "
+                "checkpoint file"
+            )
     if requested == "last":
         if not last.is_file():
             raise FileNotFoundError(

@@ -28,7 +28,11 @@ def closing_summary(metrics: dict[str, float], objects: dict[str, Any]) -> str:
         lines.append(f"checkpoint      {final}   (ckpt_path=last in this run dir resumes from it)")
     if objects.get("uploaded"):
         lines.append(f"model           {objects['uploaded']}")
-    if mlflow is not None:
+    if mlflow is not None and not mlflow.experiment_id:  # a resume while the store was down
+        lines.append(
+            f"MLflow run      {mlflow.run_id} (logged offline: {mlflow.outbox_dir} holds what the store lacks)"
+        )
+    elif mlflow is not None:
         lines.append(f"MLflow run      {mlflow.run_id} (experiment {mlflow.experiment_id})")
         lines.append(
             f"open it with    mlflow ui --backend-store-uri {plan.tracking.uri} --port 5000   "

@@ -35,9 +35,14 @@ def sqlite_file(uri: str) -> Path:
     return Path(uri.removeprefix("sqlite:///")).absolute()
 
 
+class StoreUnreachable(ConnectionError):
+    """The tracking server does not answer (a new run stops here; a resume continues logging to its outbox)."""
+
+
 def check_tracking_store(uri: str, run_id: str | None = None, ckpt_path: str | None = None, timeout_s: float = 10.0):
-    """Fail early, naming the URI and the fix, when the tracking store cannot be reached, or does not hold
-    the run a resumed checkpoint continues. Reads only (`open_tracking_store` creates a local store)."""
+    """Fail early, naming the URI and the fix, when the tracking store cannot be reached (`StoreUnreachable` for
+    a server), or does not hold the run a resumed checkpoint continues. Reads only (`open_tracking_store`
+    creates a local store)."""
     scheme = urlparse(uri).scheme
     if scheme in ("http", "https"):
         import urllib.request
@@ -45,7 +50,7 @@ def check_tracking_store(uri: str, run_id: str | None = None, ckpt_path: str | N
         try:
             urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s)
         except OSError as err:
-            raise ConnectionError(
+            raise StoreUnreachable(
                 f"MLflow tracking server {uri} is unreachable ({err}); start it (e.g. `mlflow server --host 127.0.0.1 "
                 "--port 5000`) or unset MLFLOW_TRACKING_URI to use the local SQLite store"
             ) from err
@@ -132,6 +137,7 @@ def mlflow_logger(
     experiment_name: str,
     run_name: str,
     tracking_uri: str,
+    outbox_dir: str,
     artifact_dir: str | None = None,
     log_model: bool | str = False,
     tags: dict | None = None,
@@ -139,16 +145,18 @@ def mlflow_logger(
     continue_run: bool = True,
     system_metrics: bool = True,
     system_metrics_interval_s: float = 10.0,
+    flush_timeout_s: float = 30.0,
 ) -> MLFlowLogger:
-    """MLFlowLogger for tracking_uri. A local SQLite store keeps its artifacts beside its database (or in
-    artifact_dir). The run's plan (t6.run.plan) checks the store, chooses the run (`run_id`: the one a
+    """The run's MLFlowLogger for tracking_uri, writing through an outbox under outbox_dir (t6.tracking.logger:
+    training goes on while the store is away). A local SQLite store keeps its artifacts beside its database
+    (or in artifact_dir). The run's plan (t6.run.plan) checks the store, chooses the run (`run_id`: the one a
     resume continues, unless continue_run is false) and reads the system-metrics settings; log_model (see
     `log_model_choice`) is kept as the logger's `upload` and carried out by `save_and_upload_model` after
     training; Lightning's own upload (every checkpoint the ModelCheckpoint tracks) stays off."""
-    from lightning.pytorch.loggers import MLFlowLogger
+    from t6.tracking.logger import OutboxMLFlowLogger
 
     upload = log_model_choice(log_model)
-    logger = MLFlowLogger(
+    logger = OutboxMLFlowLogger(
         experiment_name=experiment_name,
         run_name=run_name,
         tracking_uri=tracking_uri,
@@ -156,9 +164,10 @@ def mlflow_logger(
         log_model=False,
         artifact_location=artifact_location(tracking_uri, artifact_dir),
         run_id=run_id,
+        outbox_dir=outbox_dir,
+        flush_timeout_s=flush_timeout_s,
     )
     logger.upload = upload
-    logger.t6_system_metrics = system_metrics_interval_s if system_metrics else None
     return logger
 
 
@@ -176,8 +185,9 @@ FINAL_MODEL = "model.ckpt"
 def save_and_upload_model(trainer, logger: MLFlowLogger | None, checkpoint_dir: str | Path) -> str | None:
     """At the end of a finished run, as `logger.upload` says: "final" uploads the weights-only model
     (`model.ckpt`: weights, model config and run config, no optimizer state; every rank takes part, rank 0
-    writes it, uploads it and removes its local copy, so the run keeps last.ckpt and the store keeps the
-    model); "last" uploads `last.ckpt`. Artifacts go under `model/`; returns the artifact's URI (rank 0)."""
+    writes it and uploads it, and its local copy is removed once the store has it, so the run keeps last.ckpt
+    and the store keeps the model); "last" uploads `last.ckpt`. Artifacts go under `model/`; returns the
+    artifact's URI (rank 0)."""
     upload = getattr(logger, "upload", None)
     if not upload or not checkpoint_dir:
         return None
@@ -190,11 +200,9 @@ def save_and_upload_model(trainer, logger: MLFlowLogger | None, checkpoint_dir: 
         return None
     if not path.is_file():
         raise FileNotFoundError(f"logger.mlflow.log_model={upload}: {path} was not written")
-    logger.experiment.log_artifact(logger.run_id, str(path), artifact_path="model")
-    if upload == "final":
-        path.unlink()
-        path.parent.rmdir()
-    return f"{logger.experiment.get_run(logger.run_id).info.artifact_uri}/model/{path.name}"
+    logger.experiment.log_artifact(logger.run_id, str(path), artifact_path="model", remove_after=upload == "final")
+    artifact_uri = logger.experiment.get_run(logger.run_id).info.artifact_uri
+    return f"{artifact_uri}/model/{path.name}" if artifact_uri else None
 
 
 # MLflow's UI picks the view an experiment opens in from this tag: model training ("custom model

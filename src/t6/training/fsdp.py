@@ -1,23 +1,29 @@
 """Fully sharded data parallel (conf/trainer/fsdp.yaml) and the gradient norm of any wrapping.
 
-- `T6FSDPStrategy`: Lightning's FSDPStrategy, one FSDP unit per transformer block.
+- `T6FSDPStrategy`: Lightning's FSDPStrategy, one FSDP unit per transformer block, mixed precision as DDP's.
 - `clip_grad_norm()`: the global gradient norm (and clipping) of a plain, DDP or FSDP model.
 - `full_model()`: an unwrapped copy of an FSDP-sharded T6 with every parameter whole.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device, _setup_activation_checkpointing
 from lightning.fabric.strategies.model_parallel import _load_raw_module_state
+from lightning.pytorch.plugins.precision import FSDPPrecision
 from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
-from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, OptimStateKeyType, StateDictType
+from torch.distributed.fsdp import (
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    MixedPrecision,
+    OptimStateKeyType,
+    StateDictType,
+)
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 
@@ -33,14 +39,39 @@ def full_state_dict_context(model: FSDP, rank0_only: bool):
     )
 
 
+class MixedPrecisionLikeDDP(FSDPPrecision):
+    """Lightning's FSDP precision with DDP's numerics under `bf16-mixed` / `16-mixed`: the parameters stay fp32
+    (FSDP gathers them, the backward reduces their gradients and the optimizer updates them in fp32: no FSDP
+    MixedPrecision) and autocast runs the matmuls in bf16/fp16 on the parameters' device, as DDP's mixed
+    precision does. Lightning's own casts the gathered parameters to bf16 for the whole forward and backward
+    (norms, softmax and the loss then compute from bf16 weights) and autocasts CUDA only. The cost: the
+    all-gathers move fp32, twice the bytes of bf16. `*-true` precisions are Lightning's."""
+
+    def __init__(self, precision, scaler=None):
+        super().__init__(precision, scaler)
+        self.device_type = "cuda"  # the strategy sets the parameters' device type at setup
+
+    @property
+    def mixed_precision_config(self) -> MixedPrecision:
+        if "mixed" in self.precision:  # fp32 throughout: FSDP makes no low-precision copies
+            return MixedPrecision(param_dtype=torch.float32, reduce_dtype=torch.float32, buffer_dtype=torch.float32)
+        return super().mixed_precision_config
+
+    def forward_context(self):
+        if "mixed" in self.precision:
+            dtype = torch.bfloat16 if self.precision == "bf16-mixed" else torch.float16
+            return torch.autocast(self.device_type, dtype=dtype)
+        return super().forward_context()
+
+
 class T6FSDPStrategy(FSDPStrategy):
     """Lightning's FSDPStrategy with four changes.
 
     - Runs on CPU with gloo as well as on CUDA: Lightning refuses `accelerator=cpu` only for the
       exact FSDPStrategy type, and torch's FSDP needs `device_id=cpu` said explicitly (the tests
       exercise sharding, clipping, gathering and resume on CPU this way).
-    - Mixed precision reduces gradients in fp32 (Lightning's default reduces them in bf16/fp16,
-      where DDP reduces the fp32 gradients of its fp32 parameters).
+    - Mixed precision computes as DDP's does (`MixedPrecisionLikeDDP`): fp32 parameters, gradients and
+      reductions, bf16/fp16 matmuls by autocast.
     - Full state dicts are gathered without CPU offload where the parameters live on the CPU
       (`full_state_dict_context`).
     - Resuming from a full, single-file checkpoint reads it with `torch.load(weights_only=True,
@@ -77,11 +108,19 @@ class T6FSDPStrategy(FSDPStrategy):
         return model
 
     @property
-    def mixed_precision_config(self):
-        config = super().mixed_precision_config
-        if config is not None and config.reduce_dtype not in (None, torch.float32):
-            config = dataclasses.replace(config, reduce_dtype=torch.float32)
-        return config
+    def precision_plugin(self) -> FSDPPrecision:
+        return FSDPStrategy.precision_plugin.fget(self)
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin) -> None:
+        if type(plugin) is FSDPPrecision:  # the one Lightning's connector makes from trainer.precision
+            plugin = MixedPrecisionLikeDDP(plugin.precision, plugin.scaler)
+        FSDPStrategy.precision_plugin.fset(self, plugin)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if isinstance(self.precision_plugin, MixedPrecisionLikeDDP):
+            self.precision_plugin.device_type = self.root_device.type
 
     def lightning_module_state_dict(self) -> dict:
         if self._state_dict_type != "full":
@@ -136,7 +175,7 @@ def clip_grad_norm(wrapped: nn.Module, module: nn.Module, max_norm: float | None
         return wrapped.clip_grad_norm_(max_norm if max_norm else float("inf"))
     params = [p for p in module.parameters() if p.grad is not None]
     if not params:
-        return torch.zeros(())
+        return torch.zeros((), device=next(module.parameters()).device)  # where the agreement all-reduces it
     if max_norm:
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
     return torch.nn.utils.get_total_norm([p.grad for p in params])

@@ -1,5 +1,6 @@
-"""Lightning's ModelCheckpoint, plus the final step saved once as last.ckpt; and how often a run saves
-when `every_n_train_steps: auto` (`checkpoint_interval`, which the run's plan calls)."""
+"""Lightning's ModelCheckpoint, plus the final step, and the step where the ranks agreed to stop, saved once
+as last.ckpt; and how often a run saves when `every_n_train_steps: auto` (`checkpoint_interval`, which the
+run's plan calls)."""
 
 from __future__ import annotations
 
@@ -46,14 +47,22 @@ def nice_floor(x: float) -> int:
 
 
 class RunCheckpoint(ModelCheckpoint):
-    """Lightning's ModelCheckpoint (periodic `step*.ckpt` plus `last.ckpt`) that also saves the
-    final step when the periodic interval does not fall on it, once, as `last.ckpt` (the file
-    `ckpt_path=last` reads). Use it with `enable_version_counter: false` so an existing
-    `last.ckpt` (a resumed run's directory) is replaced, never joined by `last-v1.ckpt`.
+    """Lightning's ModelCheckpoint (periodic `step*.ckpt` plus `last.ckpt`) that also saves, once, as
+    `last.ckpt` (the file `ckpt_path=last` reads) when the periodic interval does not fall on it: the final
+    step, and the step at which the ranks agreed to stop (t6.training.preemption; Lightning raises
+    SIGTERMException at that step's end). The stop is saved here, at the end of the step's batch, as a periodic
+    checkpoint is: a resume from it continues exactly as from one (a save later in the step, after its
+    validation, would make Lightning's resume count the step twice). Use it with `enable_version_counter:
+    false` so an existing `last.ckpt` (a resumed run's directory) is replaced, never joined by `last-v1.ckpt`.
 
     With `save_last: link` (last.ckpt a symlink to the newest periodic file, the paper recipes' choice)
     Lightning would link the final step's last.ckpt to the previous periodic file, an older step; the
     final step is then saved as a periodic file first, and last.ckpt links to it."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args, **kwargs) -> None:
+        super().on_train_batch_end(trainer, pl_module, *args, **kwargs)
+        if trainer.received_sigterm and self._last_global_step_saved != trainer.global_step:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))  # every rank: a collective
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.save_last and self._last_global_step_saved != trainer.global_step and not trainer.sanity_checking:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 os.environ.setdefault("T6_ROOT", str(Path(__file__).resolve().parent))
 
-from t6.run.quiet import quiet_progress_bars  # noqa: E402
+from t6.training.quiet import quiet_progress_bars  # noqa: E402
 
 quiet_progress_bars()  # before anything imports tqdm
 

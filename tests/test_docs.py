@@ -208,6 +208,7 @@ NEEDS = {
     "<": "a value the reader fills in",
     "--size medium": "minutes of CPU per mechanism at medium width",
     "--size small": "minutes of CPU per mechanism at small width",
+    "--size large": "a GPU (large width)",
     "--sizes": "a benchmark of the paper's widths",
     "t6.bench.memory": "a training step per case in a fresh process",
     "t6.bench.loss": "a training step per setting in a fresh process",

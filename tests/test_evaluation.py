@@ -375,7 +375,7 @@ def test_auto_batch_size_on_cuda_measures_a_scoring_pass():
 
 def test_progress_bars_stay_out_of_non_terminal_output():
     code = (
-        "from t6.run.quiet import quiet_progress_bars; quiet_progress_bars(); import tqdm; "
+        "from t6.training.quiet import quiet_progress_bars; quiet_progress_bars(); import tqdm; "
         "[None for _ in tqdm.tqdm(range(3), desc='building contexts')]"
     )
     env = {**__import__("os").environ, "PYTHONPATH": str(ROOT / "src")}

@@ -169,6 +169,7 @@ def test_an_fsdp_plan_shards_the_memory_and_counts_the_processes(make_cfg, monke
     monkeypatch.setattr(device, "cuda_available", lambda: True)
     monkeypatch.setattr(device, "cuda_bf16_supported", lambda: True)
     monkeypatch.setattr(probes, "available_memory", lambda dev, index=0: (80 * memory.GIB, f"device {index}"))
+    monkeypatch.setattr(device, "peak_flops", lambda dev, dtype: (989e12, "an H100's bf16 peak"))
     monkeypatch.setenv("LOCAL_RANK", "3")
     cfg = make_cfg(
         "trainer=fsdp",
@@ -185,6 +186,8 @@ def test_an_fsdp_plan_shards_the_memory_and_counts_the_processes(make_cfg, monke
         plan.describe()
     )
     assert plan.hardware.compile is True  # compile=auto on CUDA
+    assert "peak            989 TFLOP/s (an H100's bf16 peak)" in plan.describe()
+    assert plan.cfg.callbacks.throughput.peak_tflops == 989  # MFU's denominator, for the throughput callback
     assert plan.checkpoints.background is False  # FSDP gathers the state into host memory: written at once
     gpu = plan_run(make_cfg("trainer=gpu", "trainer.max_steps=8", "trainer.val_check_interval=4"))
     assert gpu.checkpoints.background is True and "written in the background" in gpu.describe()

@@ -59,6 +59,8 @@ class Hardware:
     precision_why: str
     compile: bool = False  # each block compiled (T6.compile_blocks)
     compile_why: str = ""
+    peak_flops: float = 0.0  # the device's dense peak FLOP/s at the compute dtype: MFU's denominator
+    peak_why: str = ""
 
     def describe_compile(self) -> str:
         if not self.compile:
@@ -223,6 +225,7 @@ class RunPlan:
             f"device          {hw.device} ({hw.device_why}), precision {hw.precision} ({hw.precision_why})",
             f"processes       {par.world_size} ({par.strategy.value}: {par.devices} device(s) x {par.nodes} node(s))",
             f"compile         {hw.describe_compile()}",
+            f"peak            {hw.peak_flops / 1e12:.4g} TFLOP/s ({hw.peak_why}): MFU's denominator",
             f"batch           {self.batch.describe()}",
         ]
         if self.batch.memory is not None:
@@ -279,6 +282,10 @@ def plan_run(cfg: DictConfig) -> RunPlan:
     with open_dict(cfg):
         cfg.trainer.precision = hardware.precision
         cfg.compile = hardware.compile
+        throughput = (cfg.get("callbacks") or {}).get("throughput")
+        if throughput is not None and throughput.get("peak_tflops") is None:
+            throughput.peak_tflops = hardware.peak_flops / 1e12
+            throughput.peak_source = hardware.peak_why
         cfg.data.batch_size = batch.micro_batch  # logged, and stored in checkpoints, as the number used
         if checkpoints is not None:  # auto -> the number
             cfg.callbacks.model_checkpoint.every_n_train_steps = checkpoints.every_n_steps
@@ -305,7 +312,8 @@ def choose_hardware(cfg: DictConfig) -> Hardware:
                 "trainer=default (accelerator auto: the GPU when there is one, else the CPU) or trainer=cpu"
             ],
         )
-    return Hardware(device, device_why, precision, precision_why, compile_, compile_why)
+    peak, peak_why = hw_device.peak_flops(device, hw_device.compute_dtype(precision))
+    return Hardware(device, device_why, precision, precision_why, compile_, compile_why, peak, peak_why)
 
 
 def strategy_kind(strategy: Any, world: int) -> Strategy:
@@ -550,8 +558,7 @@ def plan_checkpoints(
     model = meta_model(mcfg)
     optimizer, _ = memory.optimizer_state_bytes(model, cfg.optimizer._target_, 4)
     state = model.num_params() * hw_device.param_dtype(hardware.precision).itemsize + optimizer
-    dtype = hw_device.compute_dtype(hardware.precision)
-    peak, _ = hw_device.peak_flops(hardware.device, dtype)
+    peak = hardware.peak_flops
     tokens = batch.micro_batch * batch.accumulation * batch.seq_len  # per device and optimizer step
     step_s = flops_per_token(model, batch.seq_len) * tokens / (peak * ASSUMED_MFU)
     every, why = checkpoint_interval(state, step_s, background, int(cfg.trainer.max_steps))

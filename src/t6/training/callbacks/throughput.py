@@ -11,8 +11,6 @@ from lightning.pytorch.callbacks import ThroughputMonitor as LightningThroughput
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities import rank_zero_only
 
-from t6.hardware.device import peak_flops
-
 log = logging.getLogger(__name__)
 
 
@@ -21,23 +19,25 @@ class ThroughputMonitor(LightningThroughputMonitor):
     on a meta-device copy, so nothing is allocated), logging `train/samples_per_sec`,
     `train/items_per_sec` (tokens), `train/flops_per_sec` for all ranks and `train/device/...` per
     device, and `train/device/mfu` against the device's peak for the run's compute dtype (bf16 / fp16
-    under mixed precision; TF32 for fp32 on CUDA): `peak_tflops` when given, else
-    `t6.hardware.device.peak_flops` (Lightning's table for a GPU it knows, else a measured matmul, as on
-    the CPU), said once in the log. Three changes to Lightning's own:
+    under mixed precision; TF32 for fp32 on CUDA): `peak_tflops`, which the run's plan fills in when the config
+    leaves it null (`t6.hardware.device.peak_flops`: Lightning's table for a GPU it knows, else a measured
+    matmul, as on the CPU; `peak_source` says which), said once in the log; no MFU without it. Three changes to
+    Lightning's own:
 
     - It measures once per `log_every_n_steps` optimizer steps, not every micro-batch, so its
       CUDA synchronize costs one host-device sync per logging interval.
     - The interval excludes validation and checkpoint writing (from a save's start to the next
       training batch), so the rates are training's own.
-    - The compute dtype comes from the precision setting (Lightning reads FSDP's gradient
+    - The peak is the run's compute dtype's, from the precision setting (Lightning reads FSDP's gradient
       reduction dtype, which t6.training.fsdp keeps in fp32 under bf16 mixed precision).
     """
 
-    def __init__(self, peak_tflops: float | None = None):
+    def __init__(self, peak_tflops: float | None = None, peak_source: str = "callbacks.throughput.peak_tflops"):
         super().__init__(
             batch_size_fn=lambda batch: batch[0].shape[0], length_fn=lambda batch: batch[0].numel(), window_size=2
         )
         self.peak_tflops = peak_tflops
+        self.peak_source = peak_source
         self.flops_per_batch: float | None = None
         self._pending = 0  # micro-batches since the last measurement
         self._paused_at: float | None = None
@@ -45,14 +45,9 @@ class ThroughputMonitor(LightningThroughputMonitor):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        precision = str(trainer.precision)
-        dtype = torch.bfloat16 if "bf16" in precision else torch.float16 if "16" in precision else torch.float32
-        if self.peak_tflops:
-            peak, source = self.peak_tflops * 1e12, "callbacks.throughput.peak_tflops"
-        else:
-            peak, source = peak_flops(trainer.strategy.root_device, dtype)
-        if stage == "fit" and trainer.is_global_zero:
-            log.info("MFU against a peak of %.4g TFLOP/s: %s", peak / 1e12, source)
+        peak = self.peak_tflops * 1e12 if self.peak_tflops else None
+        if stage == "fit" and trainer.is_global_zero and peak:
+            log.info("MFU against a peak of %.4g TFLOP/s: %s", peak / 1e12, self.peak_source)
         self.available_flops = peak
         for throughput in self._throughputs.values():
             throughput.available_flops = peak

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from t6.model.load import HF_CONFIG
+
 
 def checkpoint_dir(cfg) -> Path:
     """Where this run's ModelCheckpoint writes (the run directory's checkpoints/ by default)."""
@@ -21,7 +23,7 @@ def resolve_ckpt_path(cfg) -> str | None:
     requested = cfg.get("ckpt_path")
     last = checkpoint_dir(cfg) / "last.ckpt"
     for path in (last, Path(requested) if requested and requested != "last" else None):
-        if path is not None and path.is_dir():
+        if path is not None and path.is_dir() and not (path / HF_CONFIG).is_file():  # an export: the plan names it
             raise ValueError(
                 f"{path} is a directory (a sharded FSDP checkpoint, state_dict_type=sharded): T6 Lab resumes from "
                 "single-file checkpoints; train with trainer.strategy.state_dict_type=full, or give ckpt_path= a "

@@ -10,6 +10,7 @@ experiments/faults/README.md is made from it by experiments/faults/report.py).""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import random
@@ -181,10 +182,15 @@ def test_stop_signals_to_random_ranks_lose_nothing(tmp_path, shared_data_dir, wo
 def write_records() -> None:
     out = os.environ.get("T6_FAULTS_OUT")
     if out:
+        from t6.bench.common import environment
+
         path = Path(out) / "trials.json"
-        old = json.loads(path.read_text()) if path.exists() else []
+        old = json.loads(path.read_text())["trials"] if path.exists() else []
         names = {r["trial"] for r in RECORDS}
-        path.write_text(json.dumps([r for r in old if r["trial"] not in names] + RECORDS, indent=1) + "\n")
+        trials = [r for r in old if r["trial"] not in names] + RECORDS
+        versions = {name: importlib.metadata.version(name) for name in ("lightning", "mlflow", "submitit")}
+        payload = {"benchmark": "faults", "environment": {**environment("cpu"), **versions}, "trials": trials}
+        path.write_text(json.dumps(payload, indent=1) + "\n")  # python -m t6.report.experiments renders it
 
 
 def step_of(path: Path) -> int:

@@ -125,6 +125,8 @@ def main() -> None:
     saved = sum(r["saved_on_stop"] for r in results)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     summary = {
+        "benchmark": "faults_sigterm",  # python -m t6.report.experiments renders it
+        "name": args.out.stem.removeprefix("sigterm_") if args.out else "",
         "commit": commit.stdout.strip(),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores",
         "timeout_s": args.timeout,

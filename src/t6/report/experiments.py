@@ -19,6 +19,7 @@ import argparse
 import json
 import re
 import sys
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -198,6 +199,74 @@ def export_table(payload: dict) -> str:
     return f"{caption_}.*\n\n{markdown(header, rows)}"
 
 
+def cell(value) -> str:
+    """A fault record's value as a table cell."""
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.1e}" if 0 < abs(value) < 1e-3 else f"{value:g}"
+    if isinstance(value, list):
+        return ", ".join(str(v) for v in value)
+    if isinstance(value, dict):
+        return ", ".join(f"{k}: {v}" for k, v in value.items())
+    return str(value)
+
+
+def faults_table(payload: dict) -> str:
+    """The fault-injection suite's trials (tests/test_faults.py with T6_FAULTS_OUT): a summary, then one row each."""
+    records = payload["trials"]
+    env = payload["environment"]
+    seeded = [r for r in records if r["trial"].startswith("w")]
+    two, four = (sum(r["world"] == world for r in seeded) for world in (2, 4))
+    phases = Counter(p for r in seeded for p in r["landed"])
+    signals = Counter(s for r in seeded for s in r["signals"].values())
+    versions = ", ".join(f"{name} {env[name]}" for name in ("torch", "lightning", "mlflow", "submitit") if name in env)
+    summary = (
+        f"*{env['machine']}; {versions}; {env['date']}.*\n\n"
+        f"{len(records)} trials ({len(seeded)} seeded signal trials: {two} on 2 ranks, {four} on 4); hung "
+        f"{sum(r['hung'] for r in records)}; MLflow runs per trial {sorted({r['mlflow_runs'] for r in records})}; "
+        "signals landed during "
+        + ", ".join(f"{k} {v}" for k, v in sorted(phases.items()))
+        + "; the signals that landed: "
+        + ", ".join(f"{k} {v}" for k, v in sorted(signals.items()))
+        + "."
+    )
+    columns = [
+        ("trial", "trial"),
+        ("world", "ranks"),
+        ("signals", "signal per rank"),
+        ("landed", "landed during"),
+        ("agreed", "agreed"),
+        ("stop_step", "stop step"),
+        ("checkpoint_step", "checkpoint step"),
+        ("steps_lost", "steps lost"),
+        ("exit_codes", "exit codes"),
+        ("max_rel_loss_delta", "max rel. loss delta"),
+        ("mlflow_runs", "MLflow runs"),
+        ("stop_s", "s to stop"),
+        ("hung", "hung"),
+    ]
+    rows = [[cell(r.get(key)) for key, _ in columns] for r in records]
+    return summary + "\n\n" + markdown([title for _, title in columns], rows)
+
+
+def faults_sigterm_table(payload: dict) -> str:
+    """SIGTERM to every rank of a torchrun job (experiments/faults/sigterm_all_ranks.py), at one commit."""
+    exits = [r["exit_s"] for r in payload["results"] if r["exit_s"] is not None]
+    codes = sorted({c for r in payload["results"] for c in (r.get("worker_codes") or [])})
+    header = ["code", "trials", "hung (no exit within the timeout)", "last.ckpt saved at the stop", "worker exit codes"]
+    header.append("seconds to exit")
+    row = [
+        f"{payload['name']} ({payload['commit']})",
+        str(payload["trials"]),
+        str(payload["hung"]),
+        str(payload["saved_on_stop"]),
+        cell(codes) if codes else "-",
+        f"{min(exits)}-{max(exits)}" if exits else "-",
+    ]
+    return f"*{payload['machine']}; a hang: no exit within {payload['timeout_s']:g} s.*\n\n" + markdown(header, [row])
+
+
 RENDERERS: dict[str, Callable[[dict], str]] = {
     "decode": decode_table,
     "prefill": prefill_table,
@@ -205,6 +274,8 @@ RENDERERS: dict[str, Callable[[dict], str]] = {
     "train_step": train_step_table,
     "memory": memory_table,
     "export": export_table,
+    "faults": faults_table,
+    "faults_sigterm": faults_sigterm_table,
 }
 
 

@@ -81,6 +81,7 @@ def facts_table(text: str, first_header: str) -> list[list[str]]:
     return rows
 
 
+@pytest.mark.slow  # builds every mechanism at every paper size on the meta device (~15 s)
 def test_the_parameter_table_is_the_models_own(tmp_path):
     """docs/attention.md: heads / parameters of every mechanism at every size, as the built model counts them."""
     from t6.config import model_config

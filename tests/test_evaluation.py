@@ -211,6 +211,7 @@ def loss_history(client, run_id):
     return [(m.step, m.value) for m in client.get_metric_history(run_id, "train/loss")]
 
 
+@pytest.mark.slow  # two training runs, one evaluated (~9 s)
 def test_callback_logs_to_mlflow_and_leaves_training_unchanged(make_cfg):
     with_eval = make_cfg(*SMALL_TASK, "eval.every_n_steps=4", "eval.limit=6")
     metrics, obj = train(with_eval)
@@ -261,6 +262,7 @@ def test_unknown_task_fails_before_training(make_cfg, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow  # eval.py and lm-eval's CLI in processes of their own (~15 s)
 def test_eval_py_logs_into_training_run_and_lm_eval_cli_runs(make_cfg, tmp_path):
     cfg = make_cfg("eval=none", "trainer.max_steps=4")
     _, obj = train(cfg)

@@ -154,6 +154,7 @@ def test_liger_holds_the_rows_of_logits_the_memory_estimate_counts():
         assert max(seen.rows) == full and seen.rows <= {full, N % full}, (N, seen.rows)
 
 
+@pytest.mark.slow  # a fresh process running Liger's kernel under Triton's interpreter (~9 s)
 def test_liger_runs_in_the_triton_interpreter():
     """The test above in a fresh process with TRITON_INTERPRET=1 (triton reads it when its kernels are
     defined, at import, and this process has imported triton already)."""

@@ -8,6 +8,7 @@ import sys
 import time
 
 import mlflow
+import pytest
 
 from conftest import ROOT
 
@@ -24,6 +25,7 @@ client.log_metric(run.info.run_id, "train/loss", 1.0, step=0)
 """
 
 
+@pytest.mark.slow  # three Python processes importing MLflow (~20 s)
 def test_three_processes_start_on_a_fresh_sqlite_store(tmp_path):
     uri = f"sqlite:///{tmp_path}/mlruns/mlflow.db"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "MLFLOW_ENABLE_ASYNC_LOGGING": "false"}

@@ -80,6 +80,7 @@ def kernels():
     mp.undo()
 
 
+@pytest.mark.slow  # a fresh process running the kernels under Triton's interpreter (~15 s)
 def test_interpreter_run_in_a_fresh_process_when_triton_was_already_imported():
     if INTERPRETED:
         return  # the tests below run in this process

@@ -140,6 +140,7 @@ def test_clear_errors(tmp_path):
         load_warm_start(tmp_path / "broken.ckpt")
 
 
+@pytest.mark.slow  # trains a source model, converts it and uptrains twice (~20 s)
 def test_converted_model_is_close_to_its_source_and_uptrains(make_cfg, tmp_path):
     # A briefly trained MHA source (the shrunk test model).
     cfg = make_cfg(

@@ -1,6 +1,7 @@
 """The private members of the libraries t6 builds on (Lightning, MLflow, PyTorch, lm-eval, transformers), all
 in one table, each checked against the installed, pinned versions: an upgrade that renames or drops one fails
 here, by name, instead of breaking a run silently. A private member used in src/t6 without a row here fails too.
+Lightning's, where t6 reaches past its API from outside a subclass, are used through t6.training.lightning_private.
 
 Behaviour that rests on them is tested where it lives: the agreed stop (tests/test_preemption.py,
 tests/test_faults.py), the throughput's cadence (tests/test_train.py), checkpoints and last.ckpt
@@ -17,17 +18,20 @@ import pytest
 from conftest import ROOT
 
 RICH = "lightning.pytorch.callbacks.progress.rich_progress:RichProgressBar"
+EPOCH_LOOP = "lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop"
+CHECKPOINT = "lightning.pytorch.callbacks.model_checkpoint:ModelCheckpoint"
+TRAINER = "lightning.pytorch.trainer.trainer:Trainer"
 
 # (owner: "module:Class" or "module", private name, where t6 uses it)
 PRIVATE = [
     # Lightning: the agreed stop (t6.training.preemption)
-    ("lightning.pytorch.trainer.connectors.signal_connector", "_SignalConnector", "preemption.AgreedStopConnector"),
-    ("lightning.pytorch.trainer.trainer:Trainer", "_signal_connector", "preemption.install, agree_on_step_end"),
-    ("lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop", "_skip_next_val", "agree_on_step_end"),
-    ("lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop", "_broadcast_sigterm_tensor", "install"),
+    ("lightning.pytorch.trainer.connectors.signal_connector", "_SignalConnector", "lightning_private.SignalConnector"),
+    (TRAINER, "_signal_connector", "lightning_private.use_signal_connector, stop_at_this_step"),
+    (EPOCH_LOOP, "_skip_next_val", "lightning_private.stop_at_this_step"),
+    (EPOCH_LOOP, "_broadcast_sigterm_tensor", "lightning_private.use_signal_connector"),
     # Lightning: throughput measured once per logging step (t6.training.callbacks.throughput)
-    ("lightning.pytorch.loops.fit_loop:_FitLoop", "_should_accumulate", "ThroughputMonitor.on_train_batch_end"),
-    ("lightning.pytorch.trainer.trainer:Trainer", "_logger_connector", "ThroughputMonitor.on_train_batch_end"),
+    ("lightning.pytorch.loops.fit_loop:_FitLoop", "_should_accumulate", "lightning_private.logs_at_this_batch"),
+    (TRAINER, "_logger_connector", "lightning_private.logs_at_this_batch"),
     ("lightning.pytorch.callbacks.throughput_monitor:ThroughputMonitor", "_throughputs", "ThroughputMonitor"),
     ("lightning.pytorch.callbacks.throughput_monitor:ThroughputMonitor", "_t0s", "ThroughputMonitor"),
     ("lightning.pytorch.callbacks.throughput_monitor:ThroughputMonitor", "_samples", "ThroughputMonitor"),
@@ -35,11 +39,11 @@ PRIVATE = [
     ("lightning.pytorch.callbacks.throughput_monitor:ThroughputMonitor", "_batches", "ThroughputMonitor"),
     ("lightning.pytorch.callbacks.throughput_monitor:ThroughputMonitor", "_compute", "ThroughputMonitor"),
     # Lightning: checkpoints (t6.training.callbacks.checkpoint, .preemption; t6.training.checkpoint_io)
-    ("lightning.pytorch.callbacks.model_checkpoint:ModelCheckpoint", "_last_global_step_saved", "RunCheckpoint"),
-    ("lightning.pytorch.callbacks.model_checkpoint:ModelCheckpoint", "_save_last_checkpoint", "RunCheckpoint"),
-    ("lightning.pytorch.callbacks.model_checkpoint:ModelCheckpoint", "_save_topk_checkpoint", "RunCheckpoint"),
-    ("lightning.pytorch.callbacks.model_checkpoint:ModelCheckpoint", "_monitor_candidates", "RunCheckpoint"),
-    ("lightning.pytorch.callbacks.model_checkpoint:ModelCheckpoint", "_link_checkpoint", "RunCheckpoint"),
+    (CHECKPOINT, "_last_global_step_saved", "RunCheckpoint, lightning_private.last_saved_step"),
+    (CHECKPOINT, "_save_last_checkpoint", "RunCheckpoint"),
+    (CHECKPOINT, "_save_topk_checkpoint", "RunCheckpoint"),
+    (CHECKPOINT, "_monitor_candidates", "RunCheckpoint"),
+    (CHECKPOINT, "_link_checkpoint", "RunCheckpoint"),
     ("lightning.pytorch.plugins.io.async_plugin:AsyncCheckpointIO", "_ensure_setup", "BackgroundCheckpointIO"),
     ("lightning.pytorch.plugins.io.async_plugin:AsyncCheckpointIO", "_executor", "BackgroundCheckpointIO"),
     # Lightning: the progress bar (t6.training.progress)
@@ -50,13 +54,13 @@ PRIVATE = [
     ("lightning.pytorch.strategies.fsdp:FSDPStrategy", "_setup_model", "T6FSDPStrategy"),
     ("lightning.pytorch.strategies.fsdp:FSDPStrategy", "_state_dict_type", "T6FSDPStrategy"),
     ("lightning.pytorch.strategies.fsdp:FSDPStrategy", "_activation_checkpointing_kwargs", "T6FSDPStrategy"),
-    ("lightning.fabric.strategies.fsdp", "_move_torchmetrics_to_device", "T6FSDPStrategy"),
-    ("lightning.fabric.strategies.fsdp", "_setup_activation_checkpointing", "T6FSDPStrategy"),
-    ("lightning.fabric.strategies.model_parallel", "_load_raw_module_state", "T6FSDPStrategy"),
+    ("lightning.fabric.strategies.fsdp", "_move_torchmetrics_to_device", "lightning_private"),
+    ("lightning.fabric.strategies.fsdp", "_setup_activation_checkpointing", "lightning_private"),
+    ("lightning.fabric.strategies.model_parallel", "_load_raw_module_state", "lightning_private"),
     # Lightning's MLflow logger (t6.tracking.logger, .system_metrics)
     ("lightning.pytorch.loggers.mlflow:MLFlowLogger", "_run_id", "OutboxMLFlowLogger"),
     ("lightning.pytorch.loggers.mlflow:MLFlowLogger", "_initialized", "OutboxMLFlowLogger"),
-    ("lightning.pytorch.loggers.mlflow:MLFlowLogger", "_tracking_uri", "OutboxMLFlowLogger, SystemMetrics"),
+    ("lightning.pytorch.loggers.mlflow:MLFlowLogger", "_tracking_uri", "lightning_private.tracking_uri"),
     ("lightning.pytorch.loggers.mlflow:MLFlowLogger", "_mlflow_client", "OutboxMLFlowLogger"),
     ("lightning.pytorch.loggers.mlflow:MLFlowLogger", "_run_name", "OutboxMLFlowLogger"),
     ("lightning.pytorch.loggers.mlflow:MLFlowLogger", "_experiment_id", "OutboxMLFlowLogger"),

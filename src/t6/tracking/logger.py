@@ -10,6 +10,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 
 from t6.tracking.outbox import Outbox, OutboxClient, quick_http_failures
+from t6.training.lightning_private import tracking_uri
 
 STATUS = {"success": "FINISHED", "finished": "FINISHED", "failed": "FAILED"}
 
@@ -40,7 +41,7 @@ class OutboxMLFlowLogger(MLFlowLogger):
         else:
             self._initialized = True  # Lightning would read the run first: not while the store is down
             known = self.read_run(self._run_id)
-        self.outbox = Outbox(self._tracking_uri, self.outbox_dir / "rank0.jsonl")
+        self.outbox = Outbox(tracking_uri(self), self.outbox_dir / "rank0.jsonl")
         self._client = OutboxClient(self.outbox, known)
         return self._client
 

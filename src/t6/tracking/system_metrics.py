@@ -8,6 +8,7 @@ import lightning as L
 from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
 from t6.tracking.outbox import Outbox, OutboxClient
+from t6.training.lightning_private import tracking_uri
 
 
 class NodeMonitor(SystemMetricsMonitor):
@@ -73,7 +74,7 @@ class SystemMetrics(L.Callback):
             client = logger.experiment
         else:
             spool = Path(logger.outbox_dir) / f"system-node{trainer.node_rank}.jsonl"
-            self.outbox = Outbox(logger._tracking_uri, spool)
+            self.outbox = Outbox(tracking_uri(logger), spool)
             client = OutboxClient(self.outbox)
         node = f"node{trainer.node_rank}" if trainer.num_nodes > 1 else None
         self.monitor = NodeMonitor(client, run_id, self.interval_s, node, lambda: trainer.global_step)

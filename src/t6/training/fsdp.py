@@ -11,8 +11,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device, _setup_activation_checkpointing
-from lightning.fabric.strategies.model_parallel import _load_raw_module_state
 from lightning.pytorch.plugins.precision import FSDPPrecision
 from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -25,6 +23,12 @@ from torch.distributed.fsdp import (
     StateDictType,
 )
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+from t6.training.lightning_private import (
+    load_raw_module_state,
+    move_torchmetrics_to_device,
+    setup_activation_checkpointing,
+)
 
 
 def full_state_dict_context(model: FSDP, rank0_only: bool):
@@ -103,8 +107,8 @@ class T6FSDPStrategy(FSDPStrategy):
             device_id=torch.device("cpu"),
             **self.kwargs,
         )
-        _move_torchmetrics_to_device(model, self.root_device)
-        _setup_activation_checkpointing(model, self._activation_checkpointing_kwargs)
+        move_torchmetrics_to_device(model, self.root_device)
+        setup_activation_checkpointing(model, self._activation_checkpointing_kwargs)
         return model
 
     @property
@@ -144,7 +148,7 @@ class T6FSDPStrategy(FSDPStrategy):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         module = self.lightning_module
-        _load_raw_module_state(
+        load_raw_module_state(
             checkpoint.pop("state_dict"), module=self.model, world_size=self.world_size, strict=module.strict_loading
         )
         states = checkpoint.get("optimizer_states")

@@ -34,7 +34,8 @@ from types import FrameType
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_only
-from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+
+from t6.training.lightning_private import SignalConnector, stop_at_this_step, use_signal_connector
 
 log = logging.getLogger(__name__)
 
@@ -100,12 +101,11 @@ def agree_on_step_end(trainer, norm: torch.Tensor) -> bool:
     nonfinite, stop = (int(v) for v in flags.tolist())  # the host sync
     if stop and stop_signals.agreed is None:
         stop_signals.agree(stop)
-        trainer._signal_connector.received_sigterm = True  # the flag Lightning's loops check at step ends
-        trainer.fit_loop.epoch_loop._skip_next_val = True  # no validation at the stop's step: the checkpoint first
+        stop_at_this_step(trainer)  # no validation at the stop's step: the checkpoint first
     return not nonfinite
 
 
-class AgreedStopConnector(_SignalConnector):
+class AgreedStopConnector(SignalConnector):
     """Lightning's signal connector without its handlers: Lightning's SIGTERM handler broadcasts inside the
     handler and each rank raises on its own flag (ranks stop at different steps and hang in each other's
     collectives). `received_sigterm` is set only by `agree_on_step_end`; the handlers are `StopSignals`'."""
@@ -120,8 +120,7 @@ class AgreedStopConnector(_SignalConnector):
 def install(trainer) -> None:
     """Make `trainer` stop only where its ranks agreed. Lightning's per-batch broadcast of rank 0's flag (a
     collective and a host read every micro-batch) carries nothing once every rank holds the agreed flag."""
-    trainer._signal_connector = AgreedStopConnector(trainer)
-    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
+    use_signal_connector(trainer, AgreedStopConnector(trainer))
 
 
 def hand_over(signum: int, cluster_environment=None) -> None:

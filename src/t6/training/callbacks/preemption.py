@@ -8,6 +8,7 @@ import lightning as L
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from t6.training.callbacks.checkpoint import RunCheckpoint
+from t6.training.lightning_private import last_saved_step
 from t6.training.preemption import stop_signals
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ class PreemptionCheckpoint(L.Callback):
         trainer.strategy.checkpoint_io.teardown()  # an asynchronous CheckpointIO's write ends here
         trainer.strategy.barrier("stop checkpoint written")  # no rank exits before the file is whole
         ckpt = trainer.checkpoint_callback
-        saved = isinstance(ckpt, RunCheckpoint) and ckpt._last_global_step_saved == trainer.global_step
+        saved = isinstance(ckpt, RunCheckpoint) and last_saved_step(ckpt) == trainer.global_step
         self.saved_path = ckpt.last_model_path if saved else None
         if trainer.is_global_zero:
             name = stop_signals.agreed.name if stop_signals.agreed is not None else "stop"

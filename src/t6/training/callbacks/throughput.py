@@ -11,6 +11,8 @@ from lightning.pytorch.callbacks import ThroughputMonitor as LightningThroughput
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities import rank_zero_only
 
+from t6.training.lightning_private import logs_at_this_batch
+
 log = logging.getLogger(__name__)
 
 
@@ -77,7 +79,7 @@ class ThroughputMonitor(LightningThroughputMonitor):
         self._samples[stage] += self.batch_size_fn(batch)
         self._lengths[stage] += self.length_fn(batch)
         self._batches[stage] += 1
-        if trainer.fit_loop._should_accumulate() or not trainer._logger_connector.should_update_logs:
+        if not logs_at_this_batch(trainer):
             return
         if trainer.strategy.root_device.type == "cuda":
             torch.cuda.synchronize(trainer.strategy.root_device)

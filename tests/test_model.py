@@ -55,6 +55,23 @@ def test_compiled_blocks_are_one_whole_graph_and_compute_the_same(attention, tmp
 
 
 @pytest.mark.parametrize("attention", ATTENTIONS)
+def test_a_block_compiles_whole_for_any_length(attention, tmp_path):
+    """A block compiled with dynamic shapes (what dynamo turns to when one process compiles the same code for a
+    second length) is one graph for every sequence length, with no graph break, and computes as eager."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    block = tiny_model(attention, tmp_path).blocks[0]
+    counter = CompileCounterWithBackend("eager")
+    compiled = torch.compile(block.layers, backend=counter, fullgraph=True, dynamic=True)
+    for T in (8, 12):
+        x = torch.randn(2, T, block.attn_norm.weight.shape[0])  # [B, T, d]
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x, torch.arange(T)), block.layers(x, torch.arange(T)))
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
 def test_causal(attention, tmp_path):
     model = tiny_model(attention, tmp_path)
     idx = torch.randint(0, model.cfg.vocab_size, (1, 20))

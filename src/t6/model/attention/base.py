@@ -341,7 +341,8 @@ class Attention(nn.Module):
                 g = q.shape[1] // k.shape[1]
                 k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)  # [B, h, S, d] each
                 gqa = False
-            return sdpa(q, k, v, is_causal=T > 1, enable_gqa=gqa)
+            causal = True if T > 1 else False  # a branch, so a Python bool also under dynamic shapes (a guard)
+            return sdpa(q, k, v, is_causal=causal, enable_gqa=gqa)
         if isinstance(cached, KVCache):
             mask = cached.attn_mask(pos)  # [B or 1, T, S] or None
         else:

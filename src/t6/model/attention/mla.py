@@ -47,8 +47,9 @@ def explicit_attention(q_nope, q_rope, k_nope, v, k_rope, scale: float) -> torch
     k = torch.cat([k_nope, k_rope[:, :, None].expand(B, S, h, k_rope.shape[-1])], dim=-1)  # [B, S, h, nope+rope]
     if d_v < q.shape[-1]:  # flash kernels need one head width: pad V with zeros, slice the output
         v = F.pad(v, (0, q.shape[-1] - d_v))  # [B, S, h, nope+rope]
+    causal = True if q.shape[1] > 1 else False  # a branch, so a Python bool also under dynamic shapes (a guard)
     y = sdpa(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=q.shape[1] > 1, scale=scale
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal, scale=scale
     )  # [B, h, T, max(d_v, nope+rope)]
     return y[..., :d_v].transpose(1, 2)  # [B, T, h, d_v]
 

@@ -153,6 +153,7 @@ def test_eval_items_runs_the_model_on_the_device_and_dtype_asked(tmp_path, monke
     assert all(r["items_per_s_per_choice"] > 0 and r["items_per_s_shared_prefix"] > 0 for r in rows)
 
 
+@pytest.mark.slow  # whole-model generation per mechanism (~7 s)
 def test_generate_bench_reports_decode_speed_against_the_bandwidth_bound(tmp_path):
     """`t6.bench.generate` on the CPU: a record per mechanism, prompt length and batch, whose bound is the
     weights plus each row's cache at its mean context, read once per step at the given bandwidth."""

@@ -65,6 +65,7 @@ def test_paper_recipes_checkpoint_at_recipe_scale(name):
     assert ckpt.every_n_train_steps >= 1000 and ckpt.save_last == "link"
 
 
+@pytest.mark.slow  # trains, then resumes (~6 s)
 def test_last_link_points_at_the_newest_checkpoint_and_resumes(make_cfg, tmp_path):
     from t6.run.train import train
 

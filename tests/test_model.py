@@ -55,6 +55,7 @@ def test_compiled_blocks_are_one_whole_graph_and_compute_the_same(attention, tmp
 
 
 @pytest.mark.parametrize("attention", ATTENTIONS)
+@pytest.mark.slow  # compiles every mechanism's block (~1 s each)
 def test_a_block_compiles_whole_for_any_length(attention, tmp_path):
     """A block compiled with dynamic shapes (what dynamo turns to when one process compiles the same code for a
     second length) is one graph for every sequence length, with no graph break, and computes as eager."""

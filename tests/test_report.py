@@ -201,6 +201,7 @@ def store(make_cfg):
     return {"uri": uri, "client": client, "experiment_id": experiment_id, "ids": ids, "trained": trained}
 
 
+@pytest.mark.slow  # trains the runs it reports on (~6 s)
 def test_report_from_real_runs(store, tmp_path):
     client, ids, trained = store["client"], store["ids"], store["trained"]
     decode = tmp_path / "decode.json"
@@ -290,6 +291,7 @@ def test_report_from_real_runs(store, tmp_path):
     assert "| report |" not in md2 and md2.count("| yes |") == 4
 
 
+@pytest.mark.slow  # trains a sweep to report on (~5 s)
 def test_report_on_a_sweep_parent_logs_to_the_parent_and_bad_input_fails_clearly(store, tmp_path):
     client, ids = store["client"], store["ids"]
     cli = load_cli()
@@ -323,6 +325,7 @@ def test_build_report_without_finished_runs_says_so(tmp_path):
     assert "No finished run to report on." in report.markdown
 
 
+@pytest.mark.slow  # trains a sweep to report on (~5 s)
 def test_report_on_a_sweep_directory_reads_its_store_and_parent(store, tmp_path):
     from t6.tracking.sweep import SWEEP_FILE
 

@@ -75,6 +75,7 @@ def recorder(objects) -> Recorder:
     return next(cb for cb in objects["trainer"].callbacks if isinstance(cb, Recorder))
 
 
+@pytest.mark.slow  # three training runs (~6 s)
 def test_sigterm_then_auto_resume_matches_an_uninterrupted_run(make_cfg, tmp_path):
     _, full = train(in_dir(make_cfg(), tmp_path / "full", "rec=test_resume.Recorder"))
     full_rec = recorder(full)

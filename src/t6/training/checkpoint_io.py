@@ -10,7 +10,8 @@ copied into each rank's RAM (ranks on one node share its pages). FSDP bypasses t
 `BackgroundCheckpointIO` (the Trainer's plugin, conf/trainer/default.yaml) is Lightning's
 AsyncCheckpointIO around it: a checkpoint whose tensors are on a GPU is copied into host memory on the
 training thread (a point-in-time copy: training then changes the weights freely) and written by one
-writer thread, so training stalls for the copy (~1 s for a 4.2 GB medium state) instead of the write.
+writer thread, so training stalls for the copy instead of the write (a 4.2 GB medium state: ~1 s at the
+5 GB/s the checkpoint interval assumes, HOST_COPY_BYTES_S; not yet measured on a GPU).
 Saves and removals run in the order they were asked for, each write still atomic. A checkpoint already
 in host memory (a CPU run) is written at once: copying it would take the memory the step was planned
 with, and the cores that would write it in the background are the ones training. `wait()` returns when

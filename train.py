@@ -24,9 +24,9 @@ from t6.training.quiet import quiet_libraries  # noqa: E402
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
+    from t6.run.closing import closing_summary
     from t6.run.execute import execute
     from t6.run.plan import plan_run
-    from t6.run.summary import closing_summary
     from t6.training.stop import RunStopped, hand_over
 
     quiet_libraries()

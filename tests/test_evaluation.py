@@ -17,7 +17,7 @@ from t6.evaluation.harness import EvalSpec, resolve_tasks, run_harness
 from t6.evaluation.next_line import TASK, build_next_line_task
 from t6.model import T6, ModelConfig
 from t6.model.attention import available
-from t6.run.summary import closing_summary
+from t6.run.closing import closing_summary
 from t6.run.train import train
 
 from conftest import ROOT

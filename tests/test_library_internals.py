@@ -58,19 +58,19 @@ PRIVATE = [
     (
         "torch",
         "_dynamo",
-        "t6.model.decode (mark_static_address, config.recompile_limit), t6.bench.decode",
+        "t6.model.static_decode (mark_static_address, config.recompile_limit), t6.bench.decode",
         "a CUDA graph's fixed input addresses and the recompile limit have no torch.compiler equivalent in 2.13",
     ),
     (
         "torch",
         "_subclasses",
-        "t6.hardware.memory (FakeTensorMode)",
+        "t6.training.step_memory (FakeTensorMode)",
         "tracing a training step without memory needs fake tensors; the meta device loses storage sharing",
     ),
     (
         "torch:UntypedStorage",
         "_cdata",
-        "t6.hardware.memory",
+        "t6.training.step_memory",
         "the identity of a fake tensor's storage (views share it); data_ptr() is 0 for every fake storage",
     ),
     (

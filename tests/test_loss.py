@@ -131,7 +131,7 @@ def test_liger_loss_and_gradients_equal_the_chunked_path(autocast):
 
 @IN_INTERPRETER
 def test_liger_holds_the_rows_of_logits_the_memory_estimate_counts():
-    """t6.hardware.memory counts liger_chunk_rows(N, V, d) rows of logits for Liger's loss: the rows of every
+    """t6.training.step_memory counts liger_chunk_rows(N, V, d) rows of logits for Liger's loss: the rows of every
     [rows, V] product Liger forms (recorded at the dispatcher)."""
 
     class Products(TorchDispatchMode):

@@ -20,7 +20,7 @@ from pathlib import Path
 import mlflow
 import pytest
 
-from t6.run.summary import closing_summary
+from t6.run.closing import closing_summary
 from t6.run.train import train
 from t6.tracking.mlflow import ui_path
 

@@ -14,9 +14,10 @@ import torch
 
 from t6.data.corpus import TINY_SHAKESPEARE, prepare_text_corpus
 from t6.data.shards import ShardError
-from t6.hardware import device, memory, probes
+from t6.hardware import device, probes
 from t6.model.config import ConfigError
 from t6.run.plan import Strategy, plan_run, strategy_kind
+from t6.training import step_memory as memory
 
 from conftest import ROOT
 
@@ -168,7 +169,7 @@ def test_the_strategy_is_read_from_the_class_it_names(make_cfg):
 def test_an_fsdp_plan_shards_the_memory_and_counts_the_processes(make_cfg, monkeypatch):
     monkeypatch.setattr(device, "cuda_available", lambda: True)
     monkeypatch.setattr(device, "cuda_bf16_supported", lambda: True)
-    monkeypatch.setattr(probes, "available_memory", lambda dev, index=0: (80 * memory.GIB, f"device {index}"))
+    monkeypatch.setattr(probes, "available_memory", lambda dev, index=0: (80 * probes.GIB, f"device {index}"))
     monkeypatch.setattr(device, "peak_flops", lambda dev, dtype: (989e12, "an H100's bf16 peak"))
     monkeypatch.setenv("LOCAL_RANK", "3")
     cfg = make_cfg(

@@ -13,7 +13,7 @@ import pytest
 import torch
 from omegaconf import open_dict
 
-from t6.run.summary import closing_summary
+from t6.run.closing import closing_summary
 from t6.run.train import train
 from t6.training.checkpoint_io import AtomicCheckpointIO
 from t6.training.fsdp import T6FSDPStrategy

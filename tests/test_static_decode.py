@@ -1,4 +1,4 @@
-"""Fixed-shape decoding (t6.model.decode), the CPU-checkable half of the CUDA-graph decoder: for every
+"""Fixed-shape decoding (t6.model.static_decode), the CPU-checkable half of the CUDA-graph decoder: for every
 registered mechanism the static step compiles whole (fullgraph), once per cache-length bucket and never
 per token, reads nothing back to the host, and generates the tokens of the eager path.
 
@@ -18,7 +18,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import t6.model.t6
 from t6.model.attention import KVCache
 from t6.model.attention.base import flex_decode
-from t6.model.decode import MIN_BUCKET, StaticDecoder, bucket
+from t6.model.static_decode import MIN_BUCKET, StaticDecoder, bucket
 from t6.model.t6 import left_pad
 
 PROMPTS = [[5, 9, 2], [7, 1, 4, 4, 8, 3, 2], [11]]  # left-padded to 7 tokens

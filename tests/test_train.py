@@ -8,8 +8,8 @@ import mlflow
 import pytest
 import torch
 
+from t6.run.closing import closing_summary
 from t6.run.samples import SAMPLES_ARTIFACT, check_samples, greedy_samples
-from t6.run.summary import closing_summary
 from t6.run.train import train
 
 from conftest import CONF

@@ -17,7 +17,7 @@ time per token (the kernels' durations, torch.profiler): a wall time far above i
 
 `--step` chooses the step timed, as generation runs it (`T6.generate`): `eager` calls the layer
 with views that grow with the context (the CPU's path: the fused C++ decode operators); `static`
-compiles it for fixed shapes over the cache-length bucket of the context (t6.model.decode), on CUDA
+compiles it for fixed shapes over the cache-length bucket of the context (t6.model.static_decode), on CUDA
 captured as a CUDA graph and replayed; `auto` (default) is static on CUDA, eager elsewhere.
 """
 
@@ -44,8 +44,8 @@ from t6.bench.common import (
     time_call,
     write_json,
 )
-from t6.model.decode import bucket, call_step, compile_step
 from t6.model.facts import decode_flops_per_cached_token
+from t6.model.static_decode import bucket, call_step, compile_step
 from t6.model.t6 import Block
 
 

@@ -1,1 +1,1 @@
-"""What a run needs from the machine: device and precision, the memory of a training step, the OS's probes."""
+"""What a run needs from the machine: device and precision, the OS's probes (free memory, ranks)."""

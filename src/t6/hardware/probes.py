@@ -9,7 +9,11 @@ from pathlib import Path
 
 import torch
 
-from t6.hardware.memory import gib
+GIB = 2**30
+
+
+def gib(n: int | float) -> str:
+    return f"{n / GIB:.2f} GiB"
 
 
 def _read_int(path: Path) -> int | None:

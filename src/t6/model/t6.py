@@ -14,9 +14,9 @@ from torch import nn
 
 from t6.model.attention import KVCache, get_attention_class
 from t6.model.config import ModelConfig
-from t6.model.decode import StaticDecoder
 from t6.model.layers import SwiGLU
 from t6.model.loss import linear_cross_entropy
+from t6.model.static_decode import StaticDecoder
 
 
 class Block(nn.Module):
@@ -103,7 +103,7 @@ class T6(nn.Module):
     def decode_step(self, idx: torch.Tensor, pos: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
         """idx [B, 1] at the position pos [1], a device tensor never read on the host, against caches in
         fixed-shape mode (KVCache.static_len) -> logits [B, vocab]. Its shapes do not depend on the
-        position, so it compiles once per cache length and replays as a CUDA graph (t6.model.decode)."""
+        position, so it compiles once per cache length and replays as a CUDA graph (t6.model.static_decode)."""
         x = self.embed(idx)  # [B, 1, d]
         for block, cache in zip(self.blocks, caches):
             x = block(x, pos, cache)  # [B, 1, d]

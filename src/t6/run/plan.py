@@ -10,7 +10,7 @@ tracking store, the sweep file, the machine's memory) and writes nothing. It dec
 1. the config's own problems, every one at once (`ConfigError`, t6.run.checks);
 2. the device, precision and compilation, and the processes (strategy, devices, nodes);
 3. the schedule, the resume point, the data, the tracking target and the sweep parent;
-4. the micro-batch and its accumulation, by the memory preflight (t6.hardware.memory);
+4. the micro-batch and its accumulation, by the memory preflight (t6.training.step_memory);
 5. how checkpoints are written and how often (t6.training.callbacks.checkpoint).
 
 Each decision has one home, a field of `RunPlan`; `plan.cfg` is the config as given, never changed (execute
@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from t6.data.batching import sequences_per_device, sequences_per_step, world_size
 from t6.evaluation.callback import check_eval_tasks
 from t6.hardware import device as hw_device
-from t6.hardware import memory, probes
+from t6.hardware import probes
 from t6.model.config import ConfigError, ModelConfig
 from t6.model.load import HF_FORMAT, WARM_START_FORMAT, read_checkpoint
 from t6.model.loss import use_liger
@@ -40,6 +40,7 @@ from t6.run.resume import checkpoint_dir, resolve_ckpt_path
 from t6.tracking.mlflow import StoreUnreachable, check_tracking_store, log_model_choice, mlflow_config
 from t6.tracking.outbox import SYNC_COMMAND
 from t6.tracking.sweep import sweep_job_info, sweep_job_run
+from t6.training import step_memory as memory
 from t6.uptrain import recipe
 
 
@@ -280,7 +281,7 @@ class RunPlan:
             "plan/sequences_per_step": self.batch.per_step,
         }
         if self.batch.memory is not None:
-            out["plan/memory_estimate_gib"] = round(self.batch.memory.estimate.total / memory.GIB, 2)
+            out["plan/memory_estimate_gib"] = round(self.batch.memory.estimate.total / probes.GIB, 2)
         if self.checkpoints is not None:
             out["plan/checkpoint_every_n_steps"] = str(self.checkpoints.every_n_steps)
             out["plan/checkpoint_background"] = self.checkpoints.background

@@ -11,7 +11,7 @@
 - `destroy_process_group()`: a sweep's next job in this process starts its own group.
 
 Two settings live with the code they serve, scoped the same way: the stop signals' handlers, installed for the
-fit only (t6.training.stop), and dynamo's recompile limit, lifted while a decoder steps (t6.model.decode).
+fit only (t6.training.stop), and dynamo's recompile limit, lifted while a decoder steps (t6.model.static_decode).
 """
 
 from __future__ import annotations

@@ -122,7 +122,7 @@ class KVCache:
         # lengths); attentions with `supports_key_mask` never attend to those positions.
         self.key_mask: torch.Tensor | None = None
         # Fixed-shape decoding: views and masks `static_len` positions long whatever pos is (a power-of-two
-        # bucket, see t6.model.decode); None: they end at the last written position.
+        # bucket, see t6.model.static_decode); None: they end at the last written position.
         self.static_len: int | None = None
         self._known_end: tuple[torch.Tensor, int] | None = None  # see `expect`
         self.tensors = {}

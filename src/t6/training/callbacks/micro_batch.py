@@ -8,7 +8,7 @@ import torch
 
 class SameMicroBatch(L.Callback):
     """Each rank planned its micro-batch from its own device's free memory before the processes met
-    (t6.hardware.memory, data.batch_size=auto); data-parallel ranks must run the same one, or their collectives
+    (t6.training.step_memory, data.batch_size=auto); data-parallel ranks must run the same one, or their collectives
     stop pairing up and training hangs without a word. At setup, where the process group exists, the
     ranks compare plans: different ones are an error on every rank, before the first step, naming the
     micro-batch that fits them all."""

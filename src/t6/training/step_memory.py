@@ -24,9 +24,9 @@ from functools import partial
 import torch
 
 from t6.hardware.device import compute_dtype, param_dtype
+from t6.hardware.probes import gib
 from t6.model.loss import liger_chunk_rows
 
-GIB = 2**30
 MARGIN = (
     0.20  # keep this share of the available memory free: the estimate ran up to 17% under the measured peak (README)
 )
@@ -92,10 +92,6 @@ class StepMemory:
             parts.append(("process", self.runtime))
         inner = ", ".join(f"{name} {gib(value)}" for name, value in parts)
         return f"{gib(self.total)} at micro-batch {self.batch} ({inner})"
-
-
-def gib(n: int | float) -> str:
-    return f"{n / GIB:.2f} GiB"
 
 
 def optimizer_state_bytes(model: torch.nn.Module, optimizer_target: str, dtype_bytes: int) -> tuple[int, int]:

@@ -190,8 +190,11 @@ def test_an_fsdp_plan_shards_the_memory_and_counts_the_processes(make_cfg, monke
     assert "peak            989 TFLOP/s (an H100's bf16 peak)" in plan.describe()
     assert plan.params()["plan/peak_tflops"] == 989  # MFU's denominator, for the throughput callback
     assert plan.checkpoints.background is False  # FSDP gathers the state into host memory: written at once
+    assert plan.training.optimizer_args == {"fused": True}  # AdamW as one kernel on CUDA
     gpu = plan_run(make_cfg("trainer=gpu", "trainer.max_steps=8", "trainer.val_check_interval=4"))
     assert gpu.checkpoints.background is True and "written in the background" in gpu.describe()
+    with pytest.raises(ConfigError, match="optimizer=MuonWithAdamW needs whole 2-D weight matrices.*trainer=ddp"):
+        plan_run(make_cfg("trainer=fsdp", "trainer.devices=8", "optimizer=muon", "data.global_batch_size=64"))
 
 
 def cap_memory(monkeypatch, bytes_available: int) -> None:

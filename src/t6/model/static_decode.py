@@ -49,17 +49,15 @@ def compile_step(fn, device: torch.device | str, backend="inductor"):
     return torch.compile(fn, fullgraph=True, dynamic=False, backend=backend, mode=mode)
 
 
+# One graph per mechanism, batch and bucket is this design, not a recompilation: dynamo compiles one function at most
+# 8 times (config.recompile_limit), then refuses, and with fullgraph fails. Lifted while a decoder steps only.
+DYNAMO_LIMITS = {"recompile_limit": 1 << 16, "accumulated_recompile_limit": 1 << 16}
+
+
 def call_step(step, *args):
-    """step(*args) with dynamo's recompile limit lifted: dynamo compiles one function at most 8 times
-    (config.recompile_limit), then refuses, and with fullgraph fails; one graph per mechanism, batch
-    and bucket is this design, not a recompilation."""
-    config = torch._dynamo.config
-    saved = config.recompile_limit, config.accumulated_recompile_limit
-    config.recompile_limit = config.accumulated_recompile_limit = 1 << 16
-    try:
+    """step(*args) with dynamo's recompile limits lifted for the call (DYNAMO_LIMITS), restored after it."""
+    with torch._dynamo.config.patch(**DYNAMO_LIMITS):
         return step(*args)
-    finally:
-        config.recompile_limit, config.accumulated_recompile_limit = saved
 
 
 class StaticDecoder:

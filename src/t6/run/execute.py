@@ -115,7 +115,7 @@ def build_module(plan: RunPlan) -> T6LitModule:
     cfg = plan.cfg
     model = T6LitModule(
         model_config=asdict(plan.model),
-        optimizer=instantiate(cfg.optimizer),
+        optimizer=instantiate(cfg.optimizer, **plan.training.optimizer_args),
         scheduler=instantiate(cfg.lr_ablation.scheduler) if plan.schedule is not None else None,
         compile=plan.hardware.compile,
         run_config=OmegaConf.to_container(plan.logged_config(), resolve=True),

@@ -217,6 +217,7 @@ class Training:
     loss_chunk_tokens: int | None
     max_steps: int
     val_check_interval: int | float | None  # in micro-batches (the config counts optimizer steps)
+    optimizer_args: dict = field(default_factory=dict)  # beside the optimizer group's: AdamW fused on CUDA
 
 
 @dataclass(frozen=True)
@@ -307,7 +308,7 @@ def plan_run(cfg: DictConfig) -> RunPlan:
     instantiate_data(cfg).check()  # the shards exist and are whole (or the text they are made from does)
     check_eval_tasks(cfg.get("eval"))  # unknown tasks, missing datasets
     batch = plan_batch(cfg, mcfg, hardware, parallel)
-    training = plan_training(cfg, hardware, batch)
+    training = plan_training(cfg, hardware, parallel, batch)
     checkpoints = plan_checkpoints(cfg, mcfg, hardware, parallel, batch)
     warnings = tuple(f"init_from sets {change}" for change in (warm.changes if warm else ()))
     warnings += tuple(w for w in [schedule.warning() if schedule else None] if w)
@@ -504,9 +505,10 @@ def instantiate_data(cfg: DictConfig):
     return instantiate(cfg.data)
 
 
-def plan_training(cfg: DictConfig, hardware: Hardware, batch: BatchPlan) -> Training:
+def plan_training(cfg: DictConfig, hardware: Hardware, parallel: Parallel, batch: BatchPlan) -> Training:
     """The seed, what a non-finite loss does, the loss's implementation on this device (loss_impl=auto: Liger's
-    kernel on CUDA; liger where Triton cannot run is an error), validation counted in micro-batches."""
+    kernel on CUDA; liger where Triton cannot run is an error), validation counted in micro-batches, and the
+    optimizer's own arguments for this device and strategy."""
     every = cfg.trainer.get("val_check_interval")
     return Training(
         int(cfg.seed),
@@ -515,7 +517,30 @@ def plan_training(cfg: DictConfig, hardware: Hardware, batch: BatchPlan) -> Trai
         cfg.get("loss_chunk_tokens"),
         int(cfg.trainer.max_steps),
         every * batch.accumulation if isinstance(every, int) else every,  # Lightning counts micro-batches
+        plan_optimizer(cfg, hardware, parallel),
     )
+
+
+def plan_optimizer(cfg: DictConfig, hardware: Hardware, parallel: Parallel) -> dict:
+    """AdamW on CUDA runs as one fused kernel over all parameters (unless optimizer.fused says otherwise);
+    Muon and Adafactor need whole 2-D matrices, which FSDP shards: an error naming both settings."""
+    import torch
+    from hydra.utils import get_object
+
+    from t6.training.optim import MuonWithAdamW
+
+    target = get_object(cfg.optimizer._target_)
+    if parallel.strategy is Strategy.FSDP and issubclass(target, (MuonWithAdamW, torch.optim.Adafactor)):
+        raise ConfigError(
+            "Optimizer and strategy",
+            [
+                f"optimizer={target.__name__} needs whole 2-D weight matrices (orthogonalized or factored), but "
+                "trainer=fsdp shards them; use optimizer=adamw with trainer=fsdp, or trainer=ddp"
+            ],
+        )
+    if issubclass(target, torch.optim.AdamW) and hardware.device == "cuda" and "fused" not in cfg.optimizer:
+        return {"fused": True}
+    return {}
 
 
 def plan_batch(cfg: DictConfig, mcfg: ModelConfig, hardware: Hardware, parallel: Parallel) -> BatchPlan:

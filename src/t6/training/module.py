@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable
 
@@ -14,7 +13,7 @@ from torchmetrics import MeanMetric
 from t6.model import T6, ModelConfig
 from t6.model.loss import IGNORE_INDEX
 from t6.training.fsdp import clip_grad_norm
-from t6.training.optim import MuonWithAdamW, param_groups, param_kinds
+from t6.training.optim import param_groups, param_kinds
 from t6.training.stop import any_rank
 
 log = logging.getLogger(__name__)
@@ -126,19 +125,10 @@ class T6LitModule(L.LightningModule):
     def configure_optimizers(self):
         if self.optimizer_factory is None:
             raise ValueError("no optimizer configured: set the `optimizer` config group")
-        factory = self.optimizer_factory
-        keywords = getattr(factory, "keywords", {})
-        groups = param_groups(self.model, keywords.get("weight_decay", 0.0), self.param_kinds)
-        target = getattr(factory, "func", factory)
-        if any(g["kind"] == "matrix" and any(p.ndim < 2 for p in g["params"]) for g in groups):
-            if target is MuonWithAdamW or target is torch.optim.Adafactor:
-                raise ValueError(
-                    f"optimizer={target.__name__} needs whole 2-D weight matrices (orthogonalized or factored), "
-                    "but trainer=fsdp shards them; use optimizer=adamw with trainer=fsdp, or trainer=ddp"
-                )
-        if target is torch.optim.AdamW and self.device.type == "cuda" and "fused" not in keywords:
-            factory = functools.partial(factory, fused=True)  # one kernel over all parameters
-        optimizer = factory(groups)
+        keywords = getattr(self.optimizer_factory, "keywords", {})
+        optimizer = self.optimizer_factory(
+            param_groups(self.model, keywords.get("weight_decay", 0.0), self.param_kinds)
+        )
         if self.scheduler_factory is None:
             return optimizer
         return {"optimizer": optimizer, "lr_scheduler": self.scheduler_factory(optimizer)}

@@ -4,13 +4,15 @@
 import hydra
 from omegaconf import DictConfig
 
-from t6.run.cli import entry, register
-from t6.uptrain.convert import convert_checkpoint
+from t6.run.cli import entry, register, user_errors
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="convert")
 def main(cfg: DictConfig) -> None:
-    ckpt = convert_checkpoint(cfg.ckpt_path, cfg.target, cfg.target_kv_heads, cfg.method, cfg.out)
+    from t6.uptrain.convert import convert_checkpoint
+
+    with user_errors():  # a missing or damaged checkpoint, a target it cannot become, an out= that cannot be written
+        ckpt = convert_checkpoint(cfg.ckpt_path, cfg.target, cfg.target_kv_heads, cfg.method, cfg.out)
     conv, src = ckpt["conversion"], ckpt["source"]
     print(
         f"wrote {cfg.out}: {src['attention']} (h={src['n_head']}) -> {conv['target']} "
@@ -22,4 +24,4 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     register()  # t6's resolvers and each mechanism's options, before Hydra composes
-    entry(main)  # a mistake in the config or on the command line: one message, exit 2
+    entry(main)  # a mistake in the config, on the command line or in a file: one message, exit 2

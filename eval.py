@@ -13,13 +13,16 @@ quiet_progress_bars()  # before anything imports tqdm
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from t6.evaluation.checkpoint import evaluate_checkpoint  # noqa: E402
-from t6.run.cli import entry, register  # noqa: E402
+from t6.run.cli import entry, register, user_errors  # noqa: E402
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="evaluate")
 def main(cfg: DictConfig) -> float | None:
-    metrics, run_id = evaluate_checkpoint(cfg)
+    from t6.evaluation.checkpoint import evaluate, prepare_evaluation
+
+    with user_errors():  # a missing or damaged checkpoint, an unreachable store, an unknown task or run
+        prepared = prepare_evaluation(cfg)
+    metrics, run_id = evaluate(prepared, cfg.eval)
     for name, value in metrics.items():
         if "stderr" not in name:
             print(f"{name:48s} {value:.4f}")
@@ -29,4 +32,4 @@ def main(cfg: DictConfig) -> float | None:
 
 if __name__ == "__main__":
     register()  # t6's resolvers and each mechanism's options, before Hydra composes
-    entry(main)  # a mistake in the config or on the command line: one message, exit 2
+    entry(main)  # a mistake in the config, on the command line or in a file: one message, exit 2

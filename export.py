@@ -10,16 +10,19 @@ os.environ.setdefault("T6_ROOT", str(Path(__file__).resolve().parent))
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from t6.hf.export import run  # noqa: E402
-from t6.run.cli import entry, register  # noqa: E402
+from t6.run.cli import entry, register, user_errors  # noqa: E402
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="export")
 def main(cfg: DictConfig) -> None:
+    from t6.hf.export import check_request, run
+
+    with user_errors():  # ckpt_path or out missing, a damaged checkpoint, an out= that is a file
+        check_request(cfg)
     for line in run(cfg):
         print(line)
 
 
 if __name__ == "__main__":
     register()  # t6's resolvers and each mechanism's options, before Hydra composes
-    entry(main)  # a mistake in the config or on the command line: one message, exit 2
+    entry(main)  # a mistake in the config, on the command line or in a file: one message, exit 2

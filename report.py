@@ -17,6 +17,7 @@ import re
 from pathlib import Path
 
 from t6.report import build_report, find_runs, load_decode_records, load_runs, log_report
+from t6.run.cli import entry, user_errors
 from t6.tracking.sweep import read_sweep_file
 
 ROOT = Path(os.environ.get("T6_ROOT") or Path(__file__).resolve().parent)  # as train.py: the project, or $T6_ROOT
@@ -53,10 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.sweep:
         if args.parent or args.experiment:
             parser.error("--sweep names the sweep's parent run itself; drop --parent/--experiment")
-        try:
-            info = read_sweep_file(args.sweep)
-        except FileNotFoundError as err:
-            parser.error(str(err))
+        info = read_sweep_file(args.sweep)  # missing or damaged: a user error naming the file
         args.parent, args.tracking_uri = info["parent_run_id"], info["tracking_uri"]
     if not args.experiment and not args.parent:
         parser.error("give --experiment NAME, --parent RUN_ID or --sweep DIR")
@@ -64,15 +62,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> Path:
-    args = parse_args(argv)
     import mlflow
 
     from t6.tracking.mlflow import check_tracking_uri
 
-    check_tracking_uri(args.tracking_uri)
-    client = mlflow.MlflowClient(tracking_uri=args.tracking_uri)
-    decode = load_decode_records(args.decode_json) if args.decode_json else None  # bad file: fail before reading runs
-    runs, experiment_id, parent = find_runs(client, args.experiment, args.parent)
+    with user_errors():  # a damaged sweep file, an unreachable store, an experiment or run it does not hold
+        args = parse_args(argv)
+        check_tracking_uri(args.tracking_uri)
+        client = mlflow.MlflowClient(tracking_uri=args.tracking_uri)
+        decode = load_decode_records(args.decode_json) if args.decode_json else None  # before reading runs
+        runs, experiment_id, parent = find_runs(client, args.experiment, args.parent)
     name = args.experiment or client.get_experiment(experiment_id).name
     out = Path(args.out or ROOT / "reports" / folder_name(parent.info.run_name if parent else name))
     title = args.title or (f"{name}: {parent.info.run_name} ({parent.info.run_id[:8]})" if parent else name)
@@ -88,4 +87,4 @@ def main(argv: list[str] | None = None) -> Path:
 
 
 if __name__ == "__main__":
-    main()
+    entry(main)  # a bad argument or file: one message, exit 2

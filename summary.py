@@ -11,12 +11,14 @@ from omegaconf import DictConfig
 
 from t6.config import model_config
 from t6.report.summary import render, summarize
-from t6.run.cli import entry, register
+from t6.run.cli import entry, register, user_errors
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="summary")
 def main(cfg: DictConfig) -> dict:
-    row = summarize(model_config(cfg), cfg.attention.name, cfg.size.name, cfg.cache_dtype, cfg.flops_seq_len)
+    with user_errors():  # a size or attention setting that builds no model
+        mcfg = model_config(cfg)
+    row = summarize(mcfg, cfg.attention.name, cfg.size.name, cfg.cache_dtype, cfg.flops_seq_len)
     if cfg.output == "table" and HydraConfig.get().mode == RunMode.MULTIRUN:
         return row  # t6.report.summary.ComparisonTable prints every job's row as one table at the end
     print(render(row, cfg.output), flush=True)

@@ -106,3 +106,26 @@ def test_a_bad_override_leaves_no_run_folder_and_a_run_prints_no_library_noise(t
     for noise in ("litlogger", "already configured with model summary", "limit_val_batches=1.0", "LeafSpec"):
         assert noise not in out, noise
     assert (tmp_path / "good" / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_a_sweep_accounts_for_every_job(tmp_path, shared_data_dir):
+    """A 2-job sweep whose second job has a setting its plan refuses: the first trains; the second is a FAILED child
+    run carrying its error; the parent run is FAILED with the counts; the command exits 2 naming the setting."""
+    import json
+
+    sweep = tmp_path / "sweep"
+    args, env = command(
+        tmp_path, shared_data_dir, "-m", "trainer.max_steps=2", "data.seq_len=32,128", f"hydra.sweep.dir={sweep}"
+    )
+    done = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "data.seq_len=128 is longer than size.block_size=64" in done.stderr
+    info = json.loads((sweep / "mlflow_sweep.json").read_text())
+    store = client(tmp_path)
+    parent = store.get_run(info["parent_run_id"])
+    assert parent.info.status == "FAILED"
+    assert (parent.data.tags["jobs.finished"], parent.data.tags["jobs.failed"]) == ("1", "1")
+    query = f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'"
+    jobs = {r.data.tags["sweep.job"]: r for r in store.search_runs([info["experiment_id"]], filter_string=query)}
+    assert jobs["0"].info.status == "FINISHED" and jobs["1"].info.status == "FAILED"
+    assert "data.seq_len=128 is longer than size.block_size=64" in jobs["1"].data.tags["error"]

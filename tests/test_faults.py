@@ -352,10 +352,8 @@ def test_a_disk_that_fills_during_a_checkpoint_write_keeps_the_last_checkpoint(t
     assert step_of(last) == 8
     run, history = loss_history(f"sqlite:///{tmp_path}/mlruns/mlflow.db")  # one run: the resume continued it
     assert sorted(history) == list(range(8)) and run.info.status == "FINISHED"
-    again = [step for step, values in history.items() if len(values) == 2]  # logged before the failure and after
-    assert again == [2], history  # step 3 (logged at 2); step 4 failed in its checkpoint write, before its log
-    deltas = [abs(history[s][1] - history[s][0]) / abs(history[s][0]) for s in again]
-    assert max(deltas) <= 1e-6
+    assert all(len(values) == 1 for values in history.values()), history  # a redone step is not logged twice
+    assert run.data.tags["redone_steps"] == "3-3"  # step 3 (logged at 2); step 4 failed in its write, before its log
     RECORDS.append(
         {
             "trial": "disk-full" + ("-tmpfs" if namespace else "-rlimit"),
@@ -367,7 +365,7 @@ def test_a_disk_that_fills_during_a_checkpoint_write_keeps_the_last_checkpoint(t
             "checkpoint_step": 2,
             "steps_lost": 2,  # steps 3 and 4, since the checkpoint of step 2
             "exit_codes": [proc.returncode],
-            "max_rel_loss_delta": max(deltas),
+            "max_rel_loss_delta": None,  # the redone step 3 is logged once: the trials compare resumed losses
             "mlflow_runs": 1,
             "stop_s": round(failed_s, 1),
             "hung": False,

@@ -256,7 +256,7 @@ def test_a_damaged_or_missing_checkpoint_is_named(make_cfg, corrupted):
     assert "an earlier step*.ckpt" in str(err.value)
     with pytest.raises(FileNotFoundError, match="ckpt_path='nope.ckpt' does not exist; give a checkpoint file"):
         plan_run(make_cfg("ckpt_path=nope.ckpt"))
-    with pytest.raises(FileNotFoundError, match="ckpt_path=last: .*last.ckpt does not exist"):
+    with pytest.raises(FileNotFoundError, match="ckpt_path=last: .*checkpoints holds no whole checkpoint"):
         plan_run(make_cfg("ckpt_path=last"))
 
 
@@ -295,7 +295,7 @@ def test_a_resume_says_where_it_continues_and_needs_its_mlflow_run(make_cfg, tmp
     last = Path(first["trainer"].checkpoint_callback.dirpath) / "last.ckpt"
     plan = plan_run(make_cfg("trainer.max_steps=6", "ckpt_path=last"))
     assert plan.resume.step == 4 and plan.tracking.run_id == first["mlflow"].run_id
-    assert f"resume          from step 4 of {last} (ckpt_path=last)" in plan.describe()
+    assert f"resume          from step 4 of {last} (ckpt_path=last: the run directory's newest whole" in plan.describe()
     assert f"continues run {first['mlflow'].run_id}" in plan.describe()
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/other/mlflow.db")  # a store without that run
@@ -380,3 +380,135 @@ def test_the_command_line_names_the_fix_without_a_traceback(tmp_path):
 
     done = cli("+trainer.max_step=6", tmp_path=tmp_path)
     assert done.returncode == 2 and "did you mean trainer.max_steps?" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("override", "field", "says"),
+    [
+        ("trainer.max_steps=-1", "trainer.max_steps=-1", "would train without end"),
+        ("trainer.max_steps=0", "trainer.max_steps=0", "would train nothing"),
+        ("lr_ablation.by_size.tiny.max_lr=-1", "lr_ablation.max_lr=-1", "a positive learning rate"),
+        ("lr_ablation.by_size.tiny.min_lr=0.1", "lr_ablation.min_lr=0.1", "between 0 and lr_ablation.max_lr"),
+        ("lr_ablation.by_size.tiny.warmup_steps=-3", "lr_ablation.warmup_steps=-3", ">= 0"),
+        ("trainer.val_check_interval=0", "trainer.val_check_interval=0", "a positive number of optimizer steps"),
+        ("trainer.log_every_n_steps=0", "trainer.log_every_n_steps=0", "a positive number"),
+        ("trainer.gradient_clip_val=-1", "trainer.gradient_clip_val=-1", ">= 0 or null"),
+        ("optimizer.weight_decay=-0.1", "optimizer.weight_decay=-0.1", ">= 0"),
+        ("data.val_windows=0", "data.val_windows=0", "positive or null"),
+        ("loss_chunk_tokens=0", "loss_chunk_tokens=0", "a positive number or null"),
+        ("logger.mlflow.flush_timeout_s=-1", "logger.mlflow.flush_timeout_s=-1", ">= 0"),
+        ("size.vocab_size=1000", "size.vocab_size=1000", "smaller than the tokenizer's 50,257 tokens"),
+    ],
+)
+def test_every_number_is_checked_for_its_sign_and_range(override, field, says, make_cfg):
+    with pytest.raises(ConfigError) as err:
+        plan_run(make_cfg(override))
+    (problem,) = [p for p in err.value.problems if p.startswith(field)]
+    assert says in problem
+    assert "lr_ablation.max_lr=-" not in problem.partition("must be")[2]  # no advice to set a negative rate
+
+
+def test_a_corpus_that_is_not_text_or_too_short_is_named(make_cfg, tmp_path):
+    binary = tmp_path / "model.bin"
+    binary.write_bytes(bytes(range(256)) * 8)
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes("caf\u00e9 au lait\n".encode("latin-1") * 200)
+    short = tmp_path / "short.txt"
+    short.write_text("To be, or not to be, that is the question.\n" * 12)  # ~170 tokens: the last tenth < 65
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("Hello.\n")
+    cases = [
+        (binary, ValueError, rf"data.text_file='{binary}' is not text \(a NUL byte at offset 0"),
+        (latin, ValueError, rf"data.text_file='{latin}' is not UTF-8 text \(byte 3"),
+        (short, ValueError, rf"data.text_file={short}: its validation split holds \d+ tokens, fewer than one sequence"),
+        (tiny, ValueError, rf"data.text_file={tiny}: its training split holds \d+ tokens"),
+    ]
+    for path, kind, says in cases:
+        with pytest.raises(kind, match=says):
+            plan_run(make_cfg(f"data.text_file={path}", f"paths.data_dir={tmp_path / 'shards'}"))
+    assert not (tmp_path / "shards").exists()  # the plan wrote nothing
+
+
+def test_directories_the_run_cannot_write_are_named(make_cfg, tmp_path):
+    from omegaconf import open_dict
+
+    cfg = make_cfg()
+    with open_dict(cfg):
+        cfg.paths.output_dir = "/proc/sys/t6-run"  # a file system this process may not write
+    with pytest.raises(ConfigError) as err:
+        plan_run(cfg)
+    assert any(p.startswith("paths.output_dir=/proc/sys/t6-run: /proc/sys is not writable") for p in err.value.problems)
+    fresh = tmp_path / "fresh"
+    with pytest.raises(PermissionError, match="data.data_dir=/proc/sys/t6-data: the shards of tinyshakespeare.txt"):
+        plan_run(make_cfg(f"paths.data_dir={fresh}", "data.data_dir=/proc/sys/t6-data"))
+
+
+def test_a_store_that_is_not_a_database_or_stays_locked_is_named(make_cfg, tmp_path, monkeypatch):
+    import sqlite3
+
+    from t6.tracking import mlflow as tracking
+
+    store = tmp_path / "mlruns" / "mlflow.db"
+    store.parent.mkdir()
+    store.write_bytes(b"not a database" * 100)
+    with pytest.raises(ValueError, match=f"{store} is not an SQLite database"):
+        plan_run(make_cfg())
+    store.unlink()
+    sqlite3.connect(store).execute("CREATE TABLE t (x)").connection.commit()
+    holder = sqlite3.connect(store, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")  # another process writing, for longer than the check waits
+    monkeypatch.setattr(tracking, "STORE_WAIT_S", 0.5)
+    try:
+        with pytest.raises(ConnectionError, match=f"the MLflow store {store} is locked by another process"):
+            plan_run(make_cfg())
+    finally:
+        holder.execute("ROLLBACK")
+
+
+def training_checkpoint(cfg, path: Path, step: int, **changes) -> Path:
+    """A training checkpoint of cfg's model at `step` (random weights), as RunCheckpoint writes one."""
+    from dataclasses import asdict
+
+    from t6.config import model_config
+    from t6.training.module import T6LitModule
+
+    fields = {**asdict(model_config(cfg)), **changes}
+    module = T6LitModule(model_config=fields)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(
+        {"state_dict": module.state_dict(), "hyper_parameters": {"model_config": fields}, "global_step": step}, path
+    )
+    return path
+
+
+def test_a_resume_checkpoint_must_hold_the_model_the_config_builds(make_cfg, tmp_path):
+    cfg = make_cfg("attention=mha")
+    tpa = training_checkpoint(make_cfg("attention=tpa"), tmp_path / "tpa.ckpt", 3)
+    with pytest.raises(ValueError) as err:
+        plan_run(make_cfg("attention=mha", f"ckpt_path={tpa}"))
+    text = str(err.value)
+    assert f"ckpt_path='{tpa}' holds a tpa model" in text and "this run's config does not build (mha)" in text
+    assert "attention: 'tpa' in the checkpoint, 'mha' here" in text and "attention=tpa" in text
+    holed = training_checkpoint(cfg, tmp_path / "holed.ckpt", 3)
+    ckpt = torch.load(holed, weights_only=True)
+    del ckpt["state_dict"]["model.blocks.0.attn.q.weight"]  # a tensor missing
+    torch.save(ckpt, holed)
+    with pytest.raises(ValueError, match=r"(?s)weights do not match its model config .*missing blocks.0.attn.q.weight"):
+        plan_run(make_cfg("attention=mha", f"ckpt_path={holed}"))
+    assert plan_run(make_cfg("attention=mha", f"ckpt_path={training_checkpoint(cfg, tmp_path / 'ok.ckpt', 3)}"))
+
+
+def test_a_resume_takes_the_newest_whole_checkpoint(make_cfg, tmp_path):
+    cfg = make_cfg("auto_resume=true")
+    folder = Path(cfg.paths.output_dir) / "checkpoints"
+    training_checkpoint(cfg, folder / "step000004.ckpt", 4)  # a crash before the last.ckpt beside it
+    plan = plan_run(cfg)
+    assert plan.resume.step == 4 and plan.resume.ckpt_path == str(folder / "step000004.ckpt")
+    training_checkpoint(cfg, folder / "last.ckpt", 2)  # older than the periodic file
+    assert plan_run(make_cfg("auto_resume=true")).resume.step == 4
+    training_checkpoint(cfg, folder / "last.ckpt", 6)
+    last = folder / "last.ckpt"
+    assert plan_run(make_cfg("auto_resume=true")).resume.ckpt_path == str(last)
+    last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])  # cut short (copied, or a full disk)
+    plan = plan_run(make_cfg("ckpt_path=last"))
+    assert plan.resume.step == 4 and "resume: passed over last.ckpt does not read whole" in " ".join(plan.warnings)

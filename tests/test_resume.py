@@ -307,3 +307,91 @@ def test_sigterm_save_in_the_background_is_on_disk_before_the_run_exits(make_cfg
         train(in_dir(cfg, tmp_path / "run", "term=test_resume.SigtermAt(3)"))
     ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert ckpt["global_step"] == 4 and "optimizer_states" in ckpt  # the step the stop was agreed at, whole
+
+
+class CrashAt(L.Callback):
+    """A crash (an exception, as a killed process leaves no word) at the end of optimizer step `step`, after the
+    step's metrics are logged."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            raise RuntimeError(f"crash after step {self.step}")
+
+
+@pytest.mark.slow  # two training runs
+def test_a_crash_between_the_periodic_checkpoint_and_last_ckpt_resumes_from_the_newest_whole_one(make_cfg, tmp_path):
+    """The run saves step000004.ckpt and is killed before the last.ckpt beside it (here: a crash after step 5, then
+    last.ckpt removed, a half-written .last.ckpt.PID.tmp left): the re-run resumes from step 4, in the same MLflow
+    run, removes the stale file, and the steps it redoes keep one point each in MLflow."""
+    run_dir = tmp_path / "crashed"
+    every4 = "callbacks.model_checkpoint.every_n_train_steps=4"
+    with pytest.raises(RuntimeError, match="crash after step 5"):
+        train(in_dir(make_cfg(every4, "trainer.val_check_interval=100"), run_dir, "crash=test_resume.CrashAt(5)"))
+    folder = run_dir / "checkpoints"
+    (folder / "last.ckpt").unlink()
+    stale = folder / ".last.ckpt.4242.tmp"
+    stale.write_bytes(b"half a checkpoint")
+    uri = make_cfg().logger.mlflow.tracking_uri
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    (first,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+
+    _, resumed = train(in_dir(make_cfg(every4, "auto_resume=true", "trainer.val_check_interval=100"), run_dir))
+    assert resumed["plan"].resume.step == 4 and resumed["plan"].resume.ckpt_path == str(folder / "step000004.ckpt")
+    assert resumed["trainer"].global_step == 8 and not stale.exists()
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])  # one run: the same
+    assert run.info.run_id == first.info.run_id and run.info.status == "FINISHED"
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
+    assert sorted(steps) == list(range(8))  # step 5 was logged before the crash and redone: one point
+    assert run.data.tags["redone_steps"] == "5-5"
+
+
+@pytest.mark.slow  # a plan, then a training run
+def test_a_second_run_in_a_held_run_directory_names_the_first_and_changes_nothing(make_cfg, tmp_path):
+    from t6.run.cli import UserError
+    from t6.run.process import run_directory
+
+    cfg = make_cfg()
+    run_dir = Path(cfg.paths.output_dir)
+    with run_directory(run_dir):  # the first run, still going
+        before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
+        with pytest.raises(
+            UserError, match=rf"{run_dir} is the run directory of a run still going \(pid {os.getpid()}"
+        ):
+            train(cfg)
+        assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
+    client = mlflow.MlflowClient(tracking_uri=cfg.logger.mlflow.tracking_uri)
+    assert not client.search_runs([e.experiment_id for e in client.search_experiments()])  # no MLflow run made
+    _, objects = train(make_cfg("trainer.max_steps=2"))  # the directory free again
+    assert objects["trainer"].global_step == 2
+
+
+@pytest.mark.slow  # a process of its own importing torch
+def test_a_full_disk_is_named_with_the_bytes_needed_and_the_old_checkpoint_kept(tmp_path):
+    """A file size limit (RLIMIT_FSIZE, what a full disk looks like to a writer) in a process of its own."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    path = tmp_path / "last.ckpt"
+    AtomicCheckpointIO().save_checkpoint({"w": torch.zeros(16)}, path)
+    script = f"""
+import resource, signal, torch
+from t6.training.checkpoint_io import AtomicCheckpointIO
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.RLIM_INFINITY))
+AtomicCheckpointIO().save_checkpoint({{"w": torch.ones(2**20)}}, {str(path)!r})
+"""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert (
+        last.startswith("OSError: [Errno 27] File too large: a checkpoint of 4.0 MiB does not fit")
+        and str(path) in last
+    )
+    assert torch.equal(torch.load(path, weights_only=True)["w"], torch.zeros(16))  # the previous file, whole
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]  # no temporary file left

@@ -186,3 +186,52 @@ def test_a_continued_run_is_known_while_the_store_is_down(tmp_path, quick_mlflow
     logger.log_metrics({"train/loss": 1.0}, step=0)
     assert not logger.close()
     assert '"train/loss", 1.0' in (tmp_path / "outbox" / "rank0.jsonl").read_text()
+
+
+@pytest.mark.slow  # ~6 s of a store down and back
+def test_the_flush_retries_until_its_deadline_when_the_store_comes_back(tmp_path, quick_mlflow, monkeypatch):
+    """The store down while the run logs (the sender's backoff grows to seconds), back during the end-of-run flush:
+    every write arrives before the flush's deadline."""
+    import threading
+    import time
+
+    from mlflow.entities import Metric
+
+    from t6.tracking.outbox import Outbox, OutboxClient
+
+    uri, client, run_id = local_run(tmp_path)
+    down, real = [True], mlflow.MlflowClient.log_batch
+
+    def store(self, *args, **kwargs):  # the store's answer: none while down
+        if down[0]:
+            raise ConnectionError("store down")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(mlflow.MlflowClient, "log_batch", store)
+    outbox = Outbox(uri, tmp_path / "outbox" / "rank0.jsonl")
+    writer = OutboxClient(outbox)
+    for step in range(30):
+        writer.log_batch(run_id, metrics=[Metric("train/loss", float(step), 1000 + step, step)])
+    time.sleep(3.5)  # tried at 0, 1 and 3 s: the next try 4 s on, then 8
+    threading.Timer(1.0, lambda: down.__setitem__(0, False)).start()  # back 1 s into the flush
+    start = time.monotonic()
+    assert outbox.flush(timeout_s=5.0) and time.monotonic() - start < 3.5
+    assert outbox.close(timeout_s=1.0)
+    assert sorted(m.step for m in client.get_metric_history(run_id, "train/loss")) == list(range(30))
+
+
+@pytest.mark.slow  # two training runs
+def test_the_summary_names_the_model_only_once_the_store_has_it(make_cfg, monkeypatch):
+    from t6.run.closing import closing_summary
+
+    _, first = train(make_cfg("trainer.max_steps=2", "logger.mlflow.log_model=final"))
+    assert f"model           {first['uploaded']}" in closing_summary({}, first)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")  # the server gone
+    cfg = make_cfg(
+        "trainer.max_steps=3", "ckpt_path=last", "logger.mlflow.log_model=final", "logger.mlflow.flush_timeout_s=1"
+    )
+    metrics, resumed = train(cfg)
+    text = closing_summary(metrics, resumed)
+    outbox = resumed["mlflow"].outbox_dir
+    assert not resumed["sent"] and "model           not uploaded yet" in text and "model           http" not in text
+    assert f"python -m t6.tracking.sync {outbox}" in text

@@ -19,6 +19,43 @@ TINY_SHAKESPEARE = ASSETS / "tinyshakespeare.txt"
 VAL_FRACTION = 0.1  # a text corpus validates on its last tenth (data.val_fraction, the local tasks' held-out text)
 
 
+def check_text(text_file: Path) -> None:
+    """text_file is UTF-8 text: a binary file or another encoding is an error naming the file and where it fails."""
+    data = Path(text_file).read_bytes()
+    nul = data.find(bytes(1))
+    if nul >= 0:
+        raise ValueError(
+            f"data.text_file={str(text_file)!r} is not text (a NUL byte at offset {nul}: a binary file?); give a "
+            "UTF-8 text file"
+        )
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"data.text_file={str(text_file)!r} is not UTF-8 text (byte {err.start}: {err.reason}); convert it, "
+            "e.g. iconv -f LATIN1 -t UTF-8 FILE > FILE.utf8"
+        ) from None
+
+
+def current_manifest(text_file: Path, out_dir: Path, val_fraction: float | None = None) -> Manifest | None:
+    """The manifest of out_dir when its shards are text_file's, made as `prepare_text_corpus` makes them (the
+    text's hash, the split, the tokenizer), whole; else None (they must be made)."""
+    text_file, out_dir = Path(text_file), Path(out_dir)
+    if not text_file.is_file():
+        return None
+    val_fraction = VAL_FRACTION if val_fraction is None else val_fraction
+    source = {"file": text_file.name, "sha256": sha256_file(text_file), "val_fraction": val_fraction}
+    try:
+        manifest = Manifest.load(out_dir)
+        if manifest.source != source or manifest.tokenizer != tokenizer_id():
+            return None
+        for split in ("train", "val"):
+            manifest.open(out_dir, split, tokenizer_id())
+    except ShardError:
+        return None
+    return manifest
+
+
 def text_tokens(text_file: Path) -> np.ndarray:
     """The corpus as one document: <|endoftext|> then its GPT-2 tokens, uint16."""
     ids = gpt2_encoding().encode_ordinary(Path(text_file).read_text(encoding="utf-8"))
@@ -48,15 +85,11 @@ def prepare_text_corpus(text_file: Path, out_dir: Path, val_fraction: float | No
     if not 0 < val_fraction < 1:
         raise ValueError(f"data.val_fraction={val_fraction} must be between 0 and 1")
     source = {"file": text_file.name, "sha256": sha256_file(text_file), "val_fraction": val_fraction}
-    try:
-        manifest = Manifest.load(out_dir)
-        if manifest.source == source and manifest.tokenizer == tokenizer_id():
-            for split in ("train", "val"):
-                manifest.open(out_dir, split, tokenizer_id())
-            return manifest
+    manifest = current_manifest(text_file, out_dir, val_fraction)
+    if manifest is not None:
+        return manifest
+    if (out_dir / "manifest.json").exists():
         log.info("%s changed since its shards were made; rebuilding them", text_file)
-    except ShardError:
-        pass
     out_dir.mkdir(parents=True, exist_ok=True)
     tokens = text_tokens(text_file)
     start = validation_start(len(tokens), val_fraction)

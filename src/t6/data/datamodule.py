@@ -15,6 +15,7 @@ ranks of a torchrun / SLURM job that all start on fresh data make them once.
 from __future__ import annotations
 
 import fcntl
+import os
 from pathlib import Path
 
 import lightning as L
@@ -23,10 +24,25 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from t6.data.batching import accumulation_steps, check_batch_settings, sequences_per_device, sequences_per_step
-from t6.data.corpus import TINY_SHAKESPEARE, prepare_text_corpus
+from t6.data.corpus import (
+    TINY_SHAKESPEARE,
+    check_text,
+    current_manifest,
+    prepare_text_corpus,
+    text_tokens,
+    validation_start,
+)
 from t6.data.shards import Manifest, ShardError
 from t6.data.tokenizer import tokenizer_id
 from t6.model.loss import IGNORE_INDEX
+
+SPLITS = ("train", "val")
+
+
+def writable(path: Path) -> bool:
+    """Whether path can be written, or made under the nearest directory above it that exists."""
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    return existing is not None and existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)
 
 
 class Windows:
@@ -148,13 +164,43 @@ class TokenDataModule(L.LightningDataModule):
                 prepare_text_corpus(self.text_file, self.data_dir, self.val_fraction)
 
     def check(self) -> None:
-        """Before anything is built, reading only: the text the shards are made from exists, or the
-        prepared shards are whole (manifest, headers, sizes; opened by memmap, nothing read into memory)."""
-        if self.text_file is not None:
+        """Before anything is built, reading only: the text the shards are made from (it exists, is UTF-8 text, and
+        each split holds a sequence; the directory its shards go to can be written when they must be made), or the
+        prepared shards (manifest, headers, sizes, opened by memmap; each split holds a sequence)."""
+        if self.text_file is None:
+            self.setup()
+            for split in SPLITS:
+                tokens = [s["tokens"] for s in Manifest.load(self.data_dir).shards if s["split"] == split]
+                self.check_split(split, tokens, f"the shards in {self.data_dir}")
+            return
+        manifest = current_manifest(self.text_file, self.data_dir, self.val_fraction)
+        if manifest is None:
             if not self.text_file.is_file():
                 raise FileNotFoundError(f"data.text_file={str(self.text_file)!r} does not exist")
-            return
-        self.setup()
+            check_text(self.text_file)
+            tokens = len(text_tokens(self.text_file))
+            start = validation_start(tokens, self.val_fraction)
+            splits = {"train": [start], "val": [tokens - start]}
+            if not writable(self.data_dir):
+                raise PermissionError(
+                    f"data.data_dir={self.data_dir}: the shards of {self.text_file.name} are made there on first use, "
+                    "but it cannot be written; give data.data_dir a writable directory"
+                )
+        else:
+            splits = {
+                split: [s["tokens"] for s in manifest.shards if s["split"] == split] for split in ("train", "val")
+            }
+        for split, tokens in splits.items():
+            self.check_split(split, tokens, f"data.text_file={self.text_file}")
+
+    def check_split(self, split: str, tokens: list[int], what: str) -> None:
+        """A split whose shards hold no window of data.seq_len + 1 tokens is an error naming it and the fix."""
+        if sum((n - 1) // self.seq_len for n in tokens) < 1:
+            fix = "raise data.val_fraction" if split == "val" and self.text_file is not None else "give more text"
+            raise ValueError(
+                f"{what}: its {'validation' if split == 'val' else 'training'} split holds {sum(tokens)} tokens, "
+                f"fewer than one sequence of data.seq_len + 1 = {self.seq_len + 1}; {fix}, or lower data.seq_len"
+            )
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_windows is None:

@@ -101,6 +101,24 @@ def _discard(out_dir: Path, progress_file: Path) -> None:
     progress_file.unlink(missing_ok=True)
 
 
+def check_text_field(ds, text_field: str, where) -> None:
+    """The first row of the data set has `text_field`, holding text; else an error naming the field, what the rows
+    have and the setting that chooses it."""
+    first = next(iter(ds), None)
+    if first is None:
+        raise ValueError(f"{where}: the data set has no rows; check dataset.data_files (or dataset.path and split)")
+    if text_field not in first:
+        raise ValueError(
+            f"dataset.text_field={text_field!r}: the rows of {where} have no such field (they have: "
+            f"{', '.join(sorted(map(str, first)))}); set dataset.text_field to the one holding the text"
+        )
+    if not isinstance(first[text_field], str):
+        raise ValueError(
+            f"dataset.text_field={text_field!r} of {where} holds {type(first[text_field]).__name__}, not text; "
+            "set dataset.text_field to the field holding the documents' text"
+        )
+
+
 def prepare_dataset(
     out_dir: str | Path,
     path: str = "HuggingFaceFW/fineweb-edu",
@@ -175,6 +193,7 @@ def prepare_dataset(
             )
 
     ds = datasets.load_dataset(path, name=config, split=split, data_files=data_files, streaming=True)
+    check_text_field(ds, text_field, data_files or path)
     if state["next_doc"]:
         ds = ds.skip(state["next_doc"])
     texts = (row[text_field] for row in ds)

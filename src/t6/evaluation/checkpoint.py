@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlflow
@@ -14,9 +15,22 @@ from t6.model.load import build_model, read_checkpoint
 from t6.tracking.mlflow import check_tracking_uri
 
 
-def evaluate_checkpoint(cfg: DictConfig) -> tuple[dict[str, float], str]:
-    """Evaluate cfg.ckpt_path on cfg.eval; log into cfg.run_id (null: a new run, "train": the
-    checkpoint's own training run). Returns (metrics, MLflow run id)."""
+@dataclass
+class Evaluation:
+    """A checkpoint's evaluation, checked and ready: the model, the tasks, the MLflow run it logs to."""
+
+    path: Path
+    model: torch.nn.Module
+    callback: object  # t6.evaluation.callback.DownstreamEval: its spec and task manager
+    client: mlflow.MlflowClient
+    run_id: str
+    new_run: bool
+    step: int
+
+
+def prepare_evaluation(cfg: DictConfig) -> Evaluation:
+    """Everything eval.py checks before it evaluates: the checkpoint (missing or damaged: named), the store, the
+    tasks and their data, the MLflow run to log into (a new one, the checkpoint's own, or a given id)."""
     if OmegaConf.is_missing(cfg, "ckpt_path") or not cfg.ckpt_path:
         raise ValueError("ckpt_path is required: python eval.py ckpt_path=logs/train/runs/<time>/checkpoints/last.ckpt")
     path = Path(cfg.ckpt_path)
@@ -48,14 +62,27 @@ def evaluate_checkpoint(cfg: DictConfig) -> tuple[dict[str, float], str]:
                 "global_step": str(step),
             },
         )
-        run_id, new_run = run.info.run_id, True
-    else:
-        client.get_run(run_id)  # an unknown run id fails here
-        new_run = False
+        return Evaluation(path, model, callback, client, run.info.run_id, True, step)
+    try:
+        client.get_run(run_id)
+    except mlflow.exceptions.MlflowException as err:
+        raise ValueError(f"run_id={run_id!r} is not a run of {cfg.tracking_uri}: {err.message}") from None
+    return Evaluation(path, model, callback, client, run_id, False, step)
+
+
+def evaluate(prepared: Evaluation, eval_cfg: DictConfig) -> tuple[dict[str, float], str]:
+    """Run the harness and log the results into the run. Returns (metrics, MLflow run id)."""
+    client, run_id, step = prepared.client, prepared.run_id, prepared.step
     run_name = client.get_run(run_id).info.run_name
-    results = run_harness(model, callback.spec, callback.task_manager)
-    metrics = log_results(client, run_id, results, callback.spec, step, run_name)
-    client.log_text(run_id, OmegaConf.to_yaml(cfg.eval, resolve=True), f"eval/step{step:06d}/eval_config.yaml")
-    if new_run:
+    results = run_harness(prepared.model, prepared.callback.spec, prepared.callback.task_manager)
+    metrics = log_results(client, run_id, results, prepared.callback.spec, step, run_name)
+    client.log_text(run_id, OmegaConf.to_yaml(eval_cfg, resolve=True), f"eval/step{step:06d}/eval_config.yaml")
+    if prepared.new_run:
         client.set_terminated(run_id)
     return metrics, run_id
+
+
+def evaluate_checkpoint(cfg: DictConfig) -> tuple[dict[str, float], str]:
+    """Evaluate cfg.ckpt_path on cfg.eval; log into cfg.run_id (null: a new run, "train": the
+    checkpoint's own training run). Returns (metrics, MLflow run id)."""
+    return evaluate(prepare_evaluation(cfg), cfg.eval)

@@ -247,6 +247,22 @@ def sample_tokens(cfg: ModelConfig, n: int = 64) -> torch.Tensor:
     return torch.tensor([tokens]) % cfg.vocab_size  # [1, T]
 
 
+def check_request(cfg) -> None:
+    """Before anything is written: ckpt_path and out given, the checkpoint a T6 that reads whole, out a directory
+    (or not there yet), not the checkpoint itself."""
+    from omegaconf import OmegaConf
+
+    for name in ("ckpt_path", "out"):
+        if OmegaConf.is_missing(cfg, name) or not cfg.get(name):
+            raise ValueError(f"{name} is required: python export.py ckpt_path=PATH/last.ckpt out=DIR")
+    path, out = Path(cfg.ckpt_path).expanduser(), Path(cfg.out).expanduser()
+    model_state(read_checkpoint(path, "ckpt_path", mmap=True), "ckpt_path", path)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out={str(out)!r} is a file; give a directory to write the export into (it is created)")
+    if out.resolve() == path.resolve():
+        raise ValueError(f"out={str(out)!r} is the checkpoint being exported; choose another directory")
+
+
 def run(cfg) -> list[str]:
     """`python export.py` (conf/export.yaml): write the directory and check it (unless check=false);
     returns the lines to print."""

@@ -10,7 +10,7 @@ from t6.data.tokenizer import EOT, gpt2_encoding
 from t6.hardware.device import choose_device
 from t6.model import T6
 from t6.model.load import load_model
-from t6.model.t6 import left_pad
+from t6.model.t6 import check_sampling, left_pad
 
 
 def generate_text(
@@ -56,20 +56,32 @@ def generation_device(device: str) -> str:
     return chosen
 
 
-def run(cfg: DictConfig) -> list[str]:
-    """Generate from the `generate` config (conf/generate.yaml); returns the texts."""
+def load_for_generation(cfg: DictConfig) -> tuple[T6, list[str]]:
+    """The checks of the `generate` config (conf/generate.yaml) and the model it names: the settings' signs and
+    ranges, the checkpoint (read, damaged or missing: named), the prompts against the model's context; every
+    problem an error naming its field and the fix, before anything is generated."""
     if OmegaConf.is_missing(cfg, "ckpt_path") or not cfg.ckpt_path:
         raise ValueError("ckpt_path is required: python generate.py ckpt_path=/path/to/last.ckpt prompt='ROMEO:'")
-    prompts = cfg.prompt if OmegaConf.is_list(cfg.prompt) else [cfg.prompt]
-    torch.manual_seed(cfg.seed)
+    new = cfg.max_new_tokens
+    if not isinstance(new, int) or isinstance(new, bool) or new < 1:
+        raise ValueError(f"max_new_tokens={new!r} must be a positive number of tokens, e.g. max_new_tokens=100")
+    check_sampling(cfg.temperature, cfg.top_k, cfg.top_p)
+    prompts = [str(p) for p in (cfg.prompt if OmegaConf.is_list(cfg.prompt) else [cfg.prompt])]
     model = load_model(cfg.ckpt_path, device=generation_device(cfg.device))
+    enc, block = gpt2_encoding(), model.cfg.block_size
+    longest = max(len(enc.encode(p, allowed_special={"<|endoftext|>"}) or [EOT]) for p in prompts)
+    if longest + new > block:
+        raise ValueError(
+            f"prompt ({longest} tokens) + max_new_tokens={new} exceeds the model's context of {block} tokens "
+            f"(size.block_size); set max_new_tokens<={block - longest} or shorten the prompt"
+        )
+    return model, prompts
+
+
+def run(cfg: DictConfig) -> list[str]:
+    """Generate from the `generate` config (conf/generate.yaml); returns the texts."""
+    model, prompts = load_for_generation(cfg)
+    torch.manual_seed(cfg.seed)
     return generate_text(
-        model,
-        [str(p) for p in prompts],
-        cfg.max_new_tokens,
-        cfg.temperature,
-        cfg.top_k,
-        cfg.top_p,
-        cfg.stop_at_eot,
-        cfg.seed,
+        model, prompts, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, cfg.stop_at_eot, cfg.seed
     )

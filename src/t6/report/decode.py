@@ -13,7 +13,12 @@ def load_decode_records(path: str | Path) -> list[dict]:
         raise FileNotFoundError(
             f"decode benchmark JSON {path} does not exist (make it with python -m t6.bench.decode --json {path})"
         )
-    data = json.loads(path.read_text())
+    try:
+        data = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ValueError(
+            f"--decode-json {path} is not JSON ({err}); make it with python -m t6.bench.decode --json"
+        ) from None
     if isinstance(data, dict):
         data = data.get("records", data.get("results"))
     if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):

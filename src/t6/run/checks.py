@@ -1,15 +1,18 @@
 """The problems of a training config itself, every one at once, each naming the field and the fix.
 
 `config_problems(cfg)` runs every check that needs nothing but the config (no data, checkpoint, store or
-device): the model, the learning rate, the batch and sequence settings, the samples, the loss, the
-Trainer's settings and the evaluation. `t6.run.plan.plan_run` raises them together as one ConfigError.
+device): the model and its vocabulary against the tokenizer, every number's sign and range, the learning rate,
+the batch and sequence settings, the samples, the loss, the Trainer's settings, the evaluation and the
+directories the run writes. `t6.run.plan.plan_run` raises them together as one ConfigError.
 """
 
 from __future__ import annotations
 
 import difflib
 import inspect
+import os
 from collections.abc import Callable
+from pathlib import Path
 
 from omegaconf import DictConfig
 
@@ -31,6 +34,8 @@ def config_problems(cfg: DictConfig) -> tuple[ModelConfig | None, list[str]]:
         mcfg = model_config(cfg)
     except ConfigError as err:
         problems += err.problems
+    problems += vocabulary_problems(cfg)
+    problems += number_problems(cfg)
     problems += learning_rate_problems(cfg)
     problems += dataset_problems(cfg)
     problems += data_problems(cfg)
@@ -41,6 +46,7 @@ def config_problems(cfg: DictConfig) -> tuple[ModelConfig | None, list[str]]:
     problems += eval_problems(cfg.get("eval"))
     if mlflow_config(cfg) is not None:
         problems += raised(log_model_choice, cfg.logger.mlflow.get("log_model", False))
+    problems += directory_problems(cfg)
     return (mcfg if not problems else None), problems
 
 
@@ -53,10 +59,129 @@ def raised(check: Callable, *args) -> list[str]:
     return []
 
 
+def is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def tokenizer_vocabulary(cfg: DictConfig) -> tuple[int, str]:
+    """(tokens, name) of the tokenizer the run's data is made with: GPT-2 BPE (t6.data.tokenizer)."""
+    from t6.data.tokenizer import gpt2_encoding
+
+    return gpt2_encoding().n_vocab, "GPT-2 BPE"
+
+
+def vocabulary_problems(cfg: DictConfig) -> list[str]:
+    """The model's embedding holds every token id the tokenizer makes (else an index error at the first step)."""
+    vocab = cfg.size.get("vocab_size")
+    tokens, name = tokenizer_vocabulary(cfg)
+    if is_int(vocab) and vocab < tokens:
+        return [
+            f"size.vocab_size={vocab} is smaller than the tokenizer's {tokens:,} tokens ({name}): its ids up to "
+            f"{tokens - 1} would index past the embedding; set size.vocab_size>={tokens} (e.g. "
+            f"size.vocab_size={-(-tokens // 64) * 64}, a multiple of 64)"
+        ]
+    return []
+
+
+def number_problems(cfg: DictConfig) -> list[str]:
+    """Every number's sign and range, named by its field with a value that works."""
+    problems = []
+
+    def need(ok: bool, field: str, value, what: str) -> None:
+        if not ok:
+            problems.append(f"{field}={value!r} must be {what}")
+
+    trainer, data, lr = cfg.trainer, cfg.data, cfg.lr_ablation
+    steps = trainer.get("max_steps")
+    need(
+        is_int(steps) and steps >= 1,
+        "trainer.max_steps",
+        steps,
+        "a positive number of optimizer steps (-1 would train without end, 0 would train nothing), "
+        "e.g. trainer.max_steps=1000",
+    )
+    every = trainer.get("val_check_interval")
+    need(
+        every is None or (is_int(every) and every >= 1) or (isinstance(every, float) and 0 < every <= 1),
+        "trainer.val_check_interval",
+        every,
+        "a positive number of optimizer steps between validations (or a fraction in (0, 1])",
+    )
+    log_every = trainer.get("log_every_n_steps", 50)
+    need(is_int(log_every) and log_every >= 1, "trainer.log_every_n_steps", log_every, "a positive number of steps")
+    clip = trainer.get("gradient_clip_val")
+    need(clip is None or (is_number(clip) and clip >= 0), "trainer.gradient_clip_val", clip, ">= 0 or null")
+    if "max_lr" in lr:
+        need(is_number(lr.max_lr) and lr.max_lr > 0, "lr_ablation.max_lr", lr.max_lr, "a positive learning rate")
+    if "min_lr" in lr:
+        top = lr.get("max_lr") if is_number(lr.get("max_lr")) else float("inf")
+        need(
+            is_number(lr.min_lr) and 0 <= lr.min_lr <= top,
+            "lr_ablation.min_lr",
+            lr.min_lr,
+            f"between 0 and lr_ablation.max_lr={lr.get('max_lr')}",
+        )
+    if "warmup_steps" in lr:
+        warmup = lr.warmup_steps
+        need(is_int(warmup) and warmup >= 0, "lr_ablation.warmup_steps", warmup, "a number of steps >= 0")
+    decay = cfg.optimizer.get("weight_decay", 0.0)
+    need(is_number(decay) and decay >= 0, "optimizer.weight_decay", decay, ">= 0")
+    windows = data.get("val_windows")
+    need(windows is None or (is_int(windows) and windows >= 1), "data.val_windows", windows, "positive or null (all)")
+    chunk = cfg.get("loss_chunk_tokens")
+    need(chunk is None or (is_int(chunk) and chunk >= 1), "loss_chunk_tokens", chunk, "a positive number or null")
+    need(is_int(cfg.get("seed")), "seed", cfg.get("seed"), "an integer")
+    mlflow = mlflow_config(cfg)
+    if mlflow is not None:
+        flush = mlflow.get("flush_timeout_s", 30)
+        need(is_number(flush) and flush >= 0, "logger.mlflow.flush_timeout_s", flush, "a number of seconds >= 0")
+        interval = mlflow.get("system_metrics_interval_s", 10)
+        need(
+            is_number(interval) and interval > 0,
+            "logger.mlflow.system_metrics_interval_s",
+            interval,
+            "a positive number of seconds",
+        )
+    return problems
+
+
+def directory_problems(cfg: DictConfig) -> list[str]:
+    """The directories the run writes (its run directory, checkpoints, outbox) can be written, or made where an
+    existing directory above them can be written."""
+    from t6.run.resume import checkpoint_dir
+
+    wanted = {"paths.output_dir": cfg.paths.output_dir, "callbacks.model_checkpoint.dirpath": checkpoint_dir(cfg)}
+    mlflow = mlflow_config(cfg)
+    if mlflow is not None and mlflow.get("outbox_dir"):
+        wanted["logger.mlflow.outbox_dir"] = mlflow.outbox_dir
+    problems = []
+    for field, path in wanted.items():
+        why = unwritable(Path(str(path)))
+        if why:
+            problems.append(f"{field}={path}: {why}; give a directory this run may write (or run where it may)")
+    return problems
+
+
+def unwritable(path: Path) -> str | None:
+    """Why `path` cannot be written or made (None: it can), from the nearest directory that exists."""
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is None or not existing.is_dir():
+        return f"{existing} is not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable" + (" (a read-only file system?)" if existing != path else "")
+    return None
+
+
 def learning_rate_problems(cfg: DictConfig) -> list[str]:
     """One source for the peak learning rate: lr_ablation.max_lr. The schedule multiplies the optimizer's
     lr by lr(step) / max_lr, so an optimizer.lr that differs would silently scale the whole schedule."""
     lr, max_lr = cfg.optimizer.get("lr"), cfg.lr_ablation.get("max_lr")
+    if not (is_number(lr) and lr > 0):
+        return [] if lr is None or lr == max_lr else [f"optimizer.lr={lr!r} must be a positive learning rate"]
     if cfg.lr_ablation.get("scheduler") and lr is not None and max_lr is not None and float(lr) != float(max_lr):
         return [
             f"optimizer.lr={lr} differs from lr_ablation.max_lr={max_lr}, the schedule's peak; set the peak with "

@@ -10,6 +10,7 @@ config is reported as one message naming the fix, without a traceback (exit 2); 
 from __future__ import annotations
 
 import difflib
+import errno
 import os
 import pickle
 import re
@@ -38,9 +39,11 @@ class UserError(Exception):
     """A problem with what the user asked for; its message says what and how to fix it."""
 
 
+UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT)
+
 # What checking a request raises for a problem the user can fix: a setting, a missing or damaged file, an
 # unreachable store, a batch that cannot fit. Raised anywhere else, the same types are bugs (a traceback).
-USER_ERRORS = (ValueError, FileNotFoundError, ConnectionError, MemoryError, pickle.UnpicklingError)
+USER_ERRORS = (ValueError, FileNotFoundError, PermissionError, ConnectionError, MemoryError, pickle.UnpicklingError)
 
 
 @contextmanager
@@ -56,7 +59,10 @@ def user_errors() -> Iterator[None]:
 
 
 def entry(main: Callable[[], object]) -> None:
-    """Call a @hydra.main function; Hydra's composition errors and UserErrors are printed, exit code 2."""
+    """The error boundary of every entry script: call `main` (a @hydra.main function, or report.py's); Hydra's
+    composition errors, UserErrors (`user_errors` makes them of what a script's checks raise) and a file the process
+    may not write (permission, a read-only or full disk: Hydra's own run directory included) are printed as one
+    message, exit code 2. Anything else is a bug: it keeps its traceback."""
     from hydra.errors import ConfigCompositionException
 
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # Hydra raises instead of printing its own advice
@@ -67,6 +73,14 @@ def entry(main: Callable[[], object]) -> None:
         sys.exit(2)
     except UserError as err:
         sys.stderr.write(f"error: {err}\n")
+        sys.exit(2)
+    except OSError as err:
+        if err.errno not in UNWRITABLE or not err.filename:
+            raise
+        sys.stderr.write(
+            f"error: cannot write {err.filename}: {err.strerror}; give a directory this process may write and that "
+            "has room (hydra.run.dir=..., paths.root_dir=..., or the file's own setting)\n"
+        )
         sys.exit(2)
 
 

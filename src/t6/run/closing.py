@@ -8,6 +8,7 @@ from typing import Any
 
 from t6.run.samples import SAMPLES_ARTIFACT
 from t6.tracking.mlflow import ui_path
+from t6.tracking.outbox import SYNC_COMMAND
 
 
 def closing_summary(metrics: dict[str, float], objects: dict[str, Any]) -> str:
@@ -26,8 +27,15 @@ def closing_summary(metrics: dict[str, float], objects: dict[str, Any]) -> str:
     final = Path(plan.checkpoint_dir) / "last.ckpt"
     if final.exists():
         lines.append(f"checkpoint      {final}   (ckpt_path=last in this run dir resumes from it)")
-    if objects.get("uploaded"):
+    sent = objects.get("sent", True)
+    waiting = f"{mlflow.outbox_dir}; send them with `{SYNC_COMMAND} {mlflow.outbox_dir}`" if mlflow else ""
+    upload = plan.tracking.upload if plan.tracking is not None else None
+    if objects.get("uploaded") and sent:
         lines.append(f"model           {objects['uploaded']}")
+    elif upload and not sent:
+        lines.append(f"model           not uploaded yet: it waits with the run's unsent writes in {waiting}")
+    if mlflow is not None and not sent:
+        lines.append(f"MLflow          the store has not answered: the run's unsent writes wait in {waiting}")
     if mlflow is not None and not mlflow.experiment_id:  # a resume while the store was down
         lines.append(
             f"MLflow run      {mlflow.run_id} (logged offline: {mlflow.outbox_dir} holds what the store lacks)"

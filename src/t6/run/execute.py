@@ -1,6 +1,8 @@
 """`execute(plan)`: turn a `RunPlan`'s fields into the Lightning objects and fit. Every decision was made by
 `t6.run.plan.plan_run`; this builds, in order:
 
+0. the run directory, held by this run alone (t6.run.process.run_directory), what a killed run left half written
+   in it removed;
 1. the data (the embedded corpus is tokenized on first use), the MLflow store, the LightningModule (with a warm
    start's weights);
 2. the callbacks (the config's, with the plan's arguments; then the plan's own: the downstream evaluation, the
@@ -25,14 +27,16 @@ from omegaconf import DictConfig, OmegaConf
 
 from t6.config import flatten
 from t6.evaluation.callback import build_eval_callback
+from t6.hardware.probes import env_rank
 from t6.model.facts import model_facts
 from t6.run.plan import RunPlan
-from t6.run.process import destroy_process_group, run_settings
+from t6.run.process import destroy_process_group, run_directory, run_settings
 from t6.run.samples import log_samples
 from t6.tracking.logger import OutboxMLFlowLogger
 from t6.tracking.mlflow import open_tracking_store, save_and_upload_model, tag_training_experiment
 from t6.tracking.system_metrics import SystemMetrics
 from t6.training.callbacks import SameMicroBatch
+from t6.training.checkpoint_io import remove_stale_writes
 from t6.training.module import T6LitModule
 from t6.training.stop import RunStopped, StopProtocol
 
@@ -40,8 +44,12 @@ log = logging.getLogger(__name__)
 
 
 def execute(plan: RunPlan) -> tuple[dict[str, float], dict[str, Any]]:
-    """Fit as planned. Returns (final metrics, the objects built: model, datamodule, trainer, mlflow, plan, ...)."""
-    with run_settings(plan):
+    """Fit as planned, holding the run directory. Returns (final metrics, the objects built: model, datamodule,
+    trainer, mlflow, plan, ...)."""
+    with run_directory(plan.run_dir, env_rank()), run_settings(plan):
+        if env_rank() == 0 and Path(plan.checkpoint_dir).is_dir():
+            for name in remove_stale_writes(plan.checkpoint_dir):
+                log.warning("removed %s, a write a killed run left in %s", name, plan.checkpoint_dir)
         return fit(plan)
 
 
@@ -70,8 +78,11 @@ def fit(plan: RunPlan) -> tuple[dict[str, float], dict[str, Any]]:
         log_run_config(mlflow, plan)
     elif mlflow is not None and trainer.is_global_zero:
         mlflow.experiment.update_run(mlflow.run_id, status="RUNNING")  # it was KILLED or FAILED when interrupted
+        redone = redone_steps(plan)
+        if redone:  # logged before, redone from the checkpoint: their points are the earlier ones
+            mlflow.experiment.set_tag(mlflow.run_id, "redone_steps", redone)
 
-    uploaded, samples = None, []
+    uploaded, samples, sent = None, [], True
     try:
         ckpt_path = plan.resume.ckpt_path if plan.resume else None
         trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
@@ -93,7 +104,7 @@ def fit(plan: RunPlan) -> tuple[dict[str, float], dict[str, Any]]:
     finally:
         destroy_process_group()  # a sweep's next job in this process starts its own group
         if mlflow is not None:
-            mlflow.close()  # what waits for the store is sent now (up to logger.mlflow.flush_timeout_s)
+            sent = mlflow.close()  # what waits for the store is sent now (up to logger.mlflow.flush_timeout_s)
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     if eval_callback is not None and eval_callback.history:
@@ -105,9 +116,18 @@ def fit(plan: RunPlan) -> tuple[dict[str, float], dict[str, Any]]:
         "trainer": trainer,
         "mlflow": mlflow,
         "uploaded": uploaded,
+        "sent": sent,  # whether the store has every write of the run (else they wait in the outbox)
         "samples": samples,
     }
     return metrics, objects
+
+
+def redone_steps(plan: RunPlan) -> str | None:
+    """The optimizer steps a resume redoes ("5-6"): after its checkpoint, up to the last one the run logged."""
+    logged = plan.tracking.logged.get("train/loss") if plan.tracking is not None and plan.resume else None
+    if logged is None or logged + 1 <= plan.resume.step:  # train/loss of step s is logged at s - 1
+        return None
+    return f"{plan.resume.step + 1}-{logged + 1}"
 
 
 def build_module(plan: RunPlan) -> T6LitModule:
@@ -184,6 +204,7 @@ def build_trainer(plan: RunPlan, eval_callback: L.Callback | None) -> L.Trainer:
             "run_name": track.run_name,
             "tags": track.tags,
             "run_id": track.run_id,
+            "logged_steps": track.logged,
         }
     return instantiate(
         cfg.trainer,

@@ -24,6 +24,7 @@ import copy
 import enum
 import inspect
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -33,12 +34,12 @@ from t6.evaluation.callback import check_eval_tasks
 from t6.hardware import device as hw_device
 from t6.hardware import probes
 from t6.model.config import ConfigError, ModelConfig
-from t6.model.load import HF_FORMAT, WARM_START_FORMAT, read_checkpoint
+from t6.model.load import HF_FORMAT, WARM_START_FORMAT, model_state
 from t6.model.loss import use_liger
 from t6.run import checks
-from t6.run.resume import checkpoint_dir, resolve_ckpt_path
-from t6.tracking.mlflow import StoreUnreachable, check_tracking_store, log_model_choice, mlflow_config
-from t6.tracking.outbox import SYNC_COMMAND
+from t6.run.resume import checkpoint_dir, find_resume
+from t6.tracking.mlflow import StoreUnreachable, check_tracking_store, log_model_choice, mlflow_config, stored_steps
+from t6.tracking.outbox import SYNC_COMMAND, logged_steps
 from t6.tracking.sweep import sweep_job_info, sweep_job_run
 from t6.training import step_memory as memory
 from t6.uptrain import recipe
@@ -162,6 +163,7 @@ class Resume:
     step: int
     mlflow_run_id: str | None
     how: str  # which setting chose it: ckpt_path=PATH, ckpt_path=last or auto_resume
+    passed_over: tuple[str, ...] = ()  # newer files of the run directory that do not read whole
 
     def describe(self) -> str:
         return f"from step {self.step} of {self.ckpt_path} ({self.how})"
@@ -191,6 +193,7 @@ class Tracking:
     outbox_dir: str  # where writes wait for the store
     unreachable: str | None = None  # a resume found the server down: why (the run logs to its outbox meanwhile)
     tags: dict = field(default_factory=dict)  # the run's tags: the config's, a sweep job's, a warm start's
+    logged: dict = field(default_factory=dict)  # a continued run's highest step of each metric: not logged twice
 
     def describe(self) -> str:
         run = f"continues run {self.run_id}" if self.run_id else f"new run {self.run_name!r}"
@@ -232,6 +235,7 @@ class RunPlan:
     warm_start: WarmStart | None
     tracking: Tracking | None
     training: Training
+    run_dir: str  # the run's directory (paths.output_dir), held by one run at a time
     checkpoint_dir: str  # where last.ckpt goes (the checkpoint callback's, and the stop protocol's)
     checkpoints: Checkpoints | None = None  # None: no checkpoint callback
     evaluation: DictConfig | None = None  # the eval group, checked (None: eval=none)
@@ -303,7 +307,7 @@ def plan_run(cfg: DictConfig) -> RunPlan:
     hardware = choose_hardware(cfg)
     parallel = plan_parallel(cfg, hardware)
     schedule = plan_schedule(cfg)
-    resume = plan_resume(cfg)
+    resume = plan_resume(cfg, mcfg)
     tracking = plan_tracking(cfg, resume, warm)
     instantiate_data(cfg).check()  # the shards exist and are whole (or the text they are made from does)
     check_eval_tasks(cfg.get("eval"))  # unknown tasks, missing datasets
@@ -313,6 +317,7 @@ def plan_run(cfg: DictConfig) -> RunPlan:
     warnings = tuple(f"init_from sets {change}" for change in (warm.changes if warm else ()))
     warnings += tuple(w for w in [schedule.warning() if schedule else None] if w)
     warnings += (tracking.offline_note(),) if tracking is not None and tracking.unreachable else ()
+    warnings += tuple(f"resume: passed over {name}" for name in (resume.passed_over if resume else ()))
     return RunPlan(
         cfg,
         mcfg,
@@ -324,6 +329,7 @@ def plan_run(cfg: DictConfig) -> RunPlan:
         warm,
         tracking,
         training,
+        str(cfg.paths.output_dir),
         str(checkpoint_dir(cfg)),
         checkpoints,
         cfg.get("eval") or None,
@@ -430,18 +436,40 @@ def plan_schedule(cfg: DictConfig) -> Schedule | None:
     )
 
 
-def plan_resume(cfg: DictConfig) -> Resume | None:
-    """The checkpoint to continue from, read (not loaded into memory): a missing or damaged file fails here."""
-    path = resolve_ckpt_path(cfg)
-    if path is None:
+def plan_resume(cfg: DictConfig, mcfg: ModelConfig) -> Resume | None:
+    """The checkpoint to continue from (t6.run.resume: ckpt_path, or the run directory's newest whole checkpoint),
+    read (mapped, not loaded): a missing or damaged file, or one whose model this config does not build, fails here
+    naming both."""
+    found = find_resume(cfg)
+    if found.path is None:
         return None
-    ckpt = read_checkpoint(path, "ckpt_path", mmap=True)
+    ckpt = found.ckpt
     if ckpt.get("format") in (WARM_START_FORMAT, HF_FORMAT):
         kind = "a Hugging Face directory" if ckpt["format"] == HF_FORMAT else "a converted (warm-start) checkpoint"
-        raise ValueError(f"ckpt_path={path!r} is {kind}: start from it with init_from=")
-    requested = cfg.get("ckpt_path")
-    how = "auto_resume: this run directory's last.ckpt" if not requested else f"ckpt_path={requested}"
-    return Resume(path, int(ckpt.get("global_step", 0)), ckpt.get("mlflow_run_id"), how)
+        raise ValueError(f"ckpt_path={found.path!r} is {kind}: start from it with init_from=")
+    check_resume_model(found.path, ckpt, mcfg)
+    return Resume(found.path, int(ckpt.get("global_step", 0)), ckpt.get("mlflow_run_id"), found.how, found.passed_over)
+
+
+def check_resume_model(path: str, ckpt: dict, mcfg: ModelConfig) -> None:
+    """The checkpoint's model (its config, and every tensor of it: none missing or mis-shaped) is the one this run's
+    config builds; else an error naming both and the settings that differ."""
+    saved, _ = model_state(ckpt, "ckpt_path", path)  # its tensors against its own config
+    if saved == mcfg:
+        return
+    ours, theirs = asdict(mcfg), asdict(saved)
+    differ = [
+        f"{name}: {theirs[name]!r} in the checkpoint, {ours[name]!r} here"
+        for name in ours
+        if ours[name] != theirs[name]
+    ]
+    raise ValueError(
+        f"ckpt_path={path!r} holds a {saved.attention} model (d_model={saved.d_model}, n_layer={saved.n_layer}, "
+        f"n_head={saved.n_head}) that this run's config does not build ({mcfg.attention}): "
+        + "; ".join(differ)
+        + f". Resume it with the settings it was trained with (attention={saved.attention} and its size.*), or "
+        "start a new run (ckpt_path=null, auto_resume=false or another hydra.run.dir)"
+    )
 
 
 def plan_warm_start(cfg: DictConfig) -> WarmStart | None:
@@ -484,17 +512,25 @@ def plan_tracking(cfg: DictConfig, resume: Resume | None, warm: WarmStart | None
         experiment, run_name, job_tags = sweep_job_run(sweep)
         tags.update(job_tags)
     interval = conf.get("system_metrics_interval_s") if conf.get("system_metrics", True) else None
+    run_id = conf.get("run_id") or continues  # a resumed run logs into the same MLflow run
+    logged = {}
+    spool = Path(str(conf.outbox_dir)) / "rank0.jsonl"
+    if run_id and spool.exists():  # what the run has already: this run directory's spool holds all it wrote
+        logged = logged_steps(spool, run_id)
+    elif run_id and not unreachable:  # a checkpoint of another directory: the store says
+        logged = stored_steps(conf.tracking_uri, run_id)
     return Tracking(
         conf.tracking_uri,
         experiment,
         run_name,
-        conf.get("run_id") or continues,  # a resumed run logs into the same MLflow run
+        run_id,
         sweep["parent_run_id"] if sweep else None,
         interval,
         log_model_choice(conf.get("log_model", False)),
         str(conf.outbox_dir),
         unreachable,
         tags,
+        logged,
     )
 
 

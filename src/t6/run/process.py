@@ -8,6 +8,8 @@
   launches its own process group.
 - `run_settings(plan)`, around execute: TF32 for the fp32 matmuls left outside autocast on CUDA, and MLflow's HTTP
   client failing a request fast (no retries of its own, a 10 s timeout: the run's outbox retries, t6.tracking.outbox).
+- `run_directory(path)`, around execute: the run directory, held by this run alone (a lock file, released when
+  the process ends however it ends); a second run started in it names the first and stops (exit 2).
 - `destroy_process_group()`: a sweep's next job in this process starts its own group.
 
 Two settings live with the code they serve, scoped the same way: the stop signals' handlers, installed for the
@@ -16,10 +18,14 @@ fit only (t6.training.stop), and dynamo's recompile limit, lifted while a decode
 
 from __future__ import annotations
 
+import fcntl
 import os
+import socket
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "PL_GLOBAL_SEED")
 # MLflow's client retries a failed request up to 7 times over minutes; the outbox retries on its own (an
@@ -83,6 +89,43 @@ def hydra_job_scope() -> Iterator[None]:
         sys.argv = saved_argv
         with read_write(hydra_cfg):
             hydra_cfg.run.dir = saved_run_dir
+
+
+LOCK = ".run.lock"
+
+
+@contextmanager
+def run_directory(path: str | Path, rank: int = 0) -> Iterator[None]:
+    """Hold the run directory `path` for this run: rank 0 takes an exclusive lock on `<path>/.run.lock` (the other
+    ranks are the same run), which names the run holding it. Held already: a UserError naming that run."""
+    from t6.run.cli import UserError
+
+    if rank != 0:
+        yield
+        return
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    file = open(path / LOCK, "a+", encoding="utf-8")
+    try:
+        fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        file.seek(0)
+        holder = file.read().strip() or "another run"
+        file.close()
+        raise UserError(
+            f"{path} is the run directory of a run still going ({holder}); wait for it to end or stop it, or give "
+            "this run a directory of its own (hydra.run.dir=..., or leave it to Hydra's timestamp)"
+        ) from None
+    file.seek(0)
+    file.truncate()
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    file.write(f"pid {os.getpid()} on {socket.gethostname()}, started {started}: {' '.join(sys.argv)}\n")
+    file.flush()
+    try:
+        yield
+    finally:
+        fcntl.flock(file, fcntl.LOCK_UN)
+        file.close()
 
 
 def destroy_process_group() -> None:

@@ -31,6 +31,7 @@ class OutboxMLFlowLogger(MLFlowLogger):
         artifact_location: str | None = None,
         run_id: str | None = None,
         flush_timeout_s: float = 30.0,
+        logged_steps: dict[str, int] | None = None,
     ):
         super().__init__(
             experiment_name=experiment_name,
@@ -44,6 +45,7 @@ class OutboxMLFlowLogger(MLFlowLogger):
         self.artifact_location, self.continued = artifact_location, run_id
         self.outbox_dir = Path(outbox_dir)
         self.flush_timeout_s = flush_timeout_s
+        self.logged_steps = logged_steps  # a continued run's: its steps are not logged twice
         self.outbox: Outbox | None = None
         self.client: OutboxClient | None = None
 
@@ -56,7 +58,7 @@ class OutboxMLFlowLogger(MLFlowLogger):
             store = MlflowClient(self.tracking_uri)
             run = self.create_run(store) if self.continued is None else read_run(store, self.continued, self.run_name)
             self.outbox = Outbox(self.tracking_uri, self.outbox_dir / "rank0.jsonl")
-            self.client = OutboxClient(self.outbox, run)
+            self.client = OutboxClient(self.outbox, run, self.logged_steps)
         return self.client
 
     def create_run(self, store):

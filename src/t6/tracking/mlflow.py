@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+from contextlib import closing
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlparse
@@ -35,14 +36,20 @@ def sqlite_file(uri: str) -> Path:
     return Path(uri.removeprefix("sqlite:///")).absolute()
 
 
+STORE_WAIT_S = 10.0  # how long a check waits for a server to answer, or for a locked SQLite store
+
+
 class StoreUnreachable(ConnectionError):
     """The tracking server does not answer (a new run stops here; a resume continues logging to its outbox)."""
 
 
-def check_tracking_store(uri: str, run_id: str | None = None, ckpt_path: str | None = None, timeout_s: float = 10.0):
+def check_tracking_store(
+    uri: str, run_id: str | None = None, ckpt_path: str | None = None, timeout_s: float | None = None
+):
     """Fail early, naming the URI and the fix, when the tracking store cannot be reached (`StoreUnreachable` for
-    a server), or does not hold the run a resumed checkpoint continues. Reads only (`open_tracking_store`
-    creates a local store)."""
+    a server), or does not hold the run a resumed checkpoint continues; a local store that is not a database, or
+    stays locked, fails too. Reads only (`open_tracking_store` creates a local store)."""
+    timeout_s = STORE_WAIT_S if timeout_s is None else timeout_s
     scheme = urlparse(uri).scheme
     if scheme in ("http", "https"):
         import urllib.request
@@ -59,6 +66,8 @@ def check_tracking_store(uri: str, run_id: str | None = None, ckpt_path: str | N
         existing = next(p for p in (path.parent, *path.parent.parents) if p.exists())
         if not existing.is_dir() or not os.access(existing, os.W_OK):
             raise ConnectionError(f"cannot create the MLflow store directory {path.parent}: {existing} is not writable")
+        if path.exists():
+            check_sqlite_store(path, timeout_s)
     elif scheme in ("", "file"):
         if os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() != "true":
             raise ValueError(
@@ -71,6 +80,32 @@ def check_tracking_store(uri: str, run_id: str | None = None, ckpt_path: str | N
             "Either point MLFLOW_TRACKING_URI at the store the interrupted run logged to, or continue the training "
             "(weights, optimizer, data position) as a new MLflow run with logger.mlflow.continue_run=false"
         )
+
+
+def check_sqlite_store(path: Path, lock_wait_s: float = 10.0) -> None:
+    """The SQLite store at path reads (a query of its schema, read-only): a file that is not a database, or one
+    another process keeps locked for longer than lock_wait_s (SQLite retries meanwhile), is an error naming it."""
+    import sqlite3
+
+    if not os.access(path, os.R_OK | os.W_OK):
+        raise ConnectionError(
+            f"the MLflow store {path} cannot be read and written by this process; fix its permissions"
+        )
+    try:
+        with closing(sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True, timeout=lock_wait_s)) as db:
+            db.execute("SELECT count(*) FROM sqlite_master").fetchone()
+    except sqlite3.OperationalError as err:
+        if "locked" not in str(err) and "busy" not in str(err):
+            raise ConnectionError(f"the MLflow store {path} cannot be read: {err}") from None
+        raise ConnectionError(
+            f"the MLflow store {path} is locked by another process ({lock_wait_s:g} s waited); let it finish, or "
+            "run a tracking server for several writers (docs/tracking.md)"
+        ) from None
+    except sqlite3.DatabaseError as err:
+        raise ValueError(
+            f"{path} is not an SQLite database ({err}), so not an MLflow store; move it away (a new store is made "
+            "there) or point MLFLOW_TRACKING_URI at the store"
+        ) from None
 
 
 def holds_run(uri: str, run_id: str) -> bool:
@@ -87,6 +122,18 @@ def holds_run(uri: str, run_id: str) -> bool:
     return True
 
 
+def stored_steps(uri: str, run_id: str) -> dict[str, int]:
+    """The highest step of each metric the store holds for run_id ({} when it cannot say)."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    try:
+        keys = list(client.get_run(run_id).data.metrics)
+        return {key: max((m.step for m in client.get_metric_history(run_id, key)), default=-1) for key in keys}
+    except Exception:  # the store away (a resume goes on in its outbox): the spool says what it can
+        return {}
+
+
 def open_tracking_store(uri: str) -> None:
     """Create a local SQLite store (its directory, schema and migrations); nothing for a server."""
     if urlparse(uri).scheme == "sqlite":
@@ -98,7 +145,7 @@ def open_tracking_store(uri: str) -> None:
         init_sqlite_store(uri)
 
 
-def check_tracking_uri(uri: str, timeout_s: float = 10.0) -> None:
+def check_tracking_uri(uri: str, timeout_s: float | None = None) -> None:
     """`check_tracking_store`, then create a local store: for scripts that log right away (eval, report)."""
     check_tracking_store(uri, timeout_s=timeout_s)
     open_tracking_store(uri)
@@ -146,6 +193,7 @@ def mlflow_logger(
     system_metrics: bool = True,
     system_metrics_interval_s: float = 10.0,
     flush_timeout_s: float = 30.0,
+    logged_steps: dict[str, int] | None = None,
 ) -> MLFlowLogger:
     """The run's MLFlowLogger for tracking_uri, writing through an outbox under outbox_dir (t6.tracking.logger:
     training goes on while the store is away). A local SQLite store keeps its artifacts beside its database
@@ -164,6 +212,7 @@ def mlflow_logger(
         run_id=run_id,
         outbox_dir=outbox_dir,
         flush_timeout_s=flush_timeout_s,
+        logged_steps=logged_steps,
     )
 
 

@@ -29,6 +29,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 SYNC_COMMAND = "python -m t6.tracking.sync"
+FLUSH_RETRY_S = 1.0  # while a flush waits, the sender retries this often (not its backoff's up to a minute)
 METRICS_PER_BATCH = 1000  # MLflow's log_batch limit
 
 
@@ -49,6 +50,7 @@ class Outbox:
         self.error: str | None = None  # the store's last answer while unreachable
         self.cond = threading.Condition()
         self.closing = False
+        self.flushing = False  # a flush is waiting: retry at FLUSH_RETRY_S, not at the backoff
         self.spool.parent.mkdir(parents=True, exist_ok=True)
         new = not self.spool.exists()
         self.file = open(self.spool, "a", encoding="utf-8")
@@ -95,7 +97,7 @@ class Outbox:
                         log.warning("MLflow store %s not answering (%s); training goes on, writes wait", self.uri, err)
                     self.error = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
                     if not self.closing:
-                        self.cond.wait(backoff)  # flush() and close() wake it for one more try
+                        self.cond.wait(min(backoff, FLUSH_RETRY_S) if self.flushing else backoff)  # flush() wakes it
                     backoff = min(2 * backoff, self.max_backoff_s)
                 continue
             with self.cond:
@@ -118,12 +120,17 @@ class Outbox:
             write_sent(self.sent_file, self.sent)
 
     def flush(self, timeout_s: float) -> bool:
-        """Wait up to timeout_s for every write so far to be sent; whether they were."""
+        """Wait up to timeout_s for every write so far to be sent, the sender retrying every FLUSH_RETRY_S meanwhile
+        (a store that comes back before the deadline gets everything); whether they were sent."""
         deadline = time.monotonic() + timeout_s
         with self.cond:
-            self.cond.notify_all()
-            while self.pending and time.monotonic() < deadline:
-                self.cond.wait(min(1.0, deadline - time.monotonic()))
+            self.flushing = True
+            self.cond.notify_all()  # a sender asleep in a long backoff tries now
+            try:
+                while self.pending and time.monotonic() < deadline:
+                    self.cond.wait(min(FLUSH_RETRY_S, deadline - time.monotonic()))
+            finally:
+                self.flushing = False
             return not self.pending
 
     def close(self, timeout_s: float) -> bool:
@@ -225,6 +232,22 @@ def unsent(spool: Path) -> list[dict]:
     return records
 
 
+def logged_steps(spool: Path, run_id: str) -> dict[str, int]:
+    """The highest step of each metric a spool holds for run_id (sent or not): what a resumed run redoes."""
+    steps: dict[str, int] = {}
+    if not spool.exists():
+        return steps
+    for line in spool.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short when its process was killed
+            continue
+        if record.get("op") == "log_batch" and record.get("run_id") == run_id:
+            for key, _, _, step in record.get("metrics", []):
+                steps[key] = max(step, steps.get(key, step))
+    return steps
+
+
 def sent_count(path: Path) -> int:
     try:
         return int(path.read_text())
@@ -242,16 +265,22 @@ class OutboxClient:
     """The MLflow client of a run that logs through an `Outbox`: MlflowClient's writes (log_batch, log_metric,
     log_param, set_tag, set_terminated, update_run, log_text, log_artifact) are spooled and return at once;
     any other method reads the store. `get_run` answers with the run as last read (or as this process knows
-    it: id and name) while the store does not answer."""
+    it: id and name) while the store does not answer. `logged`: the highest step of each metric the run has
+    already (a resume that redoes steps after its checkpoint): points up to it are not logged twice."""
 
-    def __init__(self, outbox: Outbox, known_run=None):
+    def __init__(self, outbox: Outbox, known_run=None, logged: dict[str, int] | None = None):
         self.outbox = outbox
         self.known_run = known_run
+        self.logged = dict(logged or {})
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.outbox.client, name)
 
     def log_batch(self, run_id, metrics=(), params=(), tags=(), synchronous=None) -> None:
+        if self.logged:  # a step the run has already: once is enough (a resumed run's redone steps)
+            metrics = [m for m in metrics if m.step > self.logged.get(m.key, -1)]
+            if not metrics and not params and not tags:
+                return
         self.outbox.put(
             {
                 "op": "log_batch",

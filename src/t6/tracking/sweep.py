@@ -6,6 +6,11 @@ and writes them to `<sweep dir>/mlflow_sweep.json`. Every job of the sweep (in-p
 joblib, submitit/SLURM) finds that file through its own Hydra config and logs as a child run
 of the parent, tagged with its overrides, so MLflow's compare view lines the jobs up.
 Creating the experiment once, up front, is what keeps parallel jobs from racing to create it.
+
+Every job is accounted for: when one ends (in its own process), a failed job's child run is FAILED with its
+error (a child run is made for a job that failed before it made one), and the parent run counts its children's
+ends (tags `jobs.finished`, `jobs.failed`, ...), FAILED as soon as one job failed (Hydra stops a sweep with a
+failed job before its end); at the sweep's end it is FINISHED when every job finished.
 """
 
 from __future__ import annotations
@@ -97,13 +102,65 @@ class MLflowSweepCallback(Callback):
         tmp.replace(path)
         log.info("MLflow sweep: experiment %r, parent run %s", name, parent.info.run_id)
 
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        from hydra.core.utils import JobStatus
+
+        from t6.hardware.probes import env_rank
+
+        info = sweep_job_info()
+        if info is None or env_rank() != 0:
+            return
+        client = _client(info["tracking_uri"])
+        try:
+            if job_return.status == JobStatus.FAILED:
+                try:
+                    job_return.return_value  # raises the job's error
+                except BaseException as err:  # whatever the job raised
+                    record_failed_job(client, info, f"{type(err).__name__}: {err}")
+            account(client, info, final=False)
+        except Exception as err:  # the store away: the jobs' own runs say what they can
+            log.warning("MLflow sweep: could not account for job %s (%s)", info["job_num"], err)
+
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         from t6.hardware.probes import env_rank
 
         path = Path(config.hydra.sweep.dir) / SWEEP_FILE
         if env_rank() == 0 and path.is_file():
-            info = json.loads(path.read_text())
-            _client(info["tracking_uri"]).set_terminated(info["parent_run_id"], "FINISHED")
+            info = read_sweep_file(config.hydra.sweep.dir)
+            account(_client(info["tracking_uri"]), info, final=True)
+
+
+def children(client, info: dict) -> list:
+    """The sweep's child runs (one per job that made one)."""
+    experiment = client.get_run(info["parent_run_id"]).info.experiment_id
+    query = f"tags.`mlflow.parentRunId` = '{info['parent_run_id']}'"
+    return client.search_runs([experiment], filter_string=query, max_results=10000)
+
+
+def record_failed_job(client, info: dict, error: str) -> None:
+    """The job's child run FAILED with its error; made now when the job failed before making one."""
+    job = str(info["job_num"])
+    run = next((r for r in children(client, info) if r.data.tags.get("sweep.job") == job), None)
+    if run is None:
+        experiment = client.get_run(info["parent_run_id"]).info.experiment_id
+        _, name, tags = sweep_job_run(info)
+        run = client.create_run(experiment, run_name=name, tags=tags)
+    client.set_tag(run.info.run_id, "error", error[:5000])
+    client.set_terminated(run.info.run_id, "FAILED")
+
+
+def account(client, info: dict, final: bool) -> None:
+    """The parent run's count of its children's ends (`jobs.<status>` tags); FAILED once a job failed, FINISHED at
+    the sweep's end when none did."""
+    statuses = [r.info.status for r in children(client, info)]
+    counts = {status: statuses.count(status) for status in ("FINISHED", "FAILED", "KILLED", "RUNNING")}
+    parent = info["parent_run_id"]
+    for status, count in counts.items():
+        client.set_tag(parent, f"jobs.{status.lower()}", str(count))
+    if counts["FAILED"]:
+        client.set_terminated(parent, "FAILED")
+    elif final:
+        client.set_terminated(parent, "FINISHED")
 
 
 def read_sweep_file(sweep_dir: str | Path) -> dict:
@@ -114,7 +171,14 @@ def read_sweep_file(sweep_dir: str | Path) -> dict:
             f"{path} does not exist: {sweep_dir} is not the directory of a sweep "
             f"(python train.py -m ... with logger=mlflow writes it at the start)"
         )
-    return json.loads(path.read_text())
+    try:
+        info = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not the JSON a sweep writes ({err}); give the sweep's own directory") from None
+    missing = [key for key in ("tracking_uri", "parent_run_id") if not isinstance(info, dict) or key not in info]
+    if missing:
+        raise ValueError(f"{path} lacks {', '.join(missing)}: not a file a sweep wrote; give the sweep's own directory")
+    return info
 
 
 def sweep_job_info() -> dict | None:

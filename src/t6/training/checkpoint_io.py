@@ -20,7 +20,9 @@ on any exception, a stop's save included) waits the same way, so no process exit
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -31,13 +33,22 @@ from lightning_utilities.core.apply_func import apply_to_collection
 
 from t6.model.load import read_checkpoint
 
+FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)  # no room: the disk, the file size limit, the quota
+
 
 class AtomicCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
+        """Write to a temporary file, fsync, rename over `path`. A disk without room for it (checked before the
+        write, and met during it) is an OSError naming the file, the bytes needed and those free; the previous
+        file stays whole."""
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options, got {storage_options!r}")
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
+        needed = checkpoint_bytes(checkpoint)
+        free = shutil.disk_usage(path.parent).free
+        if needed > free:
+            raise no_room(errno.ENOSPC, path, needed, free)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
             with open(tmp, "wb") as f:
@@ -45,6 +56,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new one, never half
+        except (OSError, RuntimeError) as err:  # torch's writer says "unexpected pos", the OS's ENOSPC is its cause
+            code = full_disk(err)
+            if code is None:
+                raise
+            raise no_room(code, path, needed, shutil.disk_usage(path.parent).free) from err
         finally:
             tmp.unlink(missing_ok=True)
 
@@ -52,6 +68,47 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         self, path, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
         return read_checkpoint(path, "ckpt_path", map_location or "cpu", mmap=True)  # weights_only=True, never False
+
+
+def checkpoint_bytes(checkpoint: dict[str, Any]) -> int:
+    """The bytes of the checkpoint's tensors (each storage once): about the size of its file."""
+    storages = {}
+    apply_to_collection(checkpoint, torch.Tensor, lambda t: storages.setdefault(id_of(t), t.untyped_storage().nbytes()))
+    return sum(storages.values())
+
+
+def id_of(tensor: torch.Tensor) -> tuple:
+    return (tensor.device.type, tensor.untyped_storage().data_ptr())
+
+
+def full_disk(err: BaseException) -> int | None:
+    """The errno of a full disk (ENOSPC, EFBIG, EDQUOT) in err or the errors it came from; None for another error."""
+    while err is not None:
+        if isinstance(err, OSError) and err.errno in FULL:
+            return err.errno
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def no_room(code: int, path: Path, needed: int, free: int) -> OSError:
+    """The error of a checkpoint the disk has no room for, naming the file, the bytes needed and the fix."""
+    mib = 2**20
+    return OSError(
+        code,
+        f"{os.strerror(code)}: a checkpoint of {needed / mib:,.1f} MiB does not fit ({free / mib:,.1f} MiB free on "
+        f"its file system; the previous {path.name}, if any, is whole). Free space there, or give the checkpoints a "
+        "larger disk (callbacks.model_checkpoint.dirpath, or hydra.run.dir)",
+        str(path),
+    )
+
+
+def remove_stale_writes(folder: str | Path) -> list[str]:
+    """Remove what a killed process left half written in `folder` (`.NAME.PID.tmp`, `NAME.PID.link`); the caller
+    holds the run directory, so no other process is writing there. Returns the names removed."""
+    stale = [p for p in Path(folder).glob(".*.tmp") if p.is_file()] + list(Path(folder).glob("*.link"))
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return sorted(p.name for p in stale)
 
 
 def on_gpu(checkpoint: dict[str, Any]) -> bool:

@@ -1,0 +1,131 @@
+"""Bad input to every entry script ends at the one error boundary (t6.run.cli.entry): exit code 2, one message
+naming the field or file and the fix, no traceback; a bug keeps its traceback. The scripts run in this process
+(their @hydra.main with a command line, as `python SCRIPT.py ARGS` runs them); tests/test_cli.py runs some as
+processes of their own."""
+
+from __future__ import annotations
+
+import json
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra.core.global_hydra import GlobalHydra
+
+from conftest import ROOT, TEST_SIZE, compose_config
+
+
+def run(name: str, *args: str, monkeypatch, capsys) -> tuple[int, str]:
+    """`python NAME.py ARGS` in this process (the script run as __main__: its registration and its entry into the
+    error boundary): (exit code, stderr)."""
+    monkeypatch.setattr(sys, "argv", [str(ROOT / f"{name}.py"), *args])
+    GlobalHydra.instance().clear()
+    code = 0
+    try:
+        runpy.run_path(str(ROOT / f"{name}.py"), run_name="__main__")
+    except SystemExit as exit_:
+        code = exit_.code
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return code, err
+
+
+@pytest.fixture
+def checkpoint(tmp_path) -> Path:
+    """A training checkpoint of the test-sized TPA model (random weights), as train.py writes one."""
+    from dataclasses import asdict
+
+    from t6.config import model_config
+    from t6.training.module import T6LitModule
+
+    fields = asdict(model_config(compose_config(TEST_SIZE, tmp_path)))
+    path = tmp_path / "last.ckpt"
+    module = T6LitModule(model_config=fields)
+    torch.save(
+        {"state_dict": module.state_dict(), "hyper_parameters": {"model_config": fields}, "global_step": 4}, path
+    )
+    return path
+
+
+@pytest.fixture
+def truncated(checkpoint, tmp_path) -> Path:
+    path = tmp_path / "cut.ckpt"
+    path.write_bytes(checkpoint.read_bytes()[: checkpoint.stat().st_size // 2])
+    return path
+
+
+def test_generate_names_a_bad_setting_a_damaged_checkpoint_and_a_prompt_too_long(
+    checkpoint, truncated, monkeypatch, capsys
+):
+    code, err = run("generate", f"ckpt_path={checkpoint}", "max_new_tokens=-5", monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 2 and "error: max_new_tokens=-5 must be a positive number of tokens" in err
+    code, err = run("generate", f"ckpt_path={checkpoint}", "top_p=2", monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 2 and "top_p=2 must be in (0, 1] or null" in err
+    code, err = run("generate", f"ckpt_path={truncated}", monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 2 and f"ckpt_path='{truncated}' is not a readable checkpoint" in err
+    long = "prompt='" + "O Romeo " * 40 + "'"
+    code, err = run("generate", f"ckpt_path={checkpoint}", long, monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 2 and "exceeds the model's context of 64 tokens (size.block_size)" in err
+    code, _ = run("generate", f"ckpt_path={checkpoint}", "max_new_tokens=3", monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 0
+
+
+def test_a_bug_keeps_its_traceback(checkpoint, monkeypatch, capsys):
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug in generation")
+
+    monkeypatch.setattr("t6.inference.generate.generate_text", broken)
+    with pytest.raises(RuntimeError, match="a bug in generation"):  # not an exit 2: the traceback stays
+        run("generate", f"ckpt_path={checkpoint}", "max_new_tokens=3", monkeypatch=monkeypatch, capsys=capsys)
+
+
+def test_export_names_an_out_that_is_a_file_and_a_damaged_checkpoint(
+    checkpoint, truncated, tmp_path, monkeypatch, capsys
+):
+    taken = tmp_path / "taken"
+    taken.write_text("a file")
+    code, err = run("export", f"ckpt_path={checkpoint}", f"out={taken}", monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 2 and f"error: out='{taken}' is a file; give a directory" in err
+    code, err = run("export", f"ckpt_path={truncated}", f"out={tmp_path / 'x'}", monkeypatch=monkeypatch, capsys=capsys)
+    assert (
+        code == 2 and f"ckpt_path='{truncated}' is not a readable checkpoint" in err and not (tmp_path / "x").exists()
+    )
+
+
+def test_eval_and_convert_name_a_damaged_or_missing_checkpoint(truncated, tmp_path, monkeypatch, capsys):
+    code, err = run(
+        "eval", f"ckpt_path={truncated}", f"paths.root_dir={tmp_path}", monkeypatch=monkeypatch, capsys=capsys
+    )
+    assert code == 2 and f"ckpt_path='{truncated}' is not a readable checkpoint" in err
+    code, err = run(
+        "convert", "ckpt_path=nope.ckpt", f"out={tmp_path / 'g.ckpt'}", monkeypatch=monkeypatch, capsys=capsys
+    )
+    assert code == 2 and "ckpt_path='nope.ckpt' does not exist" in err
+
+
+def test_prepare_names_the_text_field_the_rows_lack(tmp_path, monkeypatch, capsys):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("\n".join(json.dumps({"body": f"document {i}"}) for i in range(5)) + "\n")
+    code, err = run(
+        "prepare",
+        "dataset=local",
+        f"dataset.data_files={rows}",
+        f"dataset.out_dir={tmp_path / 'out'}",
+        f"paths.root_dir={tmp_path}",
+        monkeypatch=monkeypatch,
+        capsys=capsys,
+    )
+    assert code == 2 and "dataset.text_field='text': the rows of" in err and "(they have: body)" in err
+
+
+def test_report_names_a_damaged_sweep_file(tmp_path, monkeypatch, capsys):
+    (tmp_path / "mlflow_sweep.json").write_text('{"tracking_uri": ')
+    code, err = run("report", "--sweep", str(tmp_path), monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 2 and f"{tmp_path / 'mlflow_sweep.json'} is not the JSON a sweep writes" in err
+
+
+def test_summary_names_a_setting_that_builds_no_model(monkeypatch, capsys):
+    code, err = run("summary", "size.head_dim=63", monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 2 and "size.head_dim=63 must be even" in err

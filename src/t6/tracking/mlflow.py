@@ -240,6 +240,7 @@ def save_and_upload_model(
     if upload == "final":
         path = Path(checkpoint_dir) / ".upload" / FINAL_MODEL
         trainer.save_checkpoint(path, weights_only=True)
+        trainer.strategy.checkpoint_io.teardown()  # a background writer's copy is on disk before it is uploaded
     else:
         path = Path(checkpoint_dir) / "last.ckpt"
     if not trainer.is_global_zero:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from t6.bench import common, kv_memory, prefill
+from t6.bench import common, harness, kv_memory, prefill
 from t6.bench.common import model_configs
 from t6.config import conf_dir
 from t6.model import ModelConfig
@@ -26,7 +26,7 @@ def test_conf_dir_is_the_checkouts_conf():
 
 def test_attentions_default_to_the_papers_six_and_accept_groups():
     parser = argparse.ArgumentParser()
-    common.attention_args(parser)
+    harness.attention_args(parser)
     assert parser.parse_args([]).attentions == list(PAPER)
     assert parser.parse_args(["--attentions", "all"]).attentions == available()
     assert parser.parse_args(["--attentions", "tpa,paper"]).attentions == ["tpa", *[n for n in PAPER if n != "tpa"]]
@@ -78,7 +78,7 @@ def test_loss_bench_runs_each_setting_liger_included(tmp_path, monkeypatch):
 def test_columns_no_record_has_are_left_out_and_missing_cells_left_empty():
     records = [{"name": "a", "ms": 1.0, "ratio": None}, {"name": "b", "ms": 2.0, "ratio": 0.5}]
     columns = [("name", "name", ""), ("ms", "ms", ".1f"), ("gpu_ms", "GPU ms", ".1f"), ("ratio", "ratio", ".2f")]
-    lines = common.table(records, columns).splitlines()
+    lines = harness.table(records, columns).splitlines()
     assert lines[0].split() == ["name", "ms", "ratio"]  # no record has gpu_ms: no column
     assert lines[2].split() == ["a", "1.0"] and lines[3].split() == ["b", "2.0", "0.50"]
 

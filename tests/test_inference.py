@@ -55,6 +55,21 @@ def test_cached_greedy_generation_equals_recomputation_token_for_token(name):
         logits = model(ref[:, 7 + t : 8 + t], 7 + t, caches)[:, -1]
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_prefill_fills_the_caches_and_returns_the_last_positions_logits_alone(name):
+    """T6.prefill: the LM head at the last position only (MLA and GLA attend explicitly, through SDPA's causal
+    kernel, from position 0), the same logits as the whole forward, and caches a decode step continues from."""
+    model = tiny(name)
+    prompt = torch.randint(0, 256, (2, 9))
+    caches = model.build_kv_caches(2, 10)
+    logits = model.prefill(prompt, caches)  # [2, vocab]
+    assert logits.shape == (2, model.cfg.vocab_size)
+    torch.testing.assert_close(logits, model(prompt)[:, -1], rtol=1e-5, atol=1e-5)
+    nxt = logits.argmax(-1, keepdim=True)  # [2, 1]
+    full = torch.cat([prompt, nxt], dim=1)
+    torch.testing.assert_close(model(nxt, 9, caches)[:, -1], model(full)[:, -1], rtol=1e-5, atol=1e-5)
+
+
 class ScalarReads(TorchDispatchMode):
     """Counts tensor -> Python number reads (`int(t)`, `.item()`, `bool(t)`): on a GPU each one makes the
     host wait until the device has caught up, so a decode step holding one per layer is latency-bound."""

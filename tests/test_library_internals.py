@@ -75,7 +75,11 @@ PRIVATE = [
     # transformers (t6.hf.modeling)
     ("transformers.generation.utils:GenerationMixin", "_prepare_cache_for_generation", "T6ForCausalLM"),
     # PyTorch
-    ("torch", "_dynamo", "t6.model.decode (its counters, reset), t6.bench.decode, t6.bench.generate"),
+    ("torch", "_dynamo", "t6.model.decode (static addresses, recompile limits while a step compiles), t6.bench"),
+    ("torch", "_functorch", "t6.model.t6.CompiledLayers (the backward compiled with the forward)"),
+    ("torch._functorch.config", "force_non_lazy_backward_lowering", "t6.model.t6.CompiledLayers"),
+    ("torch._dynamo.config", "recompile_limit", "t6.model.decode.FixedStep"),
+    ("torch._dynamo.config", "accumulated_recompile_limit", "t6.model.decode.FixedStep"),
     ("torch", "_subclasses", "t6.hardware.memory (FakeTensorMode)"),
     ("torch", "_ops", "t6.bench.decode_kernels (OpOverload)"),
     ("torch._ops:OpOverload", "_schema", "t6.bench.decode_kernels"),

@@ -84,7 +84,7 @@ def test_the_static_step_compiles_whole_once_for_64_positions_and_generates_toda
     model = tiny(name, block_size=128)  # every step in one bucket (min(128, MIN_BUCKET))
     idx, mask = padded_batch()
     counter = CompileCounterWithBackend("eager")
-    decoder = StaticDecoder(model, 3, backend=counter)
+    decoder = StaticDecoder(model, 3, compile=True, backend=counter)
     out = model.generate(idx, 65, temperature=0, prompt_mask=mask, decode=decoder)  # 64 steps: positions 7..70
     assert torch.equal(out, model.generate(idx, 65, temperature=0, prompt_mask=mask, decode="eager"))
     again = torch.tensor([[3, 1, 4, 1, 5, 9, 2]] * 3)  # a new generation, unpadded, in the same decoder
@@ -117,7 +117,7 @@ def test_under_bf16_autocast_static_steps_choose_todays_tokens_up_to_rounding(na
     idx, mask = padded_batch()
     T0 = idx.shape[1]
     with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
-        decoder = StaticDecoder(model, 3, backend="aot_eager", dtype=model.cache_dtype())
+        decoder = StaticDecoder(model, 3, compile=True, backend="aot_eager", dtype=model.cache_dtype())
         caches = model.build_kv_caches(3, T0 + 12)
         padding = torch.cat([mask, torch.ones(3, 12, dtype=torch.bool)], dim=1)  # [3, T0 + 12]
         for cache in caches:
@@ -139,7 +139,7 @@ def test_one_graph_per_bucket_never_per_token(name):
     model = tiny(name, block_size=600)
     prompt = torch.randint(0, 256, (2, MIN_BUCKET - 6))
     counter = CompileCounterWithBackend("aot_eager")
-    decoder = StaticDecoder(model, 2, backend=counter)
+    decoder = StaticDecoder(model, 2, compile=True, backend=counter)
     out = model.generate(prompt, 20, temperature=0, decode=decoder)  # positions 250..268: buckets 256 and 512
     assert counter.frame_count == 2
     assert torch.equal(out, model.generate(prompt, 20, temperature=0, decode="eager"))
@@ -161,7 +161,9 @@ def test_stopped_rows_read_back_every_few_steps_end_where_a_read_every_step_ends
 def test_decoding_choices_are_checked():
     model = tiny("mha")
     idx = torch.zeros(2, 3, dtype=torch.long)
-    with pytest.raises(ValueError, match="decode='fast' must be 'auto', 'eager', 'static' or a StaticDecoder"):
+    with pytest.raises(
+        ValueError, match="decode='fast' must be one of auto, eager, static, compiled or a StaticDecoder"
+    ):
         model.generate(idx, 2, decode="fast")
     with pytest.raises(ValueError, match="2 prompts, but this decoder was built for batch_size=3"):
         model.generate(idx, 2, decode=StaticDecoder(model, 3, backend="eager"))

@@ -304,3 +304,42 @@ def test_one_compiled_kernel_serves_every_context_length(kernels, monkeypatch):
     assert len(logs["_tpa_kernel"].seen) == 1, logs["_tpa_kernel"].seen
     assert len(logs["_latent_kernel"].seen) == 2, logs["_latent_kernel"].seen  # with a mask, with lengths
     assert len(logs["_combine_kernel"].seen) == 2, logs["_combine_kernel"].seen  # TPA's and the latent's widths
+
+
+class OutOfSharedMemory:
+    """A kernel whose launch fails as Triton's does where the compiled kernel needs more shared memory than the
+    device has: triton.runtime.errors.OutOfResources, raised at the first launch."""
+
+    def __getitem__(self, grid):
+        from triton.runtime.errors import OutOfResources
+
+        def launch(*args, **kwargs):
+            raise OutOfResources(360_448, 232_448, "shared memory")
+
+        return launch
+
+
+@pytest.mark.parametrize("name", ["tpa", "mla"])
+def test_a_kernel_out_of_shared_memory_falls_back_to_the_reference_with_the_same_tokens(
+    kernels, name, monkeypatch, caplog
+):
+    """Under Triton's interpreter the fused operators run the Triton kernels on the CPU; where the decode kernel's
+    first launch runs out of shared memory, generation warns once and goes on with the eager reference: the
+    tokens of a run that never tried the kernels (T6_EAGER=triton_decode)."""
+    from test_inference import tiny
+
+    from t6.model import fallback
+    from t6.model.t6 import left_pad
+
+    model = tiny(name, block_size=48)
+    idx, mask = left_pad([[5, 9, 2], [7, 1, 4, 4, 8, 3, 2]])
+    monkeypatch.setenv("T6_EAGER", "triton_decode")
+    eager = model.generate(idx, 6, temperature=0, prompt_mask=mask)
+    monkeypatch.delenv("T6_EAGER")
+    assert fallback.events() == []
+    kernel = "_tpa_kernel" if name == "tpa" else "_latent_kernel"
+    monkeypatch.setattr(kernels, kernel, OutOfSharedMemory())
+    assert torch.equal(model.generate(idx, 6, temperature=0, prompt_mask=mask), eager)
+    (event,) = fallback.events()
+    assert event.name == "triton_decode" and event.error.startswith("OutOfResources: out of resource: shared memory")
+    assert [r.getMessage() for r in caplog.records if r.name == "t6.model.fallback"] == [event.message()]

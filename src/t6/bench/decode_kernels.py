@@ -35,20 +35,9 @@ import itertools
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from t6.bench.common import (
-    DTYPES,
-    common_args,
-    copy_bandwidth_gbs,
-    environment,
-    host_time_call,
-    ints,
-    model_configs,
-    parse,
-    table,
-    time_call,
-    write_json,
-)
+from t6.bench.common import copy_bandwidth_gbs, host_time_call, model_configs, time_call
 from t6.bench.decode import build_layer
+from t6.bench.harness import DTYPES, common_args, environment, ints, parse, table, write_json
 from t6.model.attention import fused_decode
 
 # operator -> (its Triton kernel's name in triton_decode, its eager reference, its cache arguments)

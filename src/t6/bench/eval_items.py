@@ -24,7 +24,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import t6.config
-from t6.bench.common import DTYPES, environment, resolve_device
+from t6.bench.harness import DTYPES, environment, resolve_device
 from t6.evaluation.adapter import T6LM
 from t6.evaluation.next_line import build_next_line_task
 from t6.model import T6

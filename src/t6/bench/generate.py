@@ -24,19 +24,8 @@ import argparse
 
 import torch
 
-from t6.bench.common import (
-    DTYPES,
-    common_args,
-    copy_bandwidth_gbs,
-    environment,
-    ints,
-    median,
-    model_configs,
-    parse,
-    table,
-    time_call,
-    write_json,
-)
+from t6.bench.common import copy_bandwidth_gbs, median, model_configs, time_call
+from t6.bench.harness import DTYPES, common_args, environment, ints, parse, table, write_json
 from t6.model import T6, ModelConfig
 from t6.model.facts import kv_bytes_per_token, parameter_count
 

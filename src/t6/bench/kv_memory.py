@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from t6.bench.common import DTYPES, attention_args, environment, model_configs, parse, ratios_to_mha, table, write_json
+from t6.bench.common import model_configs, ratios_to_mha
+from t6.bench.harness import DTYPES, attention_args, environment, parse, table, write_json
 from t6.model.attention import REFERENCE
 from t6.model.facts import kv_bytes_per_token, kv_elements_per_token, meta_model, parameter_count
 

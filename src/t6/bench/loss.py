@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from t6.bench.common import DTYPES, environment, model_config_of, resolve_device, table, write_json
+from t6.bench.common import model_config_of
+from t6.bench.harness import DTYPES, environment, resolve_device, table, write_json
 from t6.bench.train_step import bench_one, chunk_tokens
 from t6.hardware.probes import peak_rss
 

@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from t6.bench.common import environment, write_json
+from t6.bench.harness import environment, write_json
 
 GIB = 2**30
 

@@ -16,23 +16,9 @@ import argparse
 
 import torch
 
-from t6.bench.common import (
-    DTYPES,
-    common_args,
-    environment,
-    gpu_time_call,
-    ints,
-    layer_args,
-    layer_kv_bytes_per_token,
-    median,
-    model_configs,
-    parse,
-    ratios_to_mha,
-    table,
-    time_call,
-    write_json,
-)
+from t6.bench.common import gpu_time_call, layer_kv_bytes_per_token, median, model_configs, ratios_to_mha, time_call
 from t6.bench.decode import attention_of, build_layer
+from t6.bench.harness import DTYPES, common_args, environment, ints, layer_args, parse, table, write_json
 
 
 def run(args) -> dict:

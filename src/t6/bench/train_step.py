@@ -18,18 +18,8 @@ import argparse
 
 import torch
 
-from t6.bench.common import (
-    DTYPES,
-    common_args,
-    environment,
-    median,
-    model_configs,
-    parse,
-    ratios_to_mha,
-    table,
-    time_call,
-    write_json,
-)
+from t6.bench.common import median, model_configs, ratios_to_mha, time_call
+from t6.bench.harness import DTYPES, common_args, environment, parse, table, write_json
 from t6.hardware.device import peak_flops
 from t6.model import T6, ModelConfig
 from t6.model.facts import flops_per_token

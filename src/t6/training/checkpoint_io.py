@@ -16,7 +16,10 @@ Saves and removals run in the order they were asked for, each write still atomic
 in host memory (a CPU run) is written at once: copying it would take the memory the step was planned
 with, and the cores that would write it in the background are the ones training. `wait()` returns when
 every save asked for is on disk; Lightning's teardown, at the end of fit and on any exception (SIGTERM's
-save included), waits the same way, so no process exits with a checkpoint half written.
+save included), waits the same way, so no process exits with a checkpoint half written. Where a background
+write (or the host copy) fails, the writer stops; the training thread warns (t6.model.fallback
+"background_checkpoint"), writes that checkpoint and every one asked for after it synchronously, in order,
+and writes synchronously from then on; an error of a synchronous write is the run's.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning_utilities.core.apply_func import apply_to_collection
 
+from t6.model import fallback
 from t6.model.load import read_checkpoint
 
 
@@ -74,14 +78,21 @@ class BackgroundCheckpointIO(AsyncCheckpointIO):
     def __init__(self, background: bool | None = None, checkpoint_io: AtomicCheckpointIO | None = None):
         super().__init__(checkpoint_io or AtomicCheckpointIO())
         self.background = background
+        self.failed: list[tuple] | None = None  # after a background write failed: it and the calls after it
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         self.raise_error()
-        if not (self.background if self.background is not None else on_gpu(checkpoint)):
-            self.wait()  # after the saves asked for earlier, in order
-            self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options)
-            return
-        self.submit(self.checkpoint_io.save_checkpoint, host_copy(checkpoint), path, storage_options)
+        background = self.background if self.background is not None else on_gpu(checkpoint)
+        if background and fallback.enabled("background_checkpoint"):
+            try:
+                copy = host_copy(checkpoint)
+            except Exception as err:  # pinned or host memory short: the checkpoint as it is, synchronously
+                fallback.fell_back("background_checkpoint", err)
+            else:
+                self.submit(self.checkpoint_io.save_checkpoint, copy, path, storage_options)
+                return
+        self.wait()  # after the saves asked for earlier, in order
+        self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options)
 
     def remove_checkpoint(self, path) -> None:
         """Removed after the saves asked for before (a file being written is not removed ahead of its rename)."""
@@ -90,8 +101,13 @@ class BackgroundCheckpointIO(AsyncCheckpointIO):
 
     def submit(self, fn, *args) -> None:
         def run() -> None:
+            if self.failed is not None:  # an earlier write failed: the training thread runs this one, in order
+                self.failed.append((fn, args))
+                return
             try:
                 fn(*args)
+            except Exception as err:  # the training thread warns and writes it again, at the next save or wait
+                self._error, self.failed = err, [(fn, args)]
             except BaseException as err:  # raised on the training thread at the next save, wait or teardown
                 self._error = err
 
@@ -105,6 +121,19 @@ class BackgroundCheckpointIO(AsyncCheckpointIO):
         self.raise_error()
 
     def raise_error(self) -> None:
-        if self._error is not None:
-            err, self._error = self._error, None
+        """After a background write failed: the fallback's warning, then that write and every call asked for after
+        it on this thread, in order (their errors are the run's); any other error of the writer is raised."""
+        if self._error is None:
+            return
+        if self.failed is not None and self._executor is not None:
+            self._executor.submit(lambda: None).result()  # the calls still queued join self.failed
+        err, calls, self._error, self.failed = self._error, self.failed, None, None
+        if calls is None:
             raise err
+        fallback.fell_back("background_checkpoint", err)
+        for fn, args in calls:
+            fn(*args)
+
+    def teardown(self) -> None:
+        self.wait()
+        super().teardown()

@@ -90,6 +90,7 @@ def test_device_and_host_times_are_absent_off_cuda_not_zero():
     assert calls == []  # nothing was run to measure nothing
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU time is measured on a CUDA device")
 def test_gpu_time_counts_the_kernels_and_stays_under_the_wall_time():
     a = torch.randn(2048, 2048, device="cuda")

@@ -188,16 +188,18 @@ def test_the_decode_benchmark_times_the_static_step_over_its_cache_bucket():
 
 
 @pytest.mark.slow
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and inductor's GPU kernels need a CUDA GPU")
 @pytest.mark.parametrize("name", ["mha", "gqa", "tpa", "mla"])
 def test_on_cuda_generate_replays_a_cuda_graph_with_todays_tokens(name):
     model = tiny(name, block_size=128).cuda()
     idx, mask = (t.cuda() for t in padded_batch())
-    out = model.generate(idx, 40, temperature=0, prompt_mask=mask)  # decode="auto": the static decoder
-    assert list(model.static_decoders) == [(3, torch.float32, idx.device)]
+    out = model.generate(idx, 40, temperature=0, prompt_mask=mask)  # decode="auto": the static decoder, graphed
+    assert list(model.static_decoders) == [(3, torch.float32, idx.device, False)]
     assert torch.equal(out, model.generate(idx, 40, temperature=0, prompt_mask=mask, decode="eager"))
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="SDPA's cuDNN backend exists on CUDA only")
 def test_on_cuda_inference_never_runs_cudnn_attention():
     model = tiny("gqa").cuda().to(torch.bfloat16)

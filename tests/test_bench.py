@@ -264,3 +264,20 @@ def test_decode_measure_times_given_shapes_past_their_block_size():
     assert by_name["gqa2"]["speed_vs_mha"] == pytest.approx(
         by_name["gqa2"]["tokens_per_s"] / by_name["mha"]["tokens_per_s"]
     )
+
+
+def test_step_overhead_times_the_hosts_part_of_a_guarded_and_a_replayed_step(tmp_path):
+    """t6.bench.step_overhead on the CPU: the compiled step with a backend that runs nothing (dynamo's guards over
+    every parameter and cache tensor, which it takes as graph inputs) and the decoder's step whose replay runs
+    nothing."""
+    from t6.bench import step_overhead
+
+    out = tmp_path / "host.json"
+    args = ["--attentions", "mha", "--size", "tiny", "--device", "cpu", "--dtype", "float32"]
+    result = step_overhead.main([*args, "--steps", "3", "--rounds", "1", "--json", str(out)])
+    (r,) = result["records"]
+    model = model_configs(["mha"], "tiny")["mha"]
+    params = sum(1 for _ in step_overhead.random_model(model, "cpu", torch.float32).parameters())
+    assert r["graph_inputs"] >= params + 2 * model.n_layer  # the weights and each layer's K and V caches
+    assert r["guards_us"] > 0 and r["replay_us"] > 0 and "eager_us" not in r  # the eager step's host time: CUDA
+    assert json.loads(out.read_text())["benchmark"] == "step_overhead"

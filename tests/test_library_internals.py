@@ -80,13 +80,14 @@ PRIVATE = [
     ("torch._functorch.config", "force_non_lazy_backward_lowering", "t6.model.t6.CompiledLayers"),
     ("torch._dynamo.config", "recompile_limit", "t6.model.decode.FixedStep"),
     ("torch._dynamo.config", "accumulated_recompile_limit", "t6.model.decode.FixedStep"),
-    ("torch", "_subclasses", "t6.hardware.memory (FakeTensorMode)"),
+    ("torch", "_subclasses", "t6.hardware.memory, t6.inference.memory (FakeTensorMode)"),
     ("torch", "_ops", "t6.bench.decode_kernels (OpOverload)"),
     ("torch._ops:OpOverload", "_schema", "t6.bench.decode_kernels"),
     ("torch.ops.mkldnn", "_is_mkldnn_bf16_supported", "t6.hardware.device"),
     ("torch.cpu", "_is_amx_tile_supported", "t6.hardware.device"),
-    ("torch.utils", "_python_dispatch", "t6.bench.decode_kernels"),
-    ("torch:UntypedStorage", "_cdata", "t6.hardware.memory"),
+    ("torch.utils", "_python_dispatch", "t6.bench.decode_kernels, t6.inference.memory (PeakMemory)"),
+    ("torch.utils", "_pytree", "t6.inference.memory (tree_flatten)"),
+    ("torch:UntypedStorage", "_cdata", "t6.hardware.memory, t6.inference.memory"),
 ]
 
 

@@ -2,10 +2,10 @@
 registered mechanism the static step compiles whole (fullgraph), once per cache-length bucket and never
 per token, reads nothing back to the host, and generates the tokens of the eager path.
 
-The compiled steps here skip inductor's code generation (tens of seconds of C++ compilation per graph on
+Most compiled steps here skip inductor's code generation (tens of seconds of C++ compilation per graph on
 a small CPU): the "eager" backend runs the graph dynamo captures, which is what fullgraph and recompilation
 are about; "aot_eager" also runs it through AOTAutograd's functionalization (the in-place cache writes
-included), which is the graph inductor receives."""
+included), which is the graph inductor receives. The slow tests at the end run inductor itself."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from test_inference import NAMES, ScalarReads, tiny
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import t6.model.t6
+from t6.model import fallback
 from t6.model.attention import KVCache
 from t6.model.attention.base import flex_decode
 from t6.model.decode import MIN_BUCKET, StaticDecoder, bucket
@@ -173,18 +174,32 @@ def test_decoding_choices_are_checked():
 
 
 @pytest.mark.slow  # inductor generates and compiles C++ for each layer (tens of seconds on 2 cores)
-def test_the_decode_benchmark_times_the_static_step_over_its_cache_bucket():
+def test_the_decode_benchmark_times_the_compiled_step_over_its_cache_bucket():
     from t6.bench.decode import measure
     from t6.model import ModelConfig
 
     base = dict(n_layer=1, d_model=64, head_dim=16, vocab_size=128, block_size=16, n_head=4)
     configs = {"mha": ModelConfig(attention="mha", **base), "tpa": ModelConfig(attention="tpa", **base)}
-    records = measure(configs, [300], step="static", steps=2, rounds=1, warmup=2, verbose=False)
+    records = measure(configs, [300], step="compiled", steps=2, rounds=1, warmup=2, verbose=False)
     assert [(r["attention"], r["step"], r["cache_view"]) for r in records] == [
-        ("mha", "static", 301),  # the bucket of 301 tokens, capped at the cache's 301 positions
-        ("tpa", "static", 301),
+        ("mha", "compiled", 301),  # the bucket of 301 tokens, capped at the cache's 301 positions
+        ("tpa", "compiled", 301),
     ]
+    assert fallback.events() == []  # inductor compiled both, FlexAttention included
     assert all(r["tokens_per_s"] > 0 for r in records)
+
+
+@pytest.mark.slow  # inductor compiles each step's C++, twice where FlexAttention's CPU template fails (~30-50 s each)
+@pytest.mark.parametrize("name", ["tpa_third_order", "tpa_nc_a"])
+def test_a_step_inductor_cannot_compile_with_flex_attention_compiles_with_sdpa(name):
+    """Inductor itself (not the eager backends above): torch 2.13's C++ FlexAttention template fails on these two
+    ("too many values to unpack", "epilogue_nodes unsupported"); the step warns once, compiles with SDPA's masked
+    attention instead, and generates the eager path's tokens."""
+    model = tiny(name, block_size=64)
+    idx, mask = padded_batch()
+    out = model.generate(idx, 6, temperature=0, prompt_mask=mask, decode=StaticDecoder(model, 3, compile=True))
+    assert torch.equal(out, model.generate(idx, 6, temperature=0, prompt_mask=mask, decode="eager"))
+    assert [e.name for e in fallback.events()] == ["flex_decode"]
 
 
 @pytest.mark.slow

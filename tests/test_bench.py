@@ -72,7 +72,7 @@ def test_loss_bench_runs_each_setting_liger_included(tmp_path, monkeypatch):
     rows = loss.main([*args.split(), "--chunks", "none,8,liger", "--json", str(out)])
     assert [r["chunk_tokens"] for r in rows] == ["none", 8, "liger"]
     assert all(r["step_ms"] > 0 and r["peak_mib"] > 0 for r in rows)
-    assert json.loads(out.read_text())["rows"][2]["chunk_tokens"] == "liger"
+    assert json.loads(out.read_text())["records"][2]["chunk_tokens"] == "liger"
 
 
 def test_columns_no_record_has_are_left_out_and_missing_cells_left_empty():

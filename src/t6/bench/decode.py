@@ -29,8 +29,9 @@ import dataclasses
 
 import torch
 
+from t6.bench import harness
 from t6.bench.common import gpu_time_call, layer_kv_bytes_per_token, median, model_configs, ratios_to_mha, time_call
-from t6.bench.harness import DTYPES, common_args, environment, ints, layer_args, parse, table, write_json
+from t6.bench.harness import DTYPES, common_args, ints, layer_args, parse, table, write_json
 from t6.model.decode import CudaGraphs, FixedStep, bucket
 from t6.model.facts import decode_flops_per_cached_token
 from t6.model.t6 import Block
@@ -107,6 +108,7 @@ def measure(
     rounds: int = 5,
     warmup: int = 3,
     verbose: bool = True,
+    on_records=None,
 ) -> list[dict]:
     """Decode records (one per name and context) for the given name -> ModelConfig, timed
     interleaved round by round; `speed_vs_mha` is filled where a config is named "mha".
@@ -165,6 +167,8 @@ def measure(
             print(table(rows, COLUMNS), flush=True)
             print()
         records += rows
+        if on_records is not None:
+            on_records(records)  # after each context: a run cut short keeps what it measured
     return records
 
 
@@ -180,6 +184,12 @@ def run(args) -> dict:
             "--bandwidth-gbs and --peak-tflops are required off the CPU (the device's memory bandwidth and peak)"
         )
     print(f"limits: {bw:.1f} GB/s copy bandwidth, {peak:.1f} GFLOP/s fp32 matmul")
+
+    def result(records: list[dict]) -> dict:
+        add_roofline(records, bw, peak)
+        fields = dict(bandwidth_gbs=bw, peak_gflops=peak, scope=args.scope, size=args.size, dtype=args.dtype)
+        return harness.result("decode", args.device, records, **fields)
+
     records = measure(
         configs,
         contexts,
@@ -192,19 +202,10 @@ def run(args) -> dict:
         rounds=args.rounds,
         warmup=args.warmup,
         verbose=False,  # the table is printed once, with the roofline
+        on_records=lambda records: harness.write_json(args.json, result(records), quiet=True),
     )
-    add_roofline(records, bw, peak)
     print(table(records, COLUMNS + ROOFLINE))
-    return {
-        "benchmark": "decode",
-        "bandwidth_gbs": bw,
-        "peak_gflops": peak,
-        "scope": args.scope,
-        "size": args.size,
-        "dtype": args.dtype,
-        "environment": environment(args.device),
-        "records": records,
-    }
+    return result(records)
 
 
 COLUMNS = [

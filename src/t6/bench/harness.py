@@ -103,11 +103,16 @@ def table(records: list[dict], columns: list[tuple[str, str, str]]) -> str:
     return "\n".join(lines)
 
 
-def write_json(path: Path | None, payload: dict) -> None:
+def write_json(path: Path | None, payload: dict, quiet: bool = False) -> None:
+    """payload as JSON at path (its folder made); quiet: without saying so (a benchmark rewriting its JSON as its
+    records come in, so a run cut short keeps what it measured)."""
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(payload, indent=2))
-        print(f"wrote {path}")
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(payload, indent=2))
+        tmp.replace(path)
+        if not quiet:
+            print(f"wrote {path}")
 
 
 def machine_name() -> str:

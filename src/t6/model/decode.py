@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from t6.model import fallback
+import t6.model.fallback as fallback
 
 if TYPE_CHECKING:
     from t6.model.attention import KVCache
@@ -59,6 +59,13 @@ def bucket(length: int, max_len: int, least: int = MIN_BUCKET) -> int:
     if not 0 < length <= max_len:
         raise ValueError(f"a decode step over {length} cached tokens does not fit a cache of {max_len} positions")
     return min(max_len, max(least, 1 << (length - 1).bit_length()))
+
+
+def unlimited_recompiles():
+    """Dynamo's recompile limits lifted, for the compile of one more bucket (only the limits this torch has)."""
+    config = torch._dynamo.config
+    limits = [name for name in ("recompile_limit", "accumulated_recompile_limit") if hasattr(config, name)]
+    return config.patch(**dict.fromkeys(limits, UNLIMITED))
 
 
 class CudaGraphs:
@@ -153,7 +160,7 @@ class FixedStep:
             self.set_flex(flex)
             run = self.call(self.compiled)
             try:
-                with torch._dynamo.config.patch(recompile_limit=UNLIMITED, accumulated_recompile_limit=UNLIMITED):
+                with unlimited_recompiles():
                     return run, run()
             except Exception as err:
                 fallback.fell_back(name, err)

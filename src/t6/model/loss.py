@@ -35,7 +35,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from t6.model import fallback
+import t6.model.fallback as fallback
 
 IGNORE_INDEX = -100  # as F.cross_entropy
 IMPLS = ("auto", "chunked", "liger")  # see the module docstring

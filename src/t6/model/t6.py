@@ -7,12 +7,13 @@ logits = RMSNorm(x) @ embed^T          (tied embedding / LM head)
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from t6.model import fallback
+import t6.model.fallback as fallback
 from t6.model.attention import KVCache, get_attention_class
 from t6.model.config import ModelConfig
 from t6.model.decode import StaticDecoder, auto_decoder
@@ -40,6 +41,14 @@ class Block(nn.Module):
         return x + self.ffn(self.ffn_norm(x))  # [B, T, d]
 
 
+def eager_backward_compile():
+    """AOTAutograd compiles the backward with the forward inside this context (torch >= 2.8; a no-op before)."""
+    config = torch._functorch.config
+    if not hasattr(config, "force_non_lazy_backward_lowering"):
+        return contextlib.nullcontext()
+    return config.patch(force_non_lazy_backward_lowering=True)
+
+
 class CompiledLayers:
     """A block's `layers` compiled (T6.compile_blocks), with the eager block as its fallback: a call that fails
     to compile (or to run compiled) warns once, is recorded (t6.model.fallback "compile") and runs eagerly, and every
@@ -57,7 +66,7 @@ class CompiledLayers:
             try:
                 if key in self.seen:
                     return self.compiled(x, pos)  # [B, T, d]
-                with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+                with eager_backward_compile():
                     y = self.compiled(x, pos)  # [B, T, d]
                 self.seen.add(key)
                 return y

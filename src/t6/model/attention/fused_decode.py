@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
-from t6.model import fallback
+import t6.model.fallback as fallback
 
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc" / "fused_decode.cpp"

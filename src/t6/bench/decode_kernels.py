@@ -37,7 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from t6.bench import harness
 from t6.bench.common import copy_bandwidth_gbs, host_time_call, model_configs, time_call
 from t6.bench.decode import build_layer
-from t6.bench.harness import DTYPES, common_args, ints, parse, table
+from t6.bench.harness import DTYPES, common_args, ints, table
 from t6.model.attention import fused_decode
 
 # operator -> (its Triton kernel's name in triton_decode, its eager reference, its cache arguments)
@@ -264,10 +264,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=20, help="timed calls (wall and host time)")
     parser.add_argument("--sweep", action="store_true", help="time every tuning of a grid (CUDA)")
     parser.add_argument("--bandwidth-gbs", type=float, default=None, help="copy bandwidth (default: measured)")
-    args = parse(parser, argv)
-    result = run(args)
-    harness.finish(result, COLUMNS, args.json)
-    return result
+    return harness.run_main(parser, argv, run, COLUMNS)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ import torch
 
 from t6.bench import harness
 from t6.bench.common import copy_bandwidth_gbs, median, model_configs, time_call
-from t6.bench.harness import DTYPES, common_args, ints, parse, table
+from t6.bench.harness import DTYPES, common_args, ints, table
 from t6.model import T6, ModelConfig
 from t6.model.facts import kv_bytes_per_token, parameter_count
 from t6.model.t6 import DECODERS
@@ -193,16 +193,11 @@ def main(argv=None) -> dict:
     common_args(parser)
     parser.add_argument("--prompt-lengths", default="2k", help="prompt tokens, comma-separated (2k = 2048)")
     parser.add_argument("--batches", default="1", help="sequences generated together, comma-separated")
-    parser.add_argument("--new-tokens", type=int, default=64, help="decoded tokens per generation")
+    parser.add_argument("--new-tokens", type=harness.positive_int, default=64, help="decoded tokens per generation")
     parser.add_argument("--rounds", type=int, default=3, help="timed generations per setting; the median is kept")
     parser.add_argument("--step", default="auto", choices=list(DECODERS), help="generate's decoder (see above)")
     parser.add_argument("--bandwidth-gbs", type=float, default=None, help="memory bandwidth (default: measured)")
-    args = parse(parser, argv)
-    if args.new_tokens < 1:
-        parser.error(f"--new-tokens={args.new_tokens} must be at least 1")
-    result = run(args)
-    harness.finish(result, None, args.json)
-    return result
+    return harness.run_main(parser, argv, run, None)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,14 @@ def ints(text: str) -> list[int]:
     return [int(v[:-1]) * 1024 if v.lower().endswith("k") else int(v) for v in text.split(",") if v]
 
 
+def positive_int(text: str) -> int:
+    """An argument that must be a positive integer (a usage error otherwise)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
 def attention_names(spec: str) -> list[str]:
     """--attentions: names, `paper` (the paper's six) and `all` (every registered), comma-separated."""
     try:
@@ -156,3 +164,12 @@ def finish(result: dict, columns: list[tuple[str, str, str]] | None, path: Path 
     if columns is not None:
         print(table(result["records"], columns), flush=True)
     write_json(path, result)
+
+
+def run_main(parser: argparse.ArgumentParser, argv: list[str] | None, run, columns) -> dict:
+    """A benchmark's main: parse argv (--threads applied), run(args) -> its result, print the table of `columns`
+    (None: the benchmark printed its own) and write the JSON (--json)."""
+    args = parse(parser, argv)
+    result = run(args)
+    finish(result, columns, args.json)
+    return result

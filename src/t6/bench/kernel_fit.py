@@ -201,10 +201,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--dtypes", default="float32,bfloat16", help="cache dtypes, comma-separated")
     parser.add_argument("--quiet", action="store_true", help="print the table once, at the end")
     parser.add_argument("--json", type=Path, default=None, help="write the records to this JSON file")
-    args = harness.parse(parser, argv)
-    result = run(args)
-    harness.finish(result, COLUMNS, args.json)
-    return result
+    return harness.run_main(parser, argv, run, COLUMNS)
 
 
 if __name__ == "__main__":

@@ -145,10 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=20, help="consecutive steps per timed round")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds; the median is kept")
     parser.add_argument("--override", action="append", default=[], help="extra Hydra override, e.g. size.n_layer=2")
-    args = harness.parse(parser, argv)
-    result = run(args)
-    harness.finish(result, COLUMNS, args.json)
-    return result
+    return harness.run_main(parser, argv, run, COLUMNS)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 import subprocess
 import sys
@@ -112,9 +113,9 @@ def kernels(s: Settings) -> list[str]:
 
 def generate(s: Settings) -> list[str]:
     if s.smoke:
-        shape = ("--size", "tiny", "--prompt-lengths", "32", "--batches", "1,2", "--new-tokens", "16", "--rounds", "1")
+        shape = ("--size", "tiny", "--prompt-lengths", "32", "--batches", "1", "--new-tokens", "16", "--rounds", "1")
         return bench(
-            "generate", s, "generate", "--attentions", "paper", "--device", s.device, "--dtype", "float32", *shape
+            "generate", s, "generate", "--attentions", "mha,tpa", "--device", s.device, "--dtype", "float32", *shape
         )
     shape = ("--size", "medium", "--prompt-lengths", "2k", "--batches", "1,16", "--new-tokens", "64", "--rounds", "2")
     return bench("generate", s, "generate", "--attentions", "all", "--device", s.device, "--dtype", "bfloat16", *shape)
@@ -196,12 +197,15 @@ def run_stage(stage: Stage, settings: Settings, timeout: float) -> dict:
     log = settings.out / "logs" / f"{stage.name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     command = stage.command(settings)
+    env = dict(os.environ)
+    if settings.smoke:  # tiny shapes: one thread each, so a busy machine's cores are not oversubscribed
+        env["OMP_NUM_THREADS"] = "1"
     start = time.perf_counter()
     with open(log, "w") as out:
         out.write("$ " + " ".join(command) + "\n")
         out.flush()
         try:
-            done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT)
+            done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT, env=env)
             status = "ok" if done.returncode == 0 else f"failed (exit {done.returncode})"
         except subprocess.TimeoutExpired:
             status = f"timeout ({timeout:.0f} s)"

@@ -70,7 +70,6 @@ def overrides(size: str, steps: int, eval_limit: int, samples_tokens: int) -> li
         f"trainer.val_check_interval={steps}",
         "trainer.log_every_n_steps=1",
         f"callbacks.model_checkpoint.every_n_train_steps={checkpoint_at}",
-        "callbacks.rich_progress_bar=null",
         "data.val_windows=16",
         "eval=local",
         f"eval.limit={eval_limit}",

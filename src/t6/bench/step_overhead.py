@@ -98,7 +98,7 @@ def measure_one(name: str, cfg, *, batch: int, context: int, steps: int, rounds:
             eager = lambda: decoder.advance(*args)  # noqa: E731
             eager()
             record["eager_us"] = median([host_us(eager, steps, device) for _ in range(rounds)])
-    torch._dynamo.reset()
+    torch.compiler.reset()
     return record
 
 

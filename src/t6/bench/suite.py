@@ -44,7 +44,7 @@ from pathlib import Path
 
 from t6.bench import harness
 
-DEFAULT_BUDGET_S = 480  # 8 minutes: what a GPU session's one command may take, machine start aside
+DEFAULT_BUDGET_S = 480  # 8 minutes: one command on a GPU lent for 15 minutes, its start and a rerun included
 SMOKE_BUDGET_S = 180
 MIN_START_S = 20  # a stage starts only with this much budget left
 ROOT = Path(__file__).resolve().parents[3]  # the checkout: tests/ for the CUDA-only tests

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -91,6 +92,20 @@ def make_cfg(tmp_path, shared_data_dir, monkeypatch):
         return cfg
 
     return make
+
+
+@pytest.fixture(autouse=True)
+def _accelerators_untried():
+    """Each test starts with every accelerator untried (t6.model.fallback remembers a failure for the process)."""
+    from t6.model import fallback
+
+    fallback.reset()
+    yield
+    fallback.reset()
+    log = sys.modules.get("t6.training.callbacks.fallbacks")  # a run's listener goes with its run
+    if log is not None and log.FallbackLog.stop_listening is not None:
+        log.FallbackLog.stop_listening()
+        log.FallbackLog.stop_listening = None
 
 
 @pytest.fixture(autouse=True)

@@ -58,19 +58,32 @@ PRIVATE = [
     (
         "torch",
         "_dynamo",
-        "t6.model.static_decode (mark_static_address, config.recompile_limit), t6.bench.decode",
+        "t6.model.static_decode (mark_static_address, config.recompile_limit), t6.bench.step_overhead (reset)",
         "a CUDA graph's fixed input addresses and the recompile limit have no torch.compiler equivalent in 2.13",
     ),
     (
         "torch",
+        "_functorch",
+        "t6.model.t6.eager_backward_compile (config.force_non_lazy_backward_lowering)",
+        "AOTAutograd compiles a backward at the first backward call, outside the compile fallback's guard; only "
+        "its config compiles it with the forward",
+    ),
+    (
+        "torch.utils",
+        "_pytree",
+        "t6.inference.memory.PeakMemory (tree_flatten)",
+        "the tensors among an operator's nested arguments and outputs; torch.utils has no public flatten",
+    ),
+    (
+        "torch",
         "_subclasses",
-        "t6.training.step_memory (FakeTensorMode)",
-        "tracing a training step without memory needs fake tensors; the meta device loses storage sharing",
+        "t6.training.step_memory, t6.inference.memory (FakeTensorMode)",
+        "tracing a training step or a prefill without memory needs fake tensors; the meta device loses storage sharing",
     ),
     (
         "torch:UntypedStorage",
         "_cdata",
-        "t6.training.step_memory",
+        "t6.training.step_memory, t6.inference.memory",
         "the identity of a fake tensor's storage (views share it); data_ptr() is 0 for every fake storage",
     ),
     (
@@ -83,7 +96,7 @@ PRIVATE = [
     (
         "torch.utils",
         "_python_dispatch",
-        "t6.bench.decode_kernels (TorchDispatchMode)",
+        "t6.bench.decode_kernels, t6.inference.memory (TorchDispatchMode)",
         "seeing which operator a decode step dispatches to; torch.overrides sees functions, not operators",
     ),
     (

@@ -20,7 +20,7 @@ OUT=${OUT:-logs/uptraining}
 EXTRA=${EXTRA:-}           # more overrides for every training run, e.g. "data.batch_size=4"
 mkdir -p "$OUT"
 
-common=(experiment_name=uptraining size="$SIZE" size.n_head="$HEADS" callbacks.rich_progress_bar=null
+common=(experiment_name=uptraining size="$SIZE" size.n_head="$HEADS"
         callbacks.rich_model_summary=null logger.mlflow.log_model=false print_config=false)
 read -r -a extra <<< "$EXTRA"
 common+=("${extra[@]}")

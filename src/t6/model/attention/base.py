@@ -124,6 +124,9 @@ class KVCache:
         # Fixed-shape decoding: views and masks `static_len` positions long whatever pos is (a power-of-two
         # bucket, see t6.model.static_decode); None: they end at the last written position.
         self.static_len: int | None = None
+        # A compiled fixed-shape step attends through FlexAttention (`flex_decode`) when True; otherwise, and in
+        # every eager step, SDPA with the mask of `attn_mask` (t6.model.static_decode.FixedStep sets it).
+        self.flex_decode = False
         self._known_end: tuple[torch.Tensor, int] | None = None  # see `expect`
         self.tensors = {}
         for name, shape in spec.items():
@@ -138,6 +141,19 @@ class KVCache:
         and `attn_mask` take `end` from here for that tensor instead of reading pos[-1] back, which on
         a GPU makes the host wait for the device, twice per layer and token."""
         self._known_end = (pos, end)
+
+    def from_start(self, pos: torch.Tensor) -> bool:
+        """Whether pos [T] are the positions 0..T-1 of an unpadded prefill (nothing cached before them, no
+        padding mask), as the model said through `expect` (never read from the device; False when unknown):
+        attention over the new tokens alone is then the whole attention, causal."""
+        known = self._known_end
+        return (
+            self.static_len is None
+            and self.key_mask is None
+            and known is not None
+            and known[0] is pos
+            and known[1] == len(pos)
+        )
 
     def _end(self, pos: torch.Tensor) -> int:
         if self.static_len is not None:
@@ -170,7 +186,7 @@ class KVCache:
         out.max_len, out.spec, out.seq_dims = self.max_len, dict(self.spec), dict(self.seq_dims)
         out.tensors = {name: t.index_select(0, index) for name, t in self.tensors.items()}  # [B', ...]
         out.key_mask = None if self.key_mask is None else self.key_mask.index_select(0, index)  # [B', max_len]
-        out.static_len, out._known_end = None, None
+        out.static_len, out._known_end, out.flex_decode = None, None, False
         return out
 
     def attn_mask(self, pos: torch.Tensor) -> torch.Tensor | None:
@@ -236,7 +252,9 @@ def causal_mask(pos: torch.Tensor, end: int) -> torch.Tensor:
 #   token): FlashAttention, the memory-efficient kernel where a mask or fp32 rules Flash out, then math;
 #   never cuDNN attention, which plans again for every new shape (2.66 ms of host time per token measured on
 #   an H100; for grouped heads its kernel also ran 6.7x slower than MHA's at 32k);
-# - fixed-shape decode steps (KVCache.static_len): FlexAttention, `flex_decode`.
+# - fixed-shape decode steps (KVCache.static_len): compiled, FlexAttention (`flex_decode`, where
+#   KVCache.flex_decode says so); eager (a step captured as a CUDA graph without compiling), SDPA with the
+#   cache's mask, as the inference phase above.
 # On the CPU, SDPA's dispatcher chooses in every phase (its flash kernel, else math).
 INFERENCE_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
@@ -323,7 +341,7 @@ class Attention(nn.Module):
 
     @staticmethod
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, cached) -> torch.Tensor:
-        """Causal softmax attention with SDPA, or FlexAttention in a fixed-shape decode step (the
+        """Causal softmax attention with SDPA, or FlexAttention in a compiled fixed-shape decode step (the
         kernels of each phase: see INFERENCE_SDPA_BACKENDS).
 
         q: [B, h, T, d]; k, v: [B, h_kv, S, d] with h divisible by h_kv. Grouped heads are
@@ -331,7 +349,7 @@ class Attention(nn.Module):
         query heads are folded into the query length instead, so K and V are never expanded.
         `cached`: the layer's KVCache (its padding mask is honoured), or a bool/None. Returns [B, h, T, d_v].
         """
-        if isinstance(cached, KVCache) and cached.static_len is not None:
+        if isinstance(cached, KVCache) and cached.static_len is not None and cached.flex_decode:
             return flex_decode(q, k, v, cached.mask_mod(pos), pos[-1])  # [B, h, T, d_v]
         T, S = q.shape[2], k.shape[2]
         gqa = k.shape[1] != q.shape[1]

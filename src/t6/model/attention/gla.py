@@ -22,7 +22,8 @@ kv_norm.0 here) give the same outputs, cached and uncached.
 Decoding with a cache uses MLA's absorbed form per latent head: head i folds its W_UK^(i) into
 its query (a d_c-wide query that scores c_j directly), attention averages c_j, and W_UV^(i)
 expands the result, so per-head keys and values are never materialized. Training (no cache)
-uses the explicit up-projections. Both are the same function (tests/test_model.py checks it).
+uses the explicit up-projections, and so does a prefill into an empty cache (SDPA's flash kernel, no
+[B, h, T, S] scores). Both are the same function (tests/test_model.py checks it).
 
 Initialization: N(0, init_std) on every projection, ones on the norms, zero W_O (`Attention.init_weights`).
 """
@@ -101,6 +102,9 @@ class GroupedLatentAttention(Attention):
         c_kv = torch.stack([norm(c) for norm, c in zip(self.kv_norm, c_kv.unbind(2))], dim=2)  # [B, T, n, d_c]
         k_rope = self.rope(k_rope[:, :, None], pos)[:, :, 0]  # [B, T, rope], one key shared by all heads
         if cache is None:
+            y = self._explicit(q_nope, q_rope, c_kv, k_rope)  # [B, T, h, d_v]
+        elif T > 1 and cache.from_start(pos):  # a prefill: explicit and causal, SDPA's flash kernel, no [T, S] scores
+            cache.update(pos, c_kv=c_kv, k_rope=k_rope)
             y = self._explicit(q_nope, q_rope, c_kv, k_rope)  # [B, T, h, d_v]
         else:
             c_kv, k_rope = cache.update(pos, c_kv=c_kv, k_rope=k_rope)  # [B, n, S, d_c], [B, S, rope]

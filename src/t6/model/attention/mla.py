@@ -16,7 +16,8 @@ d_c + d_rope numbers (paper Table 1), never per-head K/V. With a cache, decoding
 absorbed form: W_UK is folded into the query (q_nope W_UK gives a d_c-wide query that
 scores c_kv directly) and W_UV into the output (attention averages c_kv, W_UV expands the
 result), so per-head keys and values are never materialized. Training (no cache) uses the
-explicit up-projections. Both are the same function (tests/test_model.py checks it).
+explicit up-projections, and so does a prefill into an empty cache (SDPA's flash kernel: the absorbed form
+would hold [B, h, T, S] scores, 49 GB at 32k tokens). Both are the same function (tests/test_model.py checks it).
 
 Initialization: N(0, init_std) on every projection, zero W_O (`Attention.init_weights`).
 """
@@ -107,6 +108,9 @@ class MultiHeadLatentAttention(Attention):
         c_kv = self.kv_norm(c_kv)  # [B, T, d_c]
         k_rope = self.rope(k_rope[:, :, None], pos)[:, :, 0]  # [B, T, rope], one key shared by all heads
         if cache is None:
+            y = self._explicit(q_nope, q_rope, c_kv, k_rope)  # [B, T, h, d_v]
+        elif T > 1 and cache.from_start(pos):  # a prefill: explicit and causal, SDPA's flash kernel, no [T, S] scores
+            cache.update(pos, c_kv=c_kv, k_rope=k_rope)
             y = self._explicit(q_nope, q_rope, c_kv, k_rope)  # [B, T, h, d_v]
         else:
             c_kv, k_rope = cache.update(pos, c_kv=c_kv, k_rope=k_rope)  # [B, S, d_c], [B, S, rope]

@@ -6,6 +6,7 @@ processes of their own."""
 from __future__ import annotations
 
 import json
+import logging
 import runpy
 import sys
 from pathlib import Path
@@ -17,10 +18,28 @@ from hydra.core.global_hydra import GlobalHydra
 from conftest import ROOT, TEST_SIZE, compose_config
 
 
+@pytest.fixture(autouse=True)
+def _logging_restored():
+    """A script's Hydra configures logging for the whole process (summary.py's disables every logger): put it back
+    for the tests that run after these."""
+    loggers = {name: (lg.disabled, lg.level, list(lg.handlers), lg.propagate) for name, lg in all_loggers()}
+    root = (logging.root.level, list(logging.root.handlers))
+    yield
+    for name, lg in all_loggers():
+        lg.disabled, lg.level, lg.handlers, lg.propagate = loggers.get(name, (False, logging.NOTSET, [], True))
+    logging.root.level, logging.root.handlers = root
+
+
+def all_loggers():
+    return [(name, lg) for name, lg in logging.root.manager.loggerDict.items() if isinstance(lg, logging.Logger)]
+
+
 def run(name: str, *args: str, monkeypatch, capsys) -> tuple[int, str]:
     """`python NAME.py ARGS` in this process (the script run as __main__: its registration and its entry into the
     error boundary): (exit code, stderr)."""
     monkeypatch.setattr(sys, "argv", [str(ROOT / f"{name}.py"), *args])
+    for key, value in {"T6_ROOT": str(ROOT), "HYDRA_FULL_ERROR": "1"}.items():  # what the script sets, undone after
+        monkeypatch.setenv(key, value)
     GlobalHydra.instance().clear()
     code = 0
     try:

@@ -74,6 +74,13 @@ PRIVATE = [
     ("lm_eval.api.model:TemplateLM", "_encode_pair", "t6.bench.eval_items"),
     # transformers (t6.hf.modeling)
     ("transformers.generation.utils:GenerationMixin", "_prepare_cache_for_generation", "T6ForCausalLM"),
+    ("transformers.modeling_utils:PreTrainedModel", "_init_weights", "T6ForCausalLM"),
+    ("transformers.modeling_utils:PreTrainedModel", "_initialize_weights", "T6ForCausalLM"),
+    ("transformers.modeling_utils:PreTrainedModel", "_is_hf_initialized", "T6ForCausalLM._initialize_weights"),
+    ("transformers.modeling_utils:PreTrainedModel", "_set_gradient_checkpointing", "T6ForCausalLM"),
+    # PyTorch: a module's hooks (t6.model.attention.base.plain_linear)
+    ("torch.nn:Module", "_forward_hooks", "plain_linear"),
+    ("torch.nn:Module", "_forward_pre_hooks", "plain_linear"),
     # PyTorch
     ("torch", "_dynamo", "t6.model.decode (its counters, reset), t6.bench.decode, t6.bench.generate"),
     ("torch", "_subclasses", "t6.hardware.memory (FakeTensorMode)"),
@@ -97,9 +104,9 @@ def owner(spec: str):
 
 
 def has_member(obj, name: str) -> bool:
-    """A class attribute or method, a module's member, or an instance attribute a class of the MRO sets in its
-    own code (`self.name =` / `self.name:`)."""
-    if hasattr(obj, name):
+    """A class attribute or method, an attribute the class declares (annotated), a module's member, or an instance
+    attribute a class of the MRO sets in its own code (`self.name =` / `self.name:`)."""
+    if hasattr(obj, name) or name in getattr(obj, "__annotations__", {}):  # a declared instance attribute too
         return True
     if isinstance(obj, type):
         for cls in obj.__mro__:

@@ -70,6 +70,7 @@ def run_plan(plan: RunPlan) -> tuple[dict[str, float], dict[str, Any]]:
         nonfinite_loss=cfg.get("nonfinite_loss", "stop"),
         loss_chunk_tokens=cfg.get("loss_chunk_tokens"),
         loss_impl=cfg.get("loss_impl", "auto"),
+        gradient_checkpointing=cfg.get("gradient_checkpointing", False),
     )
     if plan.warm_start is not None:
         from t6.uptrain.convert import load_warm_start

@@ -193,7 +193,10 @@ def test_tokenizer_encodes_the_shipped_corpus_as_t6(exports):
     assert tokenizer.decode(ids) == text
     for special in ("The end.<|endoftext|>Next", "<|endoftext|>", "  spaces   and\n\n\nnewlines  "):
         assert tokenizer(special)["input_ids"] == enc.encode(special, allowed_special={"<|endoftext|>"})
-    assert (tokenizer.eos_token_id, tokenizer.bos_token_id, len(tokenizer)) == (EOT, EOT, 50257)
+    ids = (tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id)
+    assert ids == (EOT, EOT, EOT) and len(tokenizer) == 50257
+    batch = tokenizer(["ROMEO:", "JULIET: speak"], padding=True)  # a pipeline's or lm-eval's batches pad
+    assert batch["input_ids"][0][-1] == EOT and batch["attention_mask"][0][-1] == 0
 
 
 def test_what_is_not_a_t6_is_an_error_naming_it(tmp_path):

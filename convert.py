@@ -4,6 +4,7 @@
 import hydra
 from omegaconf import DictConfig
 
+from t6.run.cli import entry, register
 from t6.uptrain.convert import convert_checkpoint
 
 
@@ -20,4 +21,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    register()  # t6's resolvers and each mechanism's options, before Hydra composes
+    entry(main)  # a mistake in the config or on the command line: one message, exit 2

@@ -188,14 +188,6 @@ class T6ForCausalLM(PreTrainedModel, GenerationMixin):
         if not any(source in loading_info.missing_keys for source in self.all_tied_weights_keys.values()):
             super().mark_tied_weights_as_initialized(loading_info)
 
-    def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=None, every_n_layers=1):
-        """gradient_checkpointing_enable(): every block recomputed in backward (T6.gradient_checkpointing)."""
-        if every_n_layers != 1:
-            raise ValueError(f"every_n_layers={every_n_layers}: a T6 checkpoints every block or none")
-        self.model.gradient_checkpointing = enable
-        if gradient_checkpointing_func is not None:
-            self.model.checkpoint_function = gradient_checkpointing_func
-
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed
 

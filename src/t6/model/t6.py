@@ -55,8 +55,8 @@ class T6(nn.Module):
             self.lm_head.weight = self.embed.weight
         self.init_weights()
         # Recompute each block's activations in backward instead of keeping them (less memory, one more forward
-        # of every block): training's `gradient_checkpointing` option, transformers' gradient_checkpointing_enable().
-        # Only where gradients flow; checkpoint_function runs a block that way.
+        # of every block): training's `gradient_checkpointing` option; transformers' gradient_checkpointing_enable()
+        # sets the flag of that name. Only where gradients flow; checkpoint_function runs a block that way.
         self.gradient_checkpointing = False
         self.checkpoint_function: Callable = functools.partial(checkpoint, use_reentrant=False)
         # generate's fixed-shape decoders by (batch size, cache dtype, device), kept with their caches and

@@ -63,9 +63,11 @@ def samples_text(texts: list[str], step: int) -> str:
     return "\n\n".join(blocks) + "\n"
 
 
-def log_samples(cfg: DictConfig, trainer: L.Trainer, model: torch.nn.Module, mlflow: MLFlowLogger | None) -> list[str]:
+def log_samples(
+    samples: DictConfig | None, trainer: L.Trainer, model: torch.nn.Module, mlflow: MLFlowLogger | None
+) -> list[str]:
     """Rank 0, after training: the greedy samples, logged as samples.txt in the MLflow run (when there is one)."""
-    if cfg.get("samples") is None or not trainer.is_global_zero:
+    if samples is None or not trainer.is_global_zero:
         return []
     if isinstance(trainer.strategy, FSDPStrategy):
         log.info(
@@ -73,7 +75,7 @@ def log_samples(cfg: DictConfig, trainer: L.Trainer, model: torch.nn.Module, mlf
             "with python generate.py ckpt_path=... temperature=0"
         )
         return []
-    texts = greedy_samples(model, cfg.samples)
+    texts = greedy_samples(model, samples)
     if mlflow is not None:
         mlflow.experiment.log_text(mlflow.run_id, samples_text(texts, trainer.global_step), SAMPLES_ARTIFACT)
     return texts

@@ -174,7 +174,10 @@ def liger_chunk_rows(tokens: int, vocab: int, d: int) -> int:
 def _liger(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Liger-Kernel's fused linear cross-entropy: h [N, d], weight [V, d], targets [N] -> mean loss [];
     the head's gradient accumulates in fp32 as in the chunked path."""
-    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    try:  # a dependency of the project; the model's code in a Hugging Face export needs only torch
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    except ImportError as err:
+        raise ImportError("loss_impl=liger needs liger-kernel (pip install liger-kernel==0.8.5)") from err
 
     return liger_fused_linear_cross_entropy(
         h, weight, targets, ignore_index=IGNORE_INDEX, reduction="mean", accum_dtype=torch.float32

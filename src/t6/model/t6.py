@@ -16,11 +16,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-import t6.model.fallback as fallback
 from t6.model.attention import KVCache, get_attention_class
 from t6.model.attention.base import plain_linear
 from t6.model.config import ModelConfig
 from t6.model.decode import StaticDecoder, auto_decoder
+from t6.model.fallback import enabled, fell_back
 from t6.model.layers import SwiGLU
 from t6.model.loss import IGNORE_INDEX, linear_cross_entropy
 
@@ -65,7 +65,7 @@ class CompiledLayers:
         self.seen: set[tuple] = set()  # input signatures compiled and run once
 
     def __call__(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        if fallback.enabled("compile"):
+        if enabled("compile"):
             key = (x.shape, x.dtype, torch.is_grad_enabled(), torch.is_autocast_enabled(x.device.type))
             try:
                 if key in self.seen:
@@ -75,7 +75,7 @@ class CompiledLayers:
                 self.seen.add(key)
                 return y
             except Exception as err:
-                fallback.fell_back("compile", err)
+                fell_back("compile", err)
         return self.eager(x, pos)  # [B, T, d]
 
 

@@ -143,7 +143,7 @@ def test_liger_failing_at_its_first_call_falls_back_to_the_chunked_loss(monkeypa
         grads.append((loss.detach(), h_.grad, w_.grad))
     for fell_back, chunked in zip(*grads):
         assert torch.equal(fell_back, chunked)
-    assert [e.name for e in fallback.events()] == ["liger"] and "ModuleNotFoundError" in fallback.events()[0].error
+    assert [e.name for e in fallback.events()] == ["liger"] and "needs liger-kernel" in fallback.events()[0].error
     assert not use_liger("auto", "cuda")  # not tried again in this process
 
 

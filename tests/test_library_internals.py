@@ -56,6 +56,38 @@ PRIVATE = [
         "cache_implementation names",
     ),
     (
+        "transformers.modeling_utils:PreTrainedModel",
+        "_init_weights",
+        "t6.hf.modeling.T6ForCausalLM",
+        "the method transformers documents for a custom model's initialization (missing weights, resized "
+        "embeddings): T6's own, module by module",
+    ),
+    (
+        "transformers.modeling_utils:PreTrainedModel",
+        "_initialize_weights",
+        "t6.hf.modeling.T6ForCausalLM",
+        "transformers 5.24 passes over a remote-code module without parameters of its own; a T6 attention or SwiGLU "
+        "initializes its layers itself, so the export keeps the rest of it without that shortcut",
+    ),
+    (
+        "transformers.modeling_utils:PreTrainedModel",
+        "_is_hf_initialized",
+        "t6.hf.modeling.T6ForCausalLM._initialize_weights",
+        "the flag transformers marks a loaded (or already initialized) module with; nothing public says so",
+    ),
+    (
+        "torch.nn:Module",
+        "_forward_hooks",
+        "t6.model.attention.base.plain_linear",
+        "whether a projection has a forward hook (which would change what it computes): no public accessor",
+    ),
+    (
+        "torch.nn:Module",
+        "_forward_pre_hooks",
+        "t6.model.attention.base.plain_linear",
+        "whether a projection has a forward pre-hook: no public accessor",
+    ),
+    (
         "torch",
         "_dynamo",
         "t6.model.static_decode (mark_static_address, config.recompile_limit), t6.bench.step_overhead (reset)",
@@ -119,9 +151,9 @@ def owner(spec: str):
 
 
 def has_member(obj, name: str) -> bool:
-    """A class attribute or method, a module's member, or an instance attribute a class of the MRO sets in its
-    own code (`self.name =` / `self.name:`)."""
-    if hasattr(obj, name):
+    """A class attribute or method, an attribute the class declares (annotated), a module's member, or an instance
+    attribute a class of the MRO sets in its own code (`self.name =` / `self.name:`)."""
+    if hasattr(obj, name) or name in getattr(obj, "__annotations__", {}):
         return True
     if isinstance(obj, type):
         for cls in obj.__mro__:

@@ -35,7 +35,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-import t6.model.fallback as fallback
+from t6.model.fallback import enabled, fell_back
 
 IGNORE_INDEX = -100  # as F.cross_entropy
 IMPLS = ("auto", "chunked", "liger")  # see the module docstring
@@ -157,9 +157,7 @@ def use_liger(impl: str, device_type: str) -> bool:
             "loss_impl=liger needs Liger-Kernel, which is not installed here (pip install liger-kernel==0.8.5); "
             "use loss_impl=auto (Liger where it is installed, else the chunked loss) or chunked"
         )
-    return impl == "liger" or (
-        impl == "auto" and device_type == "cuda" and liger_installed() and fallback.enabled("liger")
-    )
+    return impl == "liger" or (impl == "auto" and device_type == "cuda" and liger_installed() and enabled("liger"))
 
 
 def liger_chunk_rows(tokens: int, vocab: int, d: int) -> int:
@@ -174,7 +172,10 @@ def liger_chunk_rows(tokens: int, vocab: int, d: int) -> int:
 def _liger(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Liger-Kernel's fused linear cross-entropy: h [N, d], weight [V, d], targets [N] -> mean loss [];
     the head's gradient accumulates in fp32 as in the chunked path."""
-    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    try:  # a dependency of the project; the model's code in a Hugging Face export needs only torch
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    except ImportError as err:
+        raise ImportError("loss_impl=liger needs liger-kernel (pip install liger-kernel==0.8.5)") from err
 
     return liger_fused_linear_cross_entropy(
         h, weight, targets, ignore_index=IGNORE_INDEX, reduction="mean", accum_dtype=torch.float32
@@ -202,11 +203,11 @@ def linear_cross_entropy(
         dtype = torch.get_autocast_dtype(device_type)
         h, weight = h.to(dtype), weight.to(dtype)
     with torch.autocast(device_type, enabled=False):
-        if liger and fallback.enabled("liger"):
+        if liger and enabled("liger"):
             try:
                 return _liger(h, weight, targets)
             except Exception as err:  # computes nothing the chunked path needs: it starts afresh
-                fallback.fell_back("liger", err)
+                fell_back("liger", err)
         if chunk_tokens is None:
             return F.cross_entropy((h @ weight.t()).to(_acc_dtype(h)), targets, ignore_index=IGNORE_INDEX)
         if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-import t6.model.fallback as fallback
+from t6.model.fallback import enabled, fell_back
 
 if TYPE_CHECKING:
     from t6.model.attention import KVCache
@@ -129,20 +129,20 @@ class FixedStep:
         run = self.runs.get(key)
         if run is not None:
             return run()
-        capturing = self.capture is not None and fallback.enabled("decode_graph")
+        capturing = self.capture is not None and enabled("decode_graph")
         with contextlib.ExitStack() as warmup:
             if capturing:
                 try:
                     warmup.enter_context(self.capture.warmup())
                 except Exception as err:
-                    fallback.fell_back("decode_graph", err)
+                    fell_back("decode_graph", err)
                     capturing = False
             run, out = self.first_call()
         if capturing:
             try:
                 run = self.capture(run)  # records the step: nothing runs, out stays this call's result
             except Exception as err:
-                fallback.fell_back("decode_graph", err)
+                fell_back("decode_graph", err)
         self.runs[key] = run
         return out
 
@@ -152,10 +152,10 @@ class FixedStep:
         the step's writes are the same values at the same places)."""
         snapshot = [t.clone() for t in self.args if isinstance(t, torch.Tensor)]  # what a step may advance (pos)
         attempts = []
-        if self.compiled is not None and fallback.enabled("decode_compile"):
+        if self.compiled is not None and enabled("decode_compile"):
             attempts = [("flex_decode", True), ("decode_compile", False)]
         for name, flex in attempts:
-            if name == "flex_decode" and not fallback.enabled("flex_decode"):
+            if name == "flex_decode" and not enabled("flex_decode"):
                 continue
             self.set_flex(flex)
             run = self.call(self.compiled)
@@ -163,7 +163,7 @@ class FixedStep:
                 with unlimited_recompiles():
                     return run, run()
             except Exception as err:
-                fallback.fell_back(name, err)
+                fell_back(name, err)
                 for t, saved in zip((t for t in self.args if isinstance(t, torch.Tensor)), snapshot):
                     t.copy_(saved)
         self.set_flex(False)

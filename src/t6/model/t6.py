@@ -8,16 +8,20 @@ logits = RMSNorm(x) @ embed^T          (tied embedding / LM head)
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
-import t6.model.fallback as fallback
 from t6.model.attention import KVCache, get_attention_class
+from t6.model.attention.base import plain_linear
 from t6.model.config import ModelConfig
+from t6.model.fallback import enabled, fell_back
 from t6.model.layers import SwiGLU
-from t6.model.loss import linear_cross_entropy
+from t6.model.loss import IGNORE_INDEX, linear_cross_entropy
 from t6.model.static_decode import StaticDecoder, auto_decoder
 
 
@@ -61,7 +65,7 @@ class CompiledLayers:
         self.seen: set[tuple] = set()  # input signatures compiled and run once
 
     def __call__(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        if fallback.enabled("compile"):
+        if enabled("compile"):
             key = (x.shape, x.dtype, torch.is_grad_enabled(), torch.is_autocast_enabled(x.device.type))
             try:
                 if key in self.seen:
@@ -71,7 +75,7 @@ class CompiledLayers:
                 self.seen.add(key)
                 return y
             except Exception as err:
-                fallback.fell_back("compile", err)
+                fell_back("compile", err)
         return self.eager(x, pos)  # [B, T, d]
 
 
@@ -86,6 +90,11 @@ class T6(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.init_weights()
+        # Recompute each block's activations in backward instead of keeping them (less memory, one more forward
+        # of every block): training's `gradient_checkpointing` option; transformers' gradient_checkpointing_enable()
+        # sets the flag of that name. Only where gradients flow; checkpoint_function runs a block that way.
+        self.gradient_checkpointing = False
+        self.checkpoint_function: Callable = functools.partial(checkpoint, use_reentrant=False)
         # generate's fixed-shape decoders by (batch size, cache dtype, device), kept with their caches and
         # compiled graphs for later generations; clear() frees them
         self.static_decoders: dict[tuple, StaticDecoder] = {}
@@ -120,21 +129,38 @@ class T6(nn.Module):
         with targets [B, T], the mean next-token cross-entropy [] instead, through the head in
         chunks of loss_chunk_tokens tokens so the full logits never exist (t6.model.loss; None:
         all logits at once; loss_impl: "auto" runs Liger-Kernel's fused kernel on CUDA, "chunked" never)."""
-        T = idx.shape[1]
+        x = self.embed(idx)  # [B, T, d]
+        for x in self.hidden_states(x, start_pos, caches):  # [B, T, d] after each block
+            pass
+        if targets is not None:
+            return self.loss(self.norm(x), targets, loss_chunk_tokens, loss_impl)  # []
+        return self.lm_head(self.norm(x))  # [B, T, vocab]
+
+    def hidden_states(self, x: torch.Tensor, start_pos: int = 0, caches: list[KVCache] | None = None):
+        """The blocks on x [B, T, d] (embedded tokens at positions start_pos..start_pos+T-1): yields each block's
+        output [B, T, d], the last one the final hidden state before the norm."""
+        T = x.shape[1]
         if start_pos + T > self.cfg.block_size:
             raise ValueError(
                 f"sequence reaches position {start_pos + T - 1} but the model's block_size is {self.cfg.block_size}; "
                 "truncate the input or use a model with a larger size.block_size"
             )
-        pos = torch.arange(start_pos, start_pos + T, device=idx.device)  # [T]
+        pos = torch.arange(start_pos, start_pos + T, device=x.device)  # [T]
         for cache in caches or ():
             cache.expect(pos, start_pos + T)  # the caches' new length, known here without a device sync
-        x = self.embed(idx)  # [B, T, d]
+        recompute = self.gradient_checkpointing and torch.is_grad_enabled()
         for i, block in enumerate(self.blocks):
-            x = block(x, pos, None if caches is None else caches[i])  # [B, T, d]
-        if targets is not None:
-            return linear_cross_entropy(self.norm(x), self.lm_head.weight, targets, loss_chunk_tokens, loss_impl)  # []
-        return self.lm_head(self.norm(x))  # [B, T, vocab]
+            cache = None if caches is None else caches[i]
+            x = self.checkpoint_function(block, x, pos, cache) if recompute else block(x, pos, cache)  # [B, T, d]
+            yield x
+
+    def loss(self, h: torch.Tensor, targets: torch.Tensor, chunk_tokens: int | None, impl: str) -> torch.Tensor:
+        """Mean next-token cross-entropy of the head on the normalized hidden states h [B, T, d] against targets
+        [B, T] (t6.model.loss, in chunks); a wrapped head (a LoRA adapter) is called as a module instead."""
+        if plain_linear(self.lm_head):
+            return linear_cross_entropy(h, self.lm_head.weight, targets, chunk_tokens, impl)  # []
+        logits = self.lm_head(h).float()  # [B, T, vocab]
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)  # []
 
     def prefill(self, idx: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
         """Write the prompts idx [B, T] at positions 0..T-1 into the caches -> logits [B, vocab] at the last

@@ -142,6 +142,7 @@ def build_module(plan: RunPlan) -> T6LitModule:
         nonfinite_loss=plan.training.nonfinite_loss,
         loss_chunk_tokens=plan.training.loss_chunk_tokens,
         loss_impl=plan.training.loss_impl,
+        gradient_checkpointing=plan.training.gradient_checkpointing,
     )
     if plan.warm_start is not None:
         from t6.uptrain.convert import load_warm_start

@@ -221,6 +221,7 @@ class Training:
     max_steps: int
     val_check_interval: int | float | None  # in micro-batches (the config counts optimizer steps)
     optimizer_args: dict = field(default_factory=dict)  # beside the optimizer group's: AdamW fused on CUDA
+    gradient_checkpointing: bool = False  # every block recomputed in backward (T6.gradient_checkpointing)
 
 
 @dataclass(frozen=True)
@@ -554,6 +555,7 @@ def plan_training(cfg: DictConfig, hardware: Hardware, parallel: Parallel, batch
         int(cfg.trainer.max_steps),
         every * batch.accumulation if isinstance(every, int) else every,  # Lightning counts micro-batches
         plan_optimizer(cfg, hardware, parallel),
+        bool(cfg.get("gradient_checkpointing", False)),
     )
 
 
@@ -620,7 +622,7 @@ def preflight(cfg, mcfg, hardware: Hardware, parallel: Parallel, requested, per_
             available, source = available // parallel.devices, f"{source} shared by {parallel.devices} processes"
         runtime = probes.process_rss()  # the process as it stands (no model is built yet)
     ways_out = (
-        "a smaller data.batch_size (or data.batch_size=auto with data.global_batch_size), "
+        "a smaller data.batch_size (or data.batch_size=auto with data.global_batch_size), gradient_checkpointing=true, "
         "trainer=fsdp with trainer.strategy.activation_checkpointing=true, trainer=fsdp over more devices "
         "(trainer.devices), or a smaller size"
     )
@@ -633,7 +635,7 @@ def preflight(cfg, mcfg, hardware: Hardware, parallel: Parallel, requested, per_
             precision=hardware.precision,
             optimizer_target=cfg.optimizer._target_,
             shards=parallel.shards,
-            activation_checkpointing=parallel.activation_checkpointing,
+            activation_checkpointing=parallel.activation_checkpointing or bool(cfg.get("gradient_checkpointing")),
             device=device,
             runtime=runtime,
             loss_chunk_tokens=cfg.get("loss_chunk_tokens"),

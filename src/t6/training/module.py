@@ -30,6 +30,7 @@ class T6LitModule(L.LightningModule):
         nonfinite_loss: str = "stop",
         loss_chunk_tokens: int | None = None,
         loss_impl: str = "auto",
+        gradient_checkpointing: bool = False,
     ):
         """model_config: ModelConfig fields as a plain dict (checkpoints stay loadable with
         weights_only=True); optimizer / scheduler: partials from Hydra, bound in configure_optimizers;
@@ -44,7 +45,8 @@ class T6LitModule(L.LightningModule):
         blocks' work).
         loss_chunk_tokens: tokens per chunk of the LM head + cross-entropy (None: all logits at once);
         loss_impl: "auto" (Liger-Kernel's fused kernel on CUDA, t6.model.loss's chunks elsewhere), "chunked",
-        "liger"."""
+        "liger".
+        gradient_checkpointing: every block recomputed in backward (T6.gradient_checkpointing)."""
         super().__init__()
         if nonfinite_loss not in ("stop", "skip"):
             raise ValueError(f"nonfinite_loss={nonfinite_loss!r} must be 'stop' or 'skip'")
@@ -54,6 +56,7 @@ class T6LitModule(L.LightningModule):
         self.skipped_steps = 0
         self.save_hyperparameters("model_config", "compile", logger=False)
         self.model = T6(ModelConfig(**model_config))
+        self.model.gradient_checkpointing = gradient_checkpointing
         self.param_kinds = param_kinds(self.model)  # before any wrapping shards the parameters into 1-D views
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.run_config = run_config

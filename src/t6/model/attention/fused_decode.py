@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
-import t6.model.fallback as fallback
+from t6.model.fallback import enabled, fell_back
 
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc" / "fused_decode.cpp"
@@ -280,13 +280,13 @@ def triton_or_reference(name: str, *args) -> torch.Tensor:
     """Operator `name` ("tpa_decode" or "latent_decode") through its Triton kernel, on the tensors' device; where
     the kernel fails (t6.model.fallback "triton_decode": out of shared memory or registers at its first launch, a
     compiler error), and from then on, through the eager reference."""
-    if fallback.enabled("triton_decode"):
+    if enabled("triton_decode"):
         device = args[1].device  # q_b or q_rope: never None
         try:
             with _on(device) if device.type == "cuda" else contextlib.nullcontext():
                 return getattr(_kernels(), name)(*args)
         except Exception as err:
-            fallback.fell_back("triton_decode", err)
+            fell_back("triton_decode", err)
     return REFERENCES[name](*args)
 
 

@@ -108,10 +108,11 @@ class Pace(L.Callback):
 
 
 class Recorder(L.Callback):
-    """Per optimizer step: this rank's training loss (written to `path` at the end of each step)."""
+    """Per optimizer step: this rank's training loss (written to `path` at the end of each step; `{rank}` in it is
+    the process's rank)."""
 
     def __init__(self, path: str):
-        self.path = Path(path)
+        self.path = Path(path.replace("{rank}", os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))))
         self.loss = json.loads(self.path.read_text()) if self.path.exists() else {}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):

@@ -105,6 +105,11 @@ def step_of(path: Path) -> int:
     return torch.load(path, map_location="cpu", weights_only=True)["global_step"]
 
 
+def recorder(path: Path) -> list[str]:
+    """Overrides adding tests/fault_worker.Recorder: each rank's loss per optimizer step in path/loss<rank>.json."""
+    return ["+callbacks.rec._target_=fault_worker.Recorder", f"+callbacks.rec.path='{path}/loss{{rank}}.json'"]
+
+
 def test_ddp_two_processes_run_and_resume_exactly(tmp_path, shared_data_dir):
     first = tmp_path / "first"
     run(
@@ -115,6 +120,7 @@ def test_ddp_two_processes_run_and_resume_exactly(tmp_path, shared_data_dir):
         "data.global_batch_size=8",  # 2 ranks x 2 x accumulate 2
         "callbacks.model_checkpoint.save_top_k=-1",
         f"hydra.run.dir={first}",
+        *recorder(first),
     )
     assert step_of(first / "checkpoints" / "last.ckpt") == 8
     (run_,) = all_runs(client(tmp_path))  # ranks 1.. log nothing of their own
@@ -127,15 +133,20 @@ def test_ddp_two_processes_run_and_resume_exactly(tmp_path, shared_data_dir):
         "data.global_batch_size=8",
         f"ckpt_path={first / 'checkpoints' / 'step000004.ckpt'}",
         f"hydra.run.dir={resumed}",
+        *recorder(resumed),
     )
     assert step_of(resumed / "checkpoints" / "last.ckpt") == 8
-    assert len(all_runs(client(tmp_path))) == 1  # the resumed run logged into the same MLflow run
+    (again,) = all_runs(client(tmp_path))  # the resumed run logged into the same MLflow run
+    assert again.info.run_id == run_.info.run_id and again.data.tags["redone_steps"] == "5-8"
     history: dict[int, list[float]] = {}
     for m in client(tmp_path).get_metric_history(run_.info.run_id, "train/loss"):
         history.setdefault(m.step, []).append(m.value)
-    assert sorted(history) == list(range(8))
-    for step in range(4, 8):  # logged by the uninterrupted run and again by the resumed one
-        assert len(history[step]) == 2 and history[step][0] == pytest.approx(history[step][1], abs=1e-6), step
+    assert history.keys() == set(range(8)) and all(len(v) == 1 for v in history.values())  # redone steps once
+    for rank in range(2):  # the resumed steps 5-8 on each rank: the uninterrupted run's losses
+        before, after = (json.loads((d / f"loss{rank}.json").read_text()) for d in (first, resumed))
+        assert sorted(after, key=int) == ["4", "5", "6", "7", "8"]  # "4": step 5's first micro-batch (accumulation)
+        for step, loss in after.items():
+            assert loss == pytest.approx(before[step], abs=1e-6), (rank, step)
 
 
 def history(c: mlflow.MlflowClient, run_id: str, key: str) -> dict[int, list[float]]:
@@ -168,25 +179,29 @@ def test_fsdp_trains_clips_skips_evaluates_and_resumes_like_ddp(tmp_path, shared
     dirs = {name: tmp_path / name for name in ("ddp", "fsdp", "resumed")}
     run(tmp_path, shared_data_dir, *DDP, *common, "experiment_name=ddp", f"hydra.run.dir={dirs['ddp']}")
     run(tmp_path, shared_data_dir, *FSDP, *common, "experiment_name=fsdp", f"hydra.run.dir={dirs['fsdp']}")
-    run(
+    run(  # resumed from step 3 as an MLflow run of its own, its curves beside the uninterrupted run's
         tmp_path,
         shared_data_dir,
         *FSDP,
         *common,
-        "experiment_name=fsdp",
+        "experiment_name=fsdp-resumed",
+        "logger.mlflow.continue_run=false",
         f"hydra.run.dir={dirs['resumed']}",
         f"ckpt_path={dirs['fsdp'] / 'checkpoints' / 'step000003.ckpt'}",
     )
 
     c = client(tmp_path)
     (ddp,) = c.search_runs([c.get_experiment_by_name("ddp").experiment_id])
-    (fsdp,) = c.search_runs([c.get_experiment_by_name("fsdp").experiment_id])  # the resumed run logged into it
+    (fsdp,) = c.search_runs([c.get_experiment_by_name("fsdp").experiment_id])
+    (resumed,) = c.search_runs([c.get_experiment_by_name("fsdp-resumed").experiment_id])
     ddp_loss, fsdp_loss = history(c, ddp.info.run_id, "train/loss"), history(c, fsdp.info.run_id, "train/loss")
     assert sorted(ddp_loss) == sorted(fsdp_loss) == list(range(6))
     for step in range(6):
         assert fsdp_loss[step][0] == pytest.approx(ddp_loss[step][0], rel=1e-5), step
-    for step in range(3, 6):  # uninterrupted, then resumed from step 3: the same losses
-        assert len(fsdp_loss[step]) == 2 and fsdp_loss[step][1] == pytest.approx(fsdp_loss[step][0], abs=1e-6), step
+    resumed_loss = history(c, resumed.info.run_id, "train/loss")
+    assert sorted(resumed_loss) == [3, 4, 5]
+    for step in range(3, 6):  # resumed from step 3: the uninterrupted run's losses
+        assert resumed_loss[step][0] == pytest.approx(fsdp_loss[step][0], abs=1e-6), step
     ddp_norm, fsdp_norm = (
         history(c, ddp.info.run_id, "train/grad_norm"),
         history(c, fsdp.info.run_id, "train/grad_norm"),
@@ -198,9 +213,10 @@ def test_fsdp_trains_clips_skips_evaluates_and_resumes_like_ddp(tmp_path, shared
     assert max(v[0] for v in fsdp_norm.values()) > 0.5  # clipping acted
     for step in (0, 1, 2, 3, 5):  # the global norm, not one shard's
         assert fsdp_norm[step][0] == pytest.approx(ddp_norm[step][0], rel=1e-3), step  # a shard's would be ~30% off
-    assert history(c, fsdp.info.run_id, "train/skipped_steps")[4] == [1.0, 1.0]  # uninterrupted and resumed
-    key = "eval/0shot/t6_next_line/acc_norm"
-    assert history(c, fsdp.info.run_id, key)[6] == history(c, ddp.info.run_id, key)[6] * 2  # uninterrupted and resumed
+    for run_ in (fsdp, resumed):  # uninterrupted and resumed
+        assert history(c, run_.info.run_id, "train/skipped_steps")[4] == [1.0]
+        key = "eval/0shot/t6_next_line/acc_norm"
+        assert history(c, run_.info.run_id, key)[6] == history(c, ddp.info.run_id, key)[6]
 
     last = {name: torch.load(d / "checkpoints" / "last.ckpt", weights_only=True) for name, d in dirs.items()}
     assert all(ck["global_step"] == 6 for ck in last.values())

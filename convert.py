@@ -1,23 +1,29 @@
-"""Convert an MHA checkpoint into GQA or MQA for uptraining:
-`python convert.py ckpt_path=MHA.ckpt target=gqa target_kv_heads=2 out=gqa2.ckpt` (see conf/convert.yaml)."""
+"""Convert a model's attention into any registered mechanism for uptraining (conf/convert.yaml):
+`python convert.py ckpt_path=SOURCE target=mla options.kv_lora_rank=96 distill_steps=200 out=ckpt/mla.ckpt`."""
 
-import hydra
-from omegaconf import DictConfig
+import os
+from pathlib import Path
 
-from t6.uptrain.convert import convert_checkpoint
+os.environ.setdefault("T6_ROOT", str(Path(__file__).resolve().parent))
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+import t6.config  # noqa: E402,F401  (registers the config resolvers)
+from t6.run.cli import UserError, entry  # noqa: E402
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="convert")
 def main(cfg: DictConfig) -> None:
-    ckpt = convert_checkpoint(cfg.ckpt_path, cfg.target, cfg.target_kv_heads, cfg.method, cfg.out)
-    conv, src = ckpt["conversion"], ckpt["source"]
-    print(
-        f"wrote {cfg.out}: {src['attention']} (h={src['n_head']}) -> {conv['target']} "
-        f"with {conv['kv_heads']} KV head{'s' if conv['kv_heads'] > 1 else ''} "
-        f"({conv['method']}); source run {src['mlflow_run_id']}, {src['tokens']} tokens in {src['steps']} steps\n"
-        f"uptrain with: python train.py experiment=uptrain init_from={cfg.out} uptrain_fraction=0.05"
-    )
+    from t6.uptrain.cli import run
+
+    try:
+        lines = run(cfg)
+    except (ValueError, FileNotFoundError) as err:  # a setting or a source to fix: said without a traceback
+        raise UserError(str(err)) from err
+    for line in lines:
+        print(line)
 
 
 if __name__ == "__main__":
-    main()
+    entry(main)

@@ -9,7 +9,9 @@ last padded with rows no loss counts). With
 `num_workers` > 0, worker k of K builds the rank's batches k, k + K, ... and the DataLoader
 hands them out round-robin, so the stream's order is the same for every worker count; batches
 are pinned for the host-to-device copy on CUDA. Shards are prepared under a file lock, so the
-ranks of a torchrun / SLURM job that all start on fresh data make them once.
+ranks of a torchrun / SLURM job that all start on fresh data make them once. The run's tokenizer
+(`tokenizer`, t6.data.tokenizer) must be the shards'; a text corpus is tokenized into a folder of
+each tokenizer's own (`data_dir` for GPT-2, `data_dir-<tokenizer id>` for another).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_in
 from t6.data.batching import accumulation_steps, check_batch_settings, sequences_per_device, sequences_per_step
 from t6.data.corpus import TINY_SHAKESPEARE, prepare_text_corpus
 from t6.data.shards import Manifest, ShardError
-from t6.data.tokenizer import tokenizer_id
+from t6.data.tokenizer import Tokenizer, gpt2, load_tokenizer
 from t6.model.loss import IGNORE_INDEX
 
 
@@ -116,12 +118,18 @@ class TokenDataModule(L.LightningDataModule):
         seed: int = 0,
         prepare_command: str | None = None,
         num_workers: int = 0,
+        tokenizer: Tokenizer | str | None = None,
     ):
+        """tokenizer: the run's tokenizer, or its setting (`tokenizer=`: gpt2, a pretrained model's directory
+        or GGUF file, a checkpoint that records one; t6.data.tokenizer.load_tokenizer); None: GPT-2."""
         super().__init__()
         check_batch_settings(batch_size, global_batch_size, seq_len)
+        self.tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
         self.data_dir = Path(data_dir)
         self.seq_len, self.batch_size, self.global_batch_size = seq_len, batch_size, global_batch_size
         self.text_file = Path(text_file) if text_file else (TINY_SHAKESPEARE if embedded else None)
+        if self.text_file is not None and self.tokenizer != gpt2():  # a text corpus: tokenized per tokenizer
+            self.data_dir = self.data_dir.with_name(f"{self.data_dir.name}-{self.tokenizer.id.replace(':', '-')}")
         self.val_fraction, self.val_windows = val_fraction, val_windows
         self.shuffle, self.seed = shuffle, seed
         self.prepare_command = prepare_command  # how to make the shards, named when they are missing
@@ -145,7 +153,7 @@ class TokenDataModule(L.LightningDataModule):
             self.data_dir.mkdir(parents=True, exist_ok=True)
             with open(self.data_dir / ".prepare.lock", "a") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)  # the first process makes the shards; the others find them current
-                prepare_text_corpus(self.text_file, self.data_dir, self.val_fraction)
+                prepare_text_corpus(self.text_file, self.data_dir, self.val_fraction, self.tokenizer)
 
     def check(self) -> None:
         """Before anything is built, reading only: the text the shards are made from exists, or the
@@ -164,9 +172,9 @@ class TokenDataModule(L.LightningDataModule):
                 if self.prepare_command is None or (self.data_dir / "manifest.json").exists():
                     raise
                 raise ShardError(f"{err}; prepare it with: {self.prepare_command}") from err
-            self.train_windows = Windows(manifest.open(self.data_dir, "train", tokenizer_id()), self.seq_len)
+            self.train_windows = Windows(manifest.open(self.data_dir, "train", self.tokenizer), self.seq_len)
             self.val_set = ValWindows(
-                Windows(manifest.open(self.data_dir, "val", tokenizer_id()), self.seq_len), self.val_windows
+                Windows(manifest.open(self.data_dir, "val", self.tokenizer), self.seq_len), self.val_windows
             )
 
     def samples_seen(self) -> int:

@@ -8,6 +8,7 @@ import mlflow
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from t6.data.tokenizer import checkpoint_tokenizer
 from t6.evaluation.callback import build_eval_callback
 from t6.evaluation.harness import log_results, run_harness
 from t6.model.load import build_model, read_checkpoint
@@ -46,6 +47,7 @@ def evaluate_checkpoint(cfg: DictConfig) -> tuple[dict[str, float], str]:
                 "checkpoint": str(path.resolve()),
                 "source_run_id": str(ckpt.get("mlflow_run_id")),
                 "global_step": str(step),
+                "tokenizer": checkpoint_tokenizer(ckpt).id,
             },
         )
         run_id, new_run = run.info.run_id, True
@@ -53,7 +55,7 @@ def evaluate_checkpoint(cfg: DictConfig) -> tuple[dict[str, float], str]:
         client.get_run(run_id)  # an unknown run id fails here
         new_run = False
     run_name = client.get_run(run_id).info.run_name
-    results = run_harness(model, callback.spec, callback.task_manager)
+    results = run_harness(model, callback.spec, callback.task_manager, tokenizer=checkpoint_tokenizer(ckpt))
     metrics = log_results(client, run_id, results, callback.spec, step, run_name)
     client.log_text(run_id, OmegaConf.to_yaml(cfg.eval, resolve=True), f"eval/step{step:06d}/eval_config.yaml")
     if new_run:

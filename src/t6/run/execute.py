@@ -29,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from t6.config import flatten
 from t6.evaluation.callback import build_eval_callback
 from t6.model.facts import model_facts
+from t6.model.load import load_model
 from t6.run.launch import destroy_process_group
 from t6.run.plan import RunPlan
 from t6.run.samples import log_samples
@@ -54,7 +55,7 @@ def run_plan(plan: RunPlan) -> tuple[dict[str, float], dict[str, Any]]:
     datamodule: L.LightningDataModule = instantiate(cfg.data)
     datamodule.prepare_data()
     datamodule.setup("fit")
-    eval_callback = build_eval_callback(cfg.get("eval"))
+    eval_callback = build_eval_callback(cfg.get("eval"), plan.tokenizer)
     if plan.tracking is not None:
         open_tracking_store(plan.tracking.uri)
     L.seed_everything(cfg.seed, workers=True)
@@ -70,6 +71,9 @@ def run_plan(plan: RunPlan) -> tuple[dict[str, float], dict[str, Any]]:
         nonfinite_loss=cfg.get("nonfinite_loss", "stop"),
         loss_chunk_tokens=cfg.get("loss_chunk_tokens"),
         loss_impl=cfg.get("loss_impl", "auto"),
+        tokenizer=plan.tokenizer.spec() if plan.tokenizer is not None else None,
+        teacher=load_model(cfg.teacher, what="teacher") if cfg.get("teacher") else None,
+        teacher_kl_weight=cfg.get("teacher_kl_weight", 0.5),
     )
     if plan.warm_start is not None:
         from t6.uptrain.convert import load_warm_start

@@ -29,6 +29,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from t6.data.batching import sequences_per_device, sequences_per_step, world_size
+from t6.data.tokenizer import GPT2, Tokenizer, checkpoint_tokenizer, load_tokenizer, mismatch
 from t6.evaluation.callback import check_eval_tasks
 from t6.hardware import device as hw_device
 from t6.hardware import memory, probes
@@ -217,6 +218,7 @@ class RunPlan:
     tracking: Tracking | None
     checkpoints: Checkpoints | None = None  # None: no checkpoint callback
     warnings: tuple[str, ...] = field(default=())
+    tokenizer: Tokenizer | None = None  # the run's (cfg.tokenizer, resolved): data, evaluation, samples, checkpoints
 
     def describe(self) -> str:
         """The opening lines of a run: what it will do and why."""
@@ -238,6 +240,9 @@ class RunPlan:
             lines.append(f"resume          {self.resume.describe()}")
         if self.warm_start is not None:
             lines.append(f"warm start      {self.warm_start.describe()}")
+        if self.tokenizer is not None:
+            tok = self.tokenizer
+            lines.append(f"tokenizer       {tok.name} ({tok.n_vocab:,} tokens, {tok.id})")
         if self.tracking is not None:
             lines.append(f"tracking        {self.tracking.describe()}")
         return "\n".join(lines)
@@ -259,6 +264,9 @@ class RunPlan:
         if self.checkpoints is not None:
             out["plan/checkpoint_every_n_steps"] = str(self.checkpoints.every_n_steps)
             out["plan/checkpoint_background"] = self.checkpoints.background
+        if self.tokenizer is not None:
+            out.update({"tokenizer/id": self.tokenizer.id, "tokenizer/name": self.tokenizer.name})
+            out["tokenizer/n_vocab"] = self.tokenizer.n_vocab
         return out
 
 
@@ -266,6 +274,7 @@ def plan_run(cfg: DictConfig) -> RunPlan:
     """Every decision a training run makes before the Trainer exists, and every check (see the module docstring)."""
     cfg = copy.deepcopy(cfg)
     warm = plan_warm_start(cfg)  # adopts the converted model's shape into cfg
+    tokenizer = plan_tokenizer(cfg)  # tokenizer=null becomes init_from's own, or gpt2
     mcfg, problems = checks.config_problems(cfg)
     if problems:
         raise ConfigError("Invalid run config", problems)
@@ -273,7 +282,7 @@ def plan_run(cfg: DictConfig) -> RunPlan:
     use_liger(cfg.get("loss_impl", "auto"), hardware.device)  # loss_impl=liger where Triton cannot run: an error
     parallel = plan_parallel(cfg, hardware)
     schedule = plan_schedule(cfg)
-    resume = plan_resume(cfg)
+    resume = plan_resume(cfg, tokenizer)
     tracking = plan_tracking(cfg, resume, warm)
     instantiate_data(cfg).check()  # the shards exist and are whole (or the text they are made from does)
     check_eval_tasks(cfg.get("eval"))  # unknown tasks, missing datasets
@@ -292,7 +301,9 @@ def plan_run(cfg: DictConfig) -> RunPlan:
     warnings = tuple(f"init_from sets {change}" for change in (warm.changes if warm else ()))
     warnings += tuple(w for w in [schedule.warning() if schedule else None] if w)
     warnings += (tracking.offline_note(),) if tracking is not None and tracking.unreachable else ()
-    return RunPlan(cfg, mcfg, hardware, parallel, batch, schedule, resume, warm, tracking, checkpoints, warnings)
+    return RunPlan(
+        cfg, mcfg, hardware, parallel, batch, schedule, resume, warm, tracking, checkpoints, warnings, tokenizer
+    )
 
 
 # ------------------------------------------------------------------------------------ decisions
@@ -389,8 +400,9 @@ def plan_schedule(cfg: DictConfig) -> Schedule | None:
     )
 
 
-def plan_resume(cfg: DictConfig) -> Resume | None:
-    """The checkpoint to continue from, read (not loaded into memory): a missing or damaged file fails here."""
+def plan_resume(cfg: DictConfig, tokenizer: Tokenizer | None = None) -> Resume | None:
+    """The checkpoint to continue from, read (not loaded into memory): a missing or damaged file fails here,
+    and so does one trained with another tokenizer than the run's."""
     path = resolve_ckpt_path(cfg)
     if path is None:
         return None
@@ -398,6 +410,8 @@ def plan_resume(cfg: DictConfig) -> Resume | None:
     if ckpt.get("format") in (WARM_START_FORMAT, HF_FORMAT):
         kind = "a Hugging Face directory" if ckpt["format"] == HF_FORMAT else "a converted (warm-start) checkpoint"
         raise ValueError(f"ckpt_path={path!r} is {kind}: start from it with init_from=")
+    if tokenizer is not None and checkpoint_tokenizer(ckpt) != tokenizer:
+        raise ValueError(mismatch(f"ckpt_path={path}", checkpoint_tokenizer(ckpt), "this run", tokenizer))
     requested = cfg.get("ckpt_path")
     how = "auto_resume: this run directory's last.ckpt" if not requested else f"ckpt_path={requested}"
     return Resume(path, int(ckpt.get("global_step", 0)), ckpt.get("mlflow_run_id"), how)
@@ -412,8 +426,29 @@ def plan_warm_start(cfg: DictConfig) -> WarmStart | None:
     init = load_warm_start(cfg.init_from)
     changes = tuple(recipe.adopt_model_config(cfg, init["model_config"]))
     conv = init.get("conversion")  # a converted checkpoint's; a Hugging Face directory has none
-    how = f"{conv['target']} kv_heads={conv['kv_heads']} {conv['method']}" if conv else "a Hugging Face directory"
+    how = "a Hugging Face directory or pretrained model"
+    if conv:
+        distilled = f", distilled {conv['distill']['steps']} steps" if conv.get("distill") else ""
+        heads = f" kv_heads={conv['kv_heads']}" if conv.get("kv_heads") else ""
+        how = f"{conv['target']}{heads} {conv['method']}{distilled}"
     return WarmStart(str(cfg.init_from), (init.get("source") or {}).get("mlflow_run_id") or "", how, changes)
+
+
+def plan_tokenizer(cfg: DictConfig) -> Tokenizer:
+    """The run's tokenizer (t6.data.tokenizer.load_tokenizer of cfg.tokenizer; null: init_from's own, else GPT-2),
+    written back into cfg as a setting the data module reads. A warm start recorded with another tokenizer
+    than the one set is an error naming both."""
+    setting, init_from = cfg.get("tokenizer"), cfg.get("init_from")
+    own = load_tokenizer(init_from) if init_from else None
+    tokenizer = own if setting is None and own is not None else load_tokenizer(setting)
+    if own is not None and own != tokenizer:
+        raise ValueError(mismatch(f"init_from={init_from}", own, f"tokenizer={setting}", tokenizer))
+    teacher = cfg.get("teacher")
+    if teacher and load_tokenizer(teacher) != tokenizer:
+        raise ValueError(mismatch(f"teacher={teacher}", load_tokenizer(teacher), "this run", tokenizer))
+    with open_dict(cfg):
+        cfg.tokenizer = GPT2 if tokenizer.name == GPT2 else str(init_from if setting is None else setting)
+    return tokenizer
 
 
 def plan_tracking(cfg: DictConfig, resume: Resume | None, warm: WarmStart | None) -> Tracking | None:

@@ -83,7 +83,7 @@ class NonContextualTPA(Attention):
         self.const = nn.ModuleDict({n: ConstantFactor(r, const_n) for n, r in self.ranks.items()})
         self.ctx = nn.ModuleDict({n: ContextualMap(cfg.d_model, r, ctx_n) for n, r in self.ranks.items()})
         self.out = nn.Linear(h * d, cfg.d_model, bias=False)
-        self.rope = Rotary(d, cfg.block_size, cfg.rope_theta)
+        self.rope = Rotary(d, cfg.block_size, cfg.rope_theta, cfg.rope_remap)
 
     @torch.no_grad()
     def init_weights(self) -> None:

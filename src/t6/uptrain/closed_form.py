@@ -106,7 +106,8 @@ def rope_subset(head_dim: int, rope_dim: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def safe_inverse(g: torch.Tensor, floor: float = 1e-6) -> torch.Tensor:
-    return 1.0 / torch.where(g.abs() < floor, torch.full_like(g, floor) * g.sign().clamp_min(0).mul(2).sub(1), g)
+    """1 / g, with entries of |g| < floor taken as +-floor (a norm weight of zero has no inverse)."""
+    return 1.0 / torch.where(g.abs() < floor, torch.where(g < 0, -floor, floor), g)
 
 
 @torch.no_grad()

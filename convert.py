@@ -1,5 +1,5 @@
 """Convert a model's attention into any registered mechanism for uptraining (conf/convert.yaml):
-`python convert.py ckpt_path=SOURCE target=mla options.kv_lora_rank=96 distill_steps=200 out=ckpt/mla.ckpt`."""
+`python convert.py ckpt_path=SOURCE target=mla +options.kv_lora_rank=96 distill_steps=200 out=ckpt/mla.ckpt`."""
 
 import os
 from pathlib import Path

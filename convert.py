@@ -9,21 +9,19 @@ os.environ.setdefault("T6_ROOT", str(Path(__file__).resolve().parent))
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-import t6.config  # noqa: E402,F401  (registers the config resolvers)
-from t6.run.cli import UserError, entry  # noqa: E402
+from t6.run.cli import entry, register, user_errors  # noqa: E402
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="convert")
 def main(cfg: DictConfig) -> None:
     from t6.uptrain.cli import run
 
-    try:
+    with user_errors():  # a setting or a source to fix: said without a traceback
         lines = run(cfg)
-    except (ValueError, FileNotFoundError) as err:  # a setting or a source to fix: said without a traceback
-        raise UserError(str(err)) from err
     for line in lines:
         print(line)
 
 
 if __name__ == "__main__":
-    entry(main)
+    register()  # t6's resolvers and each mechanism's options, before Hydra composes
+    entry(main)  # a mistake in the config or on the command line: one message, exit 2

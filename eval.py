@@ -13,8 +13,8 @@ quiet_progress_bars()  # before anything imports tqdm
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-import t6.config  # noqa: E402,F401  (registers the config resolvers)
 from t6.evaluation.checkpoint import evaluate_checkpoint  # noqa: E402
+from t6.run.cli import entry, register  # noqa: E402
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="evaluate")
@@ -28,4 +28,5 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    main()
+    register()  # t6's resolvers and each mechanism's options, before Hydra composes
+    entry(main)  # a mistake in the config or on the command line: one message, exit 2

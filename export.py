@@ -10,8 +10,8 @@ os.environ.setdefault("T6_ROOT", str(Path(__file__).resolve().parent))
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-import t6.config  # noqa: E402,F401  (registers the config resolvers)
 from t6.hf.export import run  # noqa: E402
+from t6.run.cli import entry, register  # noqa: E402
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="export")
@@ -21,4 +21,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    register()  # t6's resolvers and each mechanism's options, before Hydra composes
+    entry(main)  # a mistake in the config or on the command line: one message, exit 2

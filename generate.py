@@ -5,6 +5,7 @@ import hydra
 from omegaconf import DictConfig
 
 from t6.inference.generate import run
+from t6.run.cli import entry, register
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="generate")
@@ -15,4 +16,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    register()  # t6's resolvers and each mechanism's options, before Hydra composes
+    entry(main)  # a mistake in the config or on the command line: one message, exit 2

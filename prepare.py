@@ -8,9 +8,9 @@ os.environ.setdefault("T6_ROOT", str(Path(__file__).resolve().parent))
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-import t6.config  # noqa: E402,F401  (registers the config resolvers)
 from t6.data.prepare import prepare_dataset  # noqa: E402
 from t6.data.tokenizer import load_tokenizer  # noqa: E402
+from t6.run.cli import entry, register  # noqa: E402
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="prepare")
@@ -35,4 +35,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    register()  # t6's resolvers and each mechanism's options, before Hydra composes
+    entry(main)  # a mistake in the config or on the command line: one message, exit 2

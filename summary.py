@@ -9,9 +9,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-import t6.config  # noqa: F401  (registers the config resolvers)
 from t6.config import model_config
 from t6.report.summary import render, summarize
+from t6.run.cli import entry, register
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="summary")
@@ -24,4 +24,5 @@ def main(cfg: DictConfig) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    register()  # t6's resolvers and each mechanism's options, before Hydra composes
+    entry(main)  # a mistake in the config or on the command line: one message, exit 2

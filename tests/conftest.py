@@ -11,8 +11,9 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, open_dict
 
-import t6.config  # noqa: F401  (registers resolvers)
-import t6.uptrain.recipe  # noqa: F401  (registers the uptrain recipe's resolvers)
+from t6.run.cli import register
+
+register()  # as every entry script does before Hydra composes
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -27,7 +28,6 @@ TEST_RUN = [
     "trainer.val_check_interval=4",
     "trainer.log_every_n_steps=1",
     "data.val_windows=8",
-    "callbacks.rich_progress_bar=null",
     "callbacks.rich_model_summary=null",
     "callbacks.model_checkpoint.every_n_train_steps=4",
     "logger.mlflow.log_model=false",

@@ -6,7 +6,7 @@ Every rank runs the same list of trials in one process (one Lightning import, on
 trials: `execute` leaves the group up here). A trial is a training run `train(cfg)` with `FaultInjector`
 sending real signals (os.kill of this process, from a timer thread so they land asynchronously) to the ranks
 and at the moments the spec names (a training step, validation, a downstream evaluation, a checkpoint
-write), the exit path `python train.py` takes (t6.training.preemption.hand_over, whose SystemExit is caught
+write), the exit path `python train.py` takes (t6.training.stop.hand_over, whose SystemExit is caught
 here), then the same run resumed (auto_resume) to its end. A submitit trial runs under submitit's own signal
 handlers, as `submitit` installs them in a job. Each rank writes what it saw to `<root>/rank<r>.json`
 after every trial; `faulthandler` ends a trial that hangs (stack dump, exit code 3)."""
@@ -156,15 +156,13 @@ def config(spec: dict, trial: dict, run_dir: Path, *extra: str):
 
 def stop_and_hand_over(cfg) -> dict:
     """`train(cfg)` as `python train.py` ends it: the stop, the checkpoint, then hand_over's exit code."""
-    from lightning.pytorch.utilities.exceptions import SIGTERMException
-
     from t6.run.train import train
-    from t6.training.preemption import hand_over
+    from t6.training.stop import RunStopped, hand_over
 
     start = time.time()
     try:
         _, objects = train(cfg)
-    except SIGTERMException as stop:
+    except RunStopped as stop:
         outcome = {"stopped": True, "signal": signal.Signals(stop.signum).name, "seconds": time.time() - start}
         try:
             hand_over(stop.signum, stop.cluster_environment)

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 STEPS = 10  # optimizer steps of a trial's run (validation after 3, 6, 9; checkpoints at 4, 8; evaluation at 5)
 PHASE_STEPS = {"train": range(1, 7), "validation": [3, 6], "eval": [5], "checkpoint": [4]}
 SIGNALS = ["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"]
-PRIORITY = ["SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2"]  # t6.training.preemption.STOP_SIGNALS: the agreed one
+PRIORITY = ["SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2"]  # t6.training.stop.STOP_SIGNALS: the agreed one
 RECORDS: list[dict] = []  # every trial's outcome, for T6_FAULTS_OUT
 
 

@@ -157,9 +157,7 @@ def test_auto_micro_batch_keeps_the_global_batch_and_the_optimization(make_cfg, 
     cap_memory(monkeypatch, int((est(2) + est(4)) / 2 / (1 - memory.MARGIN)))
     metrics, split = train(cfg)
     assert split["datamodule"].batch_size == 2 and split["trainer"].accumulate_grad_batches == 4
-    assert (
-        split["plan"].batch.memory.auto and split["cfg"].data.batch_size == 2
-    )  # logged and checkpointed as the number used
+    assert split["plan"].batch.memory.auto and split["plan"].batch.micro_batch == 2
     assert split["datamodule"].samples_seen() == 2 * 8  # steps x global batch, as before
     for a, b in zip(full["model"].parameters(), split["model"].parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # the same two optimizer steps

@@ -34,7 +34,7 @@ def test_a_plan_decides_everything_and_writes_nothing(make_cfg, tmp_path, shared
     assert (plan.hardware.device, plan.hardware.precision) == ("cpu", "32-true")
     assert plan.parallel.strategy is Strategy.SINGLE and plan.parallel.world_size == 1
     assert (plan.batch.micro_batch, plan.batch.accumulation, plan.batch.per_step) == (4, 1, 4)
-    assert plan.cfg.data.batch_size == 4 and plan.cfg.trainer.precision == "32-true"
+    assert plan.training.loss_impl == "chunked" and plan.training.val_check_interval == 4
     assert plan.resume is None and plan.tracking.run_id is None
     text = plan.describe()
     assert "device          cpu (" in text and "precision 32-true (" in text
@@ -109,18 +109,18 @@ def test_compile_auto_is_on_for_cuda_and_off_for_the_cpu():
 def test_the_plan_decides_compile_and_the_checkpoints(make_cfg, monkeypatch):
     monkeypatch.setattr(device, "measured_matmul_flops", lambda *_: 1e11)  # a 100 GFLOP/s CPU
     plan = plan_run(make_cfg("callbacks.model_checkpoint.every_n_train_steps=auto", "trainer.max_steps=100000"))
-    assert plan.cfg.compile is False and plan.params()["plan/compile"] is False
-    every = plan.cfg.callbacks.model_checkpoint.every_n_train_steps
-    assert isinstance(every, int) and every == plan.checkpoints.every_n_steps and every >= 1
+    assert plan.hardware.compile is False and plan.params()["plan/compile"] is False
+    every = plan.checkpoints.every_n_steps
+    assert isinstance(every, int) and every >= 1
     assert plan.checkpoints.background is False  # a CPU run's state is written at once
     text = plan.describe()
     assert "compile         off (compile=auto on cpu" in text
     assert f"checkpoints     every {every} steps, written synchronously (auto: Young's interval" in text
     short = plan_run(make_cfg("callbacks.model_checkpoint.every_n_train_steps=auto", "trainer.max_steps=2"))
-    assert short.cfg.callbacks.model_checkpoint.every_n_train_steps == 0  # only last.ckpt, at the end
+    assert short.checkpoints.every_n_steps == 0  # only last.ckpt, at the end
     assert "checkpoints     at the end only" in short.describe()
     on = plan_run(make_cfg("compile=true", "trainer.plugins.0.background=true"))
-    assert on.cfg.compile is True and on.checkpoints.background is True
+    assert on.hardware.compile is True and on.checkpoints.background is True
     assert "the first step and the first validation compile (expect ~" in on.describe()
 
 
@@ -187,7 +187,7 @@ def test_an_fsdp_plan_shards_the_memory_and_counts_the_processes(make_cfg, monke
     )
     assert plan.hardware.compile is True  # compile=auto on CUDA
     assert "peak            989 TFLOP/s (an H100's bf16 peak)" in plan.describe()
-    assert plan.cfg.callbacks.throughput.peak_tflops == 989  # MFU's denominator, for the throughput callback
+    assert plan.params()["plan/peak_tflops"] == 989  # MFU's denominator, for the throughput callback
     assert plan.checkpoints.background is False  # FSDP gathers the state into host memory: written at once
     gpu = plan_run(make_cfg("trainer=gpu", "trainer.max_steps=8", "trainer.val_check_interval=4"))
     assert gpu.checkpoints.background is True and "written in the background" in gpu.describe()
@@ -228,7 +228,8 @@ def test_auto_takes_the_largest_micro_batch_that_fits(make_cfg, monkeypatch):
     cap_memory(monkeypatch, int((est(2) + est(4)) / 2 / (1 - memory.MARGIN)))  # micro-batch 2 fits, 4 does not
     plan = plan_run(cfg)
     assert (plan.batch.micro_batch, plan.batch.accumulation, plan.batch.per_step) == (2, 4, 8)
-    assert plan.batch.memory.auto and plan.cfg.data.batch_size == 2  # logged and checkpointed as the number used
+    assert plan.batch.memory.auto and plan.params()["plan/micro_batch"] == 2  # logged as the number used
+    assert plan.cfg == cfg  # decided in the plan's fields: the config keeps its auto
 
 
 @pytest.fixture

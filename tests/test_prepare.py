@@ -174,7 +174,6 @@ def test_a_small_local_file_prepares_and_trains_with_the_defaults(five_mb_jsonl,
         "logger=none",
         "eval=none",
         "print_config=false",
-        "callbacks.rich_progress_bar=null",
         "callbacks.rich_model_summary=null",
     ]
     cfg = compose_config([*hint.split("python train.py ")[1].split(), *TEST_SIZE, *run], tmp_path)

@@ -17,6 +17,7 @@ from t6.run.summary import closing_summary
 from t6.run.train import train
 from t6.training.checkpoint_io import AtomicCheckpointIO
 from t6.training.fsdp import T6FSDPStrategy
+from t6.training.stop import RunStopped, StopProtocol
 
 
 class Recorder(L.Callback):
@@ -76,13 +77,16 @@ def recorder(objects) -> Recorder:
 
 
 @pytest.mark.slow  # three training runs (~6 s)
-def test_sigterm_then_auto_resume_matches_an_uninterrupted_run(make_cfg, tmp_path):
+def test_sigterm_then_auto_resume_matches_an_uninterrupted_run(make_cfg, tmp_path, monkeypatch):
     _, full = train(in_dir(make_cfg(), tmp_path / "full", "rec=test_resume.Recorder"))
     full_rec = recorder(full)
 
     run_dir = tmp_path / "preempted"
-    with pytest.raises(SystemExit):  # Lightning's SIGTERMException
+    agreements, agree = [], StopProtocol.agree  # the protocol's own all_reduce: T6LitModule's check carries it
+    monkeypatch.setattr(StopProtocol, "agree", lambda self, trainer: agreements.append(trainer.global_step) or 0)
+    with pytest.raises(RunStopped):
         train(in_dir(make_cfg(), run_dir, "rec=test_resume.Recorder", "term=test_resume.SigtermAt(4)"))
+    assert agreements == []
     last = run_dir / "checkpoints" / "last.ckpt"
     ckpt = torch.load(last, map_location="cpu", weights_only=True)
     assert ckpt["global_step"] == 5  # saved by the SIGTERM path, not a periodic checkpoint (every 4 steps)
@@ -90,6 +94,7 @@ def test_sigterm_then_auto_resume_matches_an_uninterrupted_run(make_cfg, tmp_pat
     run_id = ckpt["mlflow_run_id"]
     assert client.get_run(run_id).info.status == "KILLED"
 
+    monkeypatch.setattr(StopProtocol, "agree", agree)
     _, resumed = train(in_dir(make_cfg("auto_resume=true"), run_dir, "rec=test_resume.Recorder"))  # same run dir
     rec = recorder(resumed)
     assert resumed["trainer"].global_step == 8 and sorted(rec.loss) == [6, 7, 8]
@@ -298,7 +303,7 @@ def test_sigterm_save_in_the_background_is_on_disk_before_the_run_exits(make_cfg
 
     monkeypatch.setattr(AtomicCheckpointIO, "save_checkpoint", slow)
     cfg = make_cfg("trainer.plugins.0.background=true", "callbacks.model_checkpoint.every_n_train_steps=0")
-    with pytest.raises(SystemExit):
+    with pytest.raises(RunStopped):
         train(in_dir(cfg, tmp_path / "run", "term=test_resume.SigtermAt(3)"))
     ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert ckpt["global_step"] == 4 and "optimizer_states" in ckpt  # the step the stop was agreed at, whole

@@ -9,8 +9,16 @@ import pytest
 import torch
 
 from t6.inference.generate import load_model
+from t6.run.process import MLFLOW_HTTP, environment
 from t6.run.train import train
 from t6.tracking.mlflow import log_model_choice
+
+
+@pytest.fixture
+def quick_mlflow():
+    """MLflow's client failing a request fast, as a run sets it while it logs (t6.run.process.run_settings)."""
+    with environment(MLFLOW_HTTP):
+        yield
 
 
 def artifacts(run_id: str, uri: str) -> list[str]:
@@ -97,7 +105,7 @@ def local_run(tmp_path):
     return uri, client, client.create_run(client.create_experiment("outbox")).info.run_id
 
 
-def test_writes_wait_in_the_outbox_while_the_store_is_down_and_sync_sends_them(tmp_path):
+def test_writes_wait_in_the_outbox_while_the_store_is_down_and_sync_sends_them(tmp_path, quick_mlflow):
     import time
 
     from mlflow.entities import Metric
@@ -129,7 +137,9 @@ def test_writes_wait_in_the_outbox_while_the_store_is_down_and_sync_sends_them(t
     assert len(client.get_metric_history(run_id, "train/loss")) == 50
 
 
-def test_the_outbox_retries_with_backoff_in_order_and_a_later_process_sends_what_was_left(tmp_path, monkeypatch):
+def test_the_outbox_retries_with_backoff_in_order_and_a_later_process_sends_what_was_left(
+    tmp_path, monkeypatch, quick_mlflow
+):
     from mlflow.entities import Metric
 
     from t6.tracking.outbox import Outbox, OutboxClient
@@ -160,7 +170,7 @@ def test_the_outbox_retries_with_backoff_in_order_and_a_later_process_sends_what
     assert [(m.step, m.value) for m in history] == [(0, 1.0), (1, 2.0), (2, 3.0)]
 
 
-def test_a_continued_run_is_known_while_the_store_is_down(tmp_path):
+def test_a_continued_run_is_known_while_the_store_is_down(tmp_path, quick_mlflow):
     from t6.tracking.logger import OutboxMLFlowLogger
 
     logger = OutboxMLFlowLogger(

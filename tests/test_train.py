@@ -168,7 +168,7 @@ def test_throughput_monitor_logs_tokens_and_mfu_from_the_measured_flops(make_cfg
 
     metrics, objects = train(make_cfg("callbacks.throughput.peak_tflops=0.5", "trainer.max_steps=6"))
     monitor = next(cb for cb in objects["trainer"].callbacks if isinstance(cb, ThroughputMonitor))
-    cfg, mcfg = objects["cfg"], objects["model"].model
+    cfg, mcfg = objects["plan"].cfg, objects["model"].model
     assert monitor.flops_per_batch == flops_per_token(mcfg, cfg.data.seq_len) * cfg.data.seq_len * cfg.data.batch_size
     c = mlflow.MlflowClient(objects["plan"].tracking.uri)
     run_id = objects["mlflow"].run_id

@@ -42,7 +42,6 @@ OVERRIDES = [
     "data.global_batch_size=null",
     "data.val_windows=8",
     "eval=none",
-    "callbacks.rich_progress_bar=null",
     "callbacks.rich_model_summary=null",
     "callbacks.model_checkpoint.every_n_train_steps=2",
     "logger.mlflow.log_model=false",

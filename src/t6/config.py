@@ -1,6 +1,7 @@
-"""The Hydra boundary: the general resolvers of the config files and the conversion of the composed
-config into the plain dataclasses the model uses. Nothing under t6.model imports Hydra. (The uptrain
-recipe's resolvers live with it, in t6.uptrain.recipe, which registers them when imported.)"""
+"""The Hydra boundary: the general resolvers of the config files, each mechanism's options as Hydra's defaults, and
+the conversion of the composed config into the plain dataclasses the model uses. Nothing under t6.model imports
+Hydra. Importing this registers nothing: `t6.run.cli.register()` does (with the uptrain recipe's resolvers,
+t6.uptrain.recipe), once, in every entry script before Hydra composes."""
 
 from __future__ import annotations
 
@@ -42,9 +43,6 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("t6.ceil_mul", _ceil_mul)  # ${t6.ceil_mul:x,f} = ceil(x * f), e.g. warmup steps
 
 
-register_resolvers()
-
-
 def store_attention_options() -> None:
     """Each registered mechanism's options with their defaults (its `Options` dataclass, the
     name's preset applied) as the config `attention_options/<name>`: conf/attention/<name>.yaml
@@ -54,8 +52,6 @@ def store_attention_options() -> None:
     for name in available():
         store.store(group="attention_options", name=name, node=get_mechanism(name).default_options())
 
-
-store_attention_options()
 
 SIZE_KEYS = {"name"}  # the size's label (logs, run names)
 

@@ -22,7 +22,6 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, open_dict
 
-import t6.uptrain.recipe  # noqa: F401  (registers the uptrain recipe's resolvers: experiment=uptrain composes)
 from t6.config import conf_dir, model_config
 from t6.hardware.device import DTYPES
 from t6.model import ModelConfig
@@ -38,6 +37,9 @@ def compose(config_name: str, overrides: list[str] | tuple[str, ...] = (), runti
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.hydra_config import HydraConfig
 
+    from t6.run.cli import register
+
+    register()  # as the entry scripts do before Hydra composes
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         cfg = hydra_compose(config_name=config_name, overrides=list(overrides), return_hydra_config=runtime)

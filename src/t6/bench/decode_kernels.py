@@ -62,7 +62,7 @@ OPERATORS = {
 class Call:
     """One call of a fused decode operator: the operator and its arguments by name."""
 
-    op: torch._ops.OpOverload
+    op: object  # the operator's overload (torch.ops.t6.NAME.default)
     args: dict
 
     @property

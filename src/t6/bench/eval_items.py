@@ -21,20 +21,16 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from hydra import compose, initialize_config_dir
 
 import t6.config
-from t6.bench.common import DTYPES, environment, resolve_device
+from t6.bench.common import DTYPES, compose, environment, resolve_device
 from t6.evaluation.adapter import T6LM
 from t6.evaluation.next_line import build_next_line_task
 from t6.model import T6
 
-CONF = t6.config.conf_dir()
-
 
 def model_for(size: str, attention: str) -> T6:
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=[f"size={size}", f"attention={attention}"])
+    cfg = compose("train", [f"size={size}", f"attention={attention}"])
     torch.manual_seed(0)
     return T6(t6.config.model_config(cfg)).eval()
 
@@ -48,9 +44,11 @@ def requests(task_dir: Path, n_items: int, shots: int) -> list[SimpleNamespace]:
 
 
 def mean_tokens(lm: T6LM, reqs: list) -> tuple[float, float]:
-    """Mean (context, continuation) tokens of the requests, as the adapter encodes them."""
-    pairs = [lm._encode_pair(*r.args) for r in reqs]
-    return sum(len(c) for c, _ in pairs) / len(pairs), sum(len(k) for _, k in pairs) / len(pairs)
+    """Mean (context, continuation) tokens of the requests, as lm-eval splits a causal model's pair: the whole
+    text encoded, the context's tokens first, the rest the continuation's."""
+    context = [len(lm.tok_encode(c)) for c, _ in (r.args for r in reqs)]
+    whole = [len(lm.tok_encode(c + k)) for c, k in (r.args for r in reqs)]
+    return sum(context) / len(reqs), (sum(whole) - sum(context)) / len(reqs)
 
 
 def measure(lms: list[T6LM], reqs: list, n_items: int, repeats: int) -> list[float]:

@@ -147,7 +147,7 @@ def measure(
             bandwidth_gbs=bandwidth_gbs,
         )
         if any(r["step"] == "static" for r in rows):
-            torch._dynamo.reset()  # frees this mechanism's graphs (and CUDA graph memory) for the next one
+            torch.compiler.reset()  # frees this mechanism's graphs (and CUDA graph memory) for the next one
         if verbose:
             print(table(rows, COLUMNS), flush=True)
             print()

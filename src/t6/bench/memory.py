@@ -46,7 +46,6 @@ def measure(size: str, batch: int, attention: str = "tpa", steps: int = 2, extra
         "eval=none",
         "logger=none",
         "callbacks.model_checkpoint=null",
-        "callbacks.rich_progress_bar=null",
         "callbacks.rich_model_summary=null",
         "print_config=false",
         "auto_resume=false",

@@ -238,6 +238,14 @@ def load_tokenizer(setting: str | Path | None) -> Tokenizer:
     return _load_path(str(Path(str(setting)).expanduser().resolve()), _mtime(setting))
 
 
+def run_tokenizer(setting: str | Path | None, init_from: str | Path | None = None) -> Tokenizer:
+    """A training run's tokenizer: `tokenizer=` (`load_tokenizer`); null is init_from's own (the tokenizer its
+    checkpoint records or its pretrained model has), else GPT-2."""
+    if setting is None and init_from:
+        return load_tokenizer(init_from)
+    return load_tokenizer(setting)
+
+
 def _mtime(setting) -> float:
     path = Path(str(setting)).expanduser()
     if not path.exists():

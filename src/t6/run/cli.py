@@ -11,17 +11,48 @@ from __future__ import annotations
 
 import difflib
 import os
+import pickle
 import re
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
 
+def register() -> None:
+    """Make conf/ composable: t6's resolvers (t6.config), the uptrain recipe's (t6.uptrain.recipe), and each
+    mechanism's options in Hydra's ConfigStore (which imports every mechanism's file). Every entry script calls it
+    once before Hydra composes; calling it again changes nothing."""
+    from t6.config import register_resolvers, store_attention_options
+    from t6.uptrain.recipe import register_resolvers as register_uptrain_resolvers
+
+    register_resolvers()
+    register_uptrain_resolvers()
+    store_attention_options()
+
+
 class UserError(Exception):
     """A problem with what the user asked for; its message says what and how to fix it."""
+
+
+# What checking a request raises for a problem the user can fix: a setting, a missing or damaged file, an
+# unreachable store, a batch that cannot fit. Raised anywhere else, the same types are bugs (a traceback).
+USER_ERRORS = (ValueError, FileNotFoundError, ConnectionError, MemoryError, pickle.UnpicklingError)
+
+
+@contextmanager
+def user_errors() -> Iterator[None]:
+    """Around the checks of a request (a run's plan, a script's inputs): an error of USER_ERRORS raised there is
+    the user's, said by `entry` as one message without a traceback."""
+    from t6.data.shards import ShardError
+
+    try:
+        yield
+    except (*USER_ERRORS, ShardError) as err:
+        raise UserError(str(err)) from err
 
 
 def entry(main: Callable[[], object]) -> None:

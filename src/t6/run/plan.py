@@ -2,7 +2,7 @@
 
     plan = plan_run(cfg)     # every decision and every check, no Trainer, nothing written
     print(plan.describe())   # what the run announces (and MLflow records, `plan.params()`)
-    execute(plan)            # t6.run.execute: builds the Lightning objects and fits
+    execute(plan)            # t6.run.execute: turns the plan's fields into Lightning objects and fits
 
 The plan reads what it needs (the warm start, the checkpoint to resume from, the data's manifest, the
 tracking store, the sweep file, the machine's memory) and writes nothing. It decides in this order:
@@ -13,9 +13,9 @@ tracking store, the sweep file, the machine's memory) and writes nothing. It dec
 4. the micro-batch and its accumulation, by the memory preflight (t6.hardware.memory);
 5. how checkpoints are written and how often (t6.training.callbacks.checkpoint).
 
-`plan.cfg` is a copy of the config as the run uses it: precision, compile, micro-batch and checkpoint
-interval instead of `auto`, the MLflow run to continue, the sweep's tags. The caller's config is left as
-it was.
+Each decision has one home, a field of `RunPlan`; `plan.cfg` is the config as given, never changed (execute
+instantiates the components it names, with the plan's decisions as their arguments). `plan.logged_config()` is
+what MLflow and the checkpoints record: the config, with a warm start's model shape.
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ from __future__ import annotations
 import copy
 import enum
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 from t6.data.batching import sequences_per_device, sequences_per_step, world_size
-from t6.data.tokenizer import GPT2, Tokenizer, checkpoint_tokenizer, load_tokenizer, mismatch
+from t6.data.tokenizer import Tokenizer, checkpoint_tokenizer, load_tokenizer, mismatch, run_tokenizer
 from t6.evaluation.callback import check_eval_tasks
 from t6.hardware import device as hw_device
 from t6.hardware import memory, probes
@@ -37,11 +37,11 @@ from t6.model.config import ConfigError, ModelConfig
 from t6.model.load import HF_FORMAT, WARM_START_FORMAT, read_checkpoint
 from t6.model.loss import use_liger
 from t6.run import checks
-from t6.run.resume import resolve_ckpt_path
+from t6.run.resume import checkpoint_dir, resolve_ckpt_path
 from t6.tracking.mlflow import StoreUnreachable, check_tracking_store, log_model_choice, mlflow_config
 from t6.tracking.outbox import SYNC_COMMAND
-from t6.tracking.sweep import attach_to_sweep, sweep_job_info
-from t6.uptrain import recipe  # noqa: F401  (registers the uptrain recipe's resolvers)
+from t6.tracking.sweep import sweep_job_info, sweep_job_run
+from t6.uptrain import recipe
 
 
 class Strategy(enum.Enum):
@@ -173,6 +173,7 @@ class WarmStart:
     source_run_id: str
     conversion: str
     changes: tuple[str, ...]  # the size/attention settings the converted model set
+    model: ModelConfig | None = None  # the converted model's shape, which the run trains
 
     def describe(self) -> str:
         return f"weights of {self.path} ({self.conversion}; source run {self.source_run_id or 'unknown'})"
@@ -189,6 +190,7 @@ class Tracking:
     upload: str | None  # logger.mlflow.log_model: final, last or None
     outbox_dir: str  # where writes wait for the store
     unreachable: str | None = None  # a resume found the server down: why (the run logs to its outbox meanwhile)
+    tags: dict = field(default_factory=dict)  # the run's tags: the config's, a sweep job's, a warm start's
 
     def describe(self) -> str:
         run = f"continues run {self.run_id}" if self.run_id else f"new run {self.run_name!r}"
@@ -206,8 +208,22 @@ class Tracking:
 
 
 @dataclass(frozen=True)
+class Training:
+    """How the module trains: what execute hands T6LitModule and the Trainer."""
+
+    seed: int
+    nonfinite_loss: str  # stop or skip
+    loss_impl: str  # liger or chunked (loss_impl=auto decided for the device)
+    loss_chunk_tokens: int | None
+    max_steps: int
+    val_check_interval: int | float | None  # in micro-batches (the config counts optimizer steps)
+    teacher: str | None = None  # a model whose logits the loss also follows (KL), e.g. a conversion's source
+    teacher_kl_weight: float = 0.5  # w in (1 - w) CE + w KL(teacher || model)
+
+
+@dataclass(frozen=True)
 class RunPlan:
-    cfg: DictConfig  # the config as the run uses it (see the module docstring)
+    cfg: DictConfig  # the config as given, never changed (see the module docstring)
     model: ModelConfig
     hardware: Hardware
     parallel: Parallel
@@ -216,9 +232,19 @@ class RunPlan:
     resume: Resume | None
     warm_start: WarmStart | None
     tracking: Tracking | None
+    training: Training
+    checkpoint_dir: str  # where last.ckpt goes (the checkpoint callback's, and the stop protocol's)
     checkpoints: Checkpoints | None = None  # None: no checkpoint callback
+    evaluation: DictConfig | None = None  # the eval group, checked (None: eval=none)
+    samples: DictConfig | None = None  # the greedy samples after training, checked (None: samples=null)
     warnings: tuple[str, ...] = field(default=())
     tokenizer: Tokenizer | None = None  # the run's (cfg.tokenizer, resolved): data, evaluation, samples, checkpoints
+
+    def logged_config(self) -> DictConfig:
+        """The config MLflow and the checkpoints record: the one given, with a warm start's model shape."""
+        if self.warm_start is None:
+            return self.cfg
+        return recipe.with_model_config(self.cfg, asdict(self.model))
 
     def describe(self) -> str:
         """The opening lines of a run: what it will do and why."""
@@ -253,6 +279,7 @@ class RunPlan:
             "plan/device": self.hardware.device,
             "plan/precision": self.hardware.precision,
             "plan/compile": self.hardware.compile,
+            "plan/loss_impl": self.training.loss_impl,
             "plan/strategy": self.parallel.strategy.name.lower(),
             "plan/world_size": self.parallel.world_size,
             "plan/micro_batch": self.batch.micro_batch,
@@ -264,6 +291,8 @@ class RunPlan:
         if self.checkpoints is not None:
             out["plan/checkpoint_every_n_steps"] = str(self.checkpoints.every_n_steps)
             out["plan/checkpoint_background"] = self.checkpoints.background
+        if self.hardware.peak_flops:
+            out["plan/peak_tflops"] = round(self.hardware.peak_flops / 1e12, 4)
         if self.tokenizer is not None:
             out.update({"tokenizer/id": self.tokenizer.id, "tokenizer/name": self.tokenizer.name})
             out["tokenizer/n_vocab"] = self.tokenizer.n_vocab
@@ -272,37 +301,44 @@ class RunPlan:
 
 def plan_run(cfg: DictConfig) -> RunPlan:
     """Every decision a training run makes before the Trainer exists, and every check (see the module docstring)."""
-    cfg = copy.deepcopy(cfg)
-    warm = plan_warm_start(cfg)  # adopts the converted model's shape into cfg
-    tokenizer = plan_tokenizer(cfg)  # tokenizer=null becomes init_from's own, or gpt2
+    cfg = copy.deepcopy(cfg)  # resolvers and the checks read it; nothing writes into it
+    warm = plan_warm_start(cfg)
+    tokenizer = plan_tokenizer(cfg)  # tokenizer=null: init_from's own, else GPT-2
     mcfg, problems = checks.config_problems(cfg)
     if problems:
         raise ConfigError("Invalid run config", problems)
+    if warm is not None:
+        mcfg = warm.model
     hardware = choose_hardware(cfg)
-    use_liger(cfg.get("loss_impl", "auto"), hardware.device)  # loss_impl=liger where Triton cannot run: an error
     parallel = plan_parallel(cfg, hardware)
     schedule = plan_schedule(cfg)
     resume = plan_resume(cfg, tokenizer)
     tracking = plan_tracking(cfg, resume, warm)
-    instantiate_data(cfg).check()  # the shards exist and are whole (or the text they are made from does)
+    instantiate_data(cfg, tokenizer).check()  # the shards exist and are whole (or the text they are made from does)
     check_eval_tasks(cfg.get("eval"))  # unknown tasks, missing datasets
     batch = plan_batch(cfg, mcfg, hardware, parallel)
+    training = plan_training(cfg, hardware, batch)
     checkpoints = plan_checkpoints(cfg, mcfg, hardware, parallel, batch)
-    with open_dict(cfg):
-        cfg.trainer.precision = hardware.precision
-        cfg.compile = hardware.compile
-        throughput = (cfg.get("callbacks") or {}).get("throughput")
-        if throughput is not None and throughput.get("peak_tflops") is None:
-            throughput.peak_tflops = hardware.peak_flops / 1e12
-            throughput.peak_source = hardware.peak_why
-        cfg.data.batch_size = batch.micro_batch  # logged, and stored in checkpoints, as the number used
-        if checkpoints is not None:  # auto -> the number
-            cfg.callbacks.model_checkpoint.every_n_train_steps = checkpoints.every_n_steps
     warnings = tuple(f"init_from sets {change}" for change in (warm.changes if warm else ()))
     warnings += tuple(w for w in [schedule.warning() if schedule else None] if w)
     warnings += (tracking.offline_note(),) if tracking is not None and tracking.unreachable else ()
     return RunPlan(
-        cfg, mcfg, hardware, parallel, batch, schedule, resume, warm, tracking, checkpoints, warnings, tokenizer
+        cfg,
+        mcfg,
+        hardware,
+        parallel,
+        batch,
+        schedule,
+        resume,
+        warm,
+        tracking,
+        training,
+        str(checkpoint_dir(cfg)),
+        checkpoints,
+        cfg.get("eval") or None,
+        cfg.get("samples"),
+        warnings,
+        tokenizer,
     )
 
 
@@ -323,7 +359,11 @@ def choose_hardware(cfg: DictConfig) -> Hardware:
                 "trainer=default (accelerator auto: the GPU when there is one, else the CPU) or trainer=cpu"
             ],
         )
-    peak, peak_why = hw_device.peak_flops(device, hw_device.compute_dtype(precision))
+    given = ((cfg.get("callbacks") or {}).get("throughput") or {}).get("peak_tflops")
+    if given:
+        peak, peak_why = float(given) * 1e12, "callbacks.throughput.peak_tflops"
+    else:
+        peak, peak_why = hw_device.peak_flops(device, hw_device.compute_dtype(precision))
     return Hardware(device, device_why, precision, precision_why, compile_, compile_why, peak, peak_why)
 
 
@@ -418,42 +458,39 @@ def plan_resume(cfg: DictConfig, tokenizer: Tokenizer | None = None) -> Resume |
 
 
 def plan_warm_start(cfg: DictConfig) -> WarmStart | None:
-    """init_from: a converted checkpoint, checked; its model shape goes into cfg (size.*, attention.*)."""
+    """init_from: a converted checkpoint or a Hugging Face directory, checked; its model shape is the run's."""
     if not cfg.get("init_from"):
         return None
+    from t6.model.config import ModelConfig
     from t6.uptrain.convert import load_warm_start
 
     init = load_warm_start(cfg.init_from)
-    changes = tuple(recipe.adopt_model_config(cfg, init["model_config"]))
+    changes = tuple(recipe.model_changes(cfg, init["model_config"]))
     conv = init.get("conversion")  # a converted checkpoint's; a Hugging Face directory has none
     how = "a Hugging Face directory or pretrained model"
     if conv:
         distilled = f", distilled {conv['distill']['steps']} steps" if conv.get("distill") else ""
         heads = f" kv_heads={conv['kv_heads']}" if conv.get("kv_heads") else ""
         how = f"{conv['target']}{heads} {conv['method']}{distilled}"
-    return WarmStart(str(cfg.init_from), (init.get("source") or {}).get("mlflow_run_id") or "", how, changes)
+    source = (init.get("source") or {}).get("mlflow_run_id") or ""
+    return WarmStart(str(cfg.init_from), source, how, changes, ModelConfig(**init["model_config"]))
 
 
 def plan_tokenizer(cfg: DictConfig) -> Tokenizer:
-    """The run's tokenizer (t6.data.tokenizer.load_tokenizer of cfg.tokenizer; null: init_from's own, else GPT-2),
-    written back into cfg as a setting the data module reads. A warm start recorded with another tokenizer
-    than the one set is an error naming both."""
+    """The run's tokenizer (t6.data.tokenizer.run_tokenizer: tokenizer=null is init_from's own, else GPT-2), which
+    execute hands to the data, the evaluation, the samples and the checkpoints. A warm start or a teacher of
+    another tokenizer than the one set is an error naming both."""
     setting, init_from = cfg.get("tokenizer"), cfg.get("init_from")
-    own = load_tokenizer(init_from) if init_from else None
-    tokenizer = own if setting is None and own is not None else load_tokenizer(setting)
-    if own is not None and own != tokenizer:
-        raise ValueError(mismatch(f"init_from={init_from}", own, f"tokenizer={setting}", tokenizer))
-    teacher = cfg.get("teacher")
-    if teacher and load_tokenizer(teacher) != tokenizer:
-        raise ValueError(mismatch(f"teacher={teacher}", load_tokenizer(teacher), "this run", tokenizer))
-    with open_dict(cfg):
-        cfg.tokenizer = GPT2 if tokenizer.name == GPT2 else str(init_from if setting is None else setting)
+    tokenizer = run_tokenizer(setting, init_from)
+    for what, path in ((f"init_from={init_from}", init_from), (f"teacher={cfg.get('teacher')}", cfg.get("teacher"))):
+        if path and load_tokenizer(path) != tokenizer:
+            raise ValueError(mismatch(what, load_tokenizer(path), f"this run (tokenizer={setting})", tokenizer))
     return tokenizer
 
 
 def plan_tracking(cfg: DictConfig, resume: Resume | None, warm: WarmStart | None) -> Tracking | None:
-    """The MLflow store (reachable, and holding the run a resume continues), the run and the sweep parent.
-    Sets logger.mlflow.run_id, the sweep's experiment and tags, and a warm start's tags in cfg."""
+    """The MLflow store (reachable, and holding the run a resume continues), the run, its name and tags, and the
+    sweep parent."""
     conf = mlflow_config(cfg)
     if conf is None:
         return None
@@ -465,35 +502,52 @@ def plan_tracking(cfg: DictConfig, resume: Resume | None, warm: WarmStart | None
         if not continues:
             raise  # a new run needs the server to create it
         unreachable = str(err.__cause__ or err)  # a resume continues its run in the outbox
+    named = recipe.with_model_config(cfg, asdict(warm.model)) if warm is not None else cfg  # the model it trains
+    named_conf = mlflow_config(named)
+    experiment, run_name = str(named_conf.experiment_name), str(named_conf.run_name)
+    tags = {str(k): str(v) for k, v in (OmegaConf.to_container(named_conf.get("tags") or {}, resolve=True)).items()}
+    if warm is not None:
+        tags.update(source_run_id=warm.source_run_id, init_from=warm.path, conversion=warm.conversion)
     sweep = sweep_job_info()
-    if sweep is not None:
-        attach_to_sweep(cfg, sweep)  # a multirun job: a child run of the sweep's parent run
-    with open_dict(cfg):
-        if warm is not None:
-            conf.tags.source_run_id = warm.source_run_id
-            conf.tags.init_from = warm.path
-            conf.tags.conversion = warm.conversion
-        if continues and conf.get("run_id") is None:
-            conf.run_id = continues  # a resumed run logs into the same MLflow run
+    if sweep is not None:  # a multirun job: a child run of the sweep's parent run
+        experiment, run_name, job_tags = sweep_job_run(sweep)
+        tags.update(job_tags)
     interval = conf.get("system_metrics_interval_s") if conf.get("system_metrics", True) else None
     return Tracking(
         conf.tracking_uri,
-        conf.experiment_name,
-        conf.run_name,
-        conf.get("run_id"),
+        experiment,
+        run_name,
+        conf.get("run_id") or continues,  # a resumed run logs into the same MLflow run
         sweep["parent_run_id"] if sweep else None,
         interval,
         log_model_choice(conf.get("log_model", False)),
         str(conf.outbox_dir),
         unreachable,
+        tags,
     )
 
 
-def instantiate_data(cfg: DictConfig):
+def instantiate_data(cfg: DictConfig, tokenizer: Tokenizer | None = None):
     """The datamodule object (cheap: it opens nothing until `check`, `prepare_data` or `setup`)."""
     from hydra.utils import instantiate
 
-    return instantiate(cfg.data)
+    return instantiate(cfg.data, tokenizer=tokenizer) if tokenizer is not None else instantiate(cfg.data)
+
+
+def plan_training(cfg: DictConfig, hardware: Hardware, batch: BatchPlan) -> Training:
+    """The seed, what a non-finite loss does, the loss's implementation on this device (loss_impl=auto: Liger's
+    kernel on CUDA; liger where Triton cannot run is an error), validation counted in micro-batches."""
+    every = cfg.trainer.get("val_check_interval")
+    return Training(
+        int(cfg.seed),
+        cfg.get("nonfinite_loss", "stop"),
+        "liger" if use_liger(cfg.get("loss_impl", "auto"), hardware.device) else "chunked",
+        cfg.get("loss_chunk_tokens"),
+        int(cfg.trainer.max_steps),
+        every * batch.accumulation if isinstance(every, int) else every,  # Lightning counts micro-batches
+        cfg.get("teacher") or None,
+        float(cfg.get("teacher_kl_weight", 0.5)),
+    )
 
 
 def plan_batch(cfg: DictConfig, mcfg: ModelConfig, hardware: Hardware, parallel: Parallel) -> BatchPlan:

@@ -11,7 +11,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.strategies import FSDPStrategy
 from omegaconf import DictConfig, OmegaConf
 
-from t6.data.tokenizer import Tokenizer, gpt2, load_tokenizer
+from t6.data.tokenizer import Tokenizer, gpt2, run_tokenizer
 from t6.inference.generate import generate_text
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ def check_samples(cfg: DictConfig) -> None:
         )
     if not isinstance(new, int) or isinstance(new, bool) or new < 1:
         raise ValueError(f"samples.max_new_tokens={new} must be a positive integer")
-    enc = load_tokenizer(cfg.get("tokenizer"))  # the run's (the plan has resolved `null` by now)
+    enc = run_tokenizer(cfg.get("tokenizer"), cfg.get("init_from"))  # the run's
     longest = max(len(enc.encode(p)) for p in prompts)
     if longest >= cfg.size.block_size:
         raise ValueError(
@@ -65,9 +65,16 @@ def samples_text(texts: list[str], step: int) -> str:
     return "\n\n".join(blocks) + "\n"
 
 
-def log_samples(cfg: DictConfig, trainer: L.Trainer, model: torch.nn.Module, mlflow: MLFlowLogger | None) -> list[str]:
-    """Rank 0, after training: the greedy samples, logged as samples.txt in the MLflow run (when there is one)."""
-    if cfg.get("samples") is None or not trainer.is_global_zero:
+def log_samples(
+    samples: DictConfig | None,
+    trainer: L.Trainer,
+    model: torch.nn.Module,
+    mlflow: MLFlowLogger | None,
+    tokenizer: Tokenizer | None = None,
+) -> list[str]:
+    """Rank 0, after training: the greedy samples in the run's tokenizer (default GPT-2), logged as samples.txt in
+    the MLflow run (when there is one)."""
+    if samples is None or not trainer.is_global_zero:
         return []
     if isinstance(trainer.strategy, FSDPStrategy):
         log.info(
@@ -75,7 +82,7 @@ def log_samples(cfg: DictConfig, trainer: L.Trainer, model: torch.nn.Module, mlf
             "with python generate.py ckpt_path=... temperature=0"
         )
         return []
-    texts = greedy_samples(model, cfg.samples, load_tokenizer(cfg.get("tokenizer")))
+    texts = greedy_samples(model, samples, tokenizer)
     if mlflow is not None:
         mlflow.experiment.log_text(mlflow.run_id, samples_text(texts, trainer.global_step), SAMPLES_ARTIFACT)
     return texts

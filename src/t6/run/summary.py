@@ -3,6 +3,7 @@ checkpoint and the model are, and how to open the run in MLflow."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from t6.run.samples import SAMPLES_ARTIFACT
@@ -22,9 +23,8 @@ def closing_summary(metrics: dict[str, float], objects: dict[str, Any]) -> str:
         where = f" (every prompt: {SAMPLES_ARTIFACT} in MLflow)" if mlflow is not None else ""
         lines.append(f"sample          greedy{where}")
         lines.extend(f"    {line}" for line in objects["samples"][0].splitlines())
-    ckpt = trainer.checkpoint_callback
-    final = (getattr(ckpt, "final_path", None) or ckpt.last_model_path or None) if ckpt else None
-    if final:
+    final = Path(plan.checkpoint_dir) / "last.ckpt"
+    if final.exists():
         lines.append(f"checkpoint      {final}   (ckpt_path=last in this run dir resumes from it)")
     if objects.get("uploaded"):
         lines.append(f"model           {objects['uploaded']}")

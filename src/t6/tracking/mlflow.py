@@ -150,25 +150,21 @@ def mlflow_logger(
     """The run's MLFlowLogger for tracking_uri, writing through an outbox under outbox_dir (t6.tracking.logger:
     training goes on while the store is away). A local SQLite store keeps its artifacts beside its database
     (or in artifact_dir). The run's plan (t6.run.plan) checks the store, chooses the run (`run_id`: the one a
-    resume continues, unless continue_run is false) and reads the system-metrics settings; log_model (see
-    `log_model_choice`) is kept as the logger's `upload` and carried out by `save_and_upload_model` after
-    training; Lightning's own upload (every checkpoint the ModelCheckpoint tracks) stays off."""
+    resume continues, unless continue_run is false), its name and tags, and reads the system-metrics and upload
+    settings (log_model, carried out by `save_and_upload_model` after training); the execution passes its
+    choices here."""
     from t6.tracking.logger import OutboxMLFlowLogger
 
-    upload = log_model_choice(log_model)
-    logger = OutboxMLFlowLogger(
+    return OutboxMLFlowLogger(
         experiment_name=experiment_name,
         run_name=run_name,
         tracking_uri=tracking_uri,
         tags=dict(tags or {}),
-        log_model=False,
         artifact_location=artifact_location(tracking_uri, artifact_dir),
         run_id=run_id,
         outbox_dir=outbox_dir,
         flush_timeout_s=flush_timeout_s,
     )
-    logger.upload = upload
-    return logger
 
 
 def artifact_location(tracking_uri: str, artifact_dir: str | None = None) -> str | None:
@@ -182,14 +178,15 @@ def artifact_location(tracking_uri: str, artifact_dir: str | None = None) -> str
 FINAL_MODEL = "model.ckpt"
 
 
-def save_and_upload_model(trainer, logger: MLFlowLogger | None, checkpoint_dir: str | Path) -> str | None:
-    """At the end of a finished run, as `logger.upload` says: "final" uploads the weights-only model
-    (`model.ckpt`: weights, model config and run config, no optimizer state; every rank takes part, rank 0
-    writes it and uploads it, and its local copy is removed once the store has it, so the run keeps last.ckpt
-    and the store keeps the model); "last" uploads `last.ckpt`. Artifacts go under `model/`; returns the
-    artifact's URI (rank 0)."""
-    upload = getattr(logger, "upload", None)
-    if not upload or not checkpoint_dir:
+def save_and_upload_model(
+    trainer, logger: MLFlowLogger | None, checkpoint_dir: str | Path, upload: str | None
+) -> str | None:
+    """At the end of a finished run, as `upload` (logger.mlflow.log_model, `log_model_choice`) says: "final"
+    uploads the weights-only model (`model.ckpt`: weights, model config and run config, no optimizer state; every
+    rank takes part, rank 0 writes it and uploads it, and its local copy is removed once the store has it, so the
+    run keeps last.ckpt and the store keeps the model); "last" uploads `last.ckpt`. Artifacts go under `model/`;
+    returns the artifact's URI (rank 0)."""
+    if logger is None or not upload or not checkpoint_dir:
         return None
     if upload == "final":
         path = Path(checkpoint_dir) / ".upload" / FINAL_MODEL

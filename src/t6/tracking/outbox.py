@@ -2,6 +2,8 @@
 `Outbox`, so a tracking server that stops answering (restarted, unreachable, down at a resume) never stalls or
 kills training.
 
+A run makes MLflow's client fail a request fast while it logs (t6.run.process.run_settings): the outbox retries.
+
 - `Outbox.put(record)` appends the write to a spool file (JSON lines, one file per writing process) and
   returns; a background thread sends the spool's writes in order, and while the store does not answer it
   retries with exponential backoff (1 s doubling to `max_backoff_s`), keeping the rest waiting in order.
@@ -28,14 +30,6 @@ log = logging.getLogger(__name__)
 
 SYNC_COMMAND = "python -m t6.tracking.sync"
 METRICS_PER_BATCH = 1000  # MLflow's log_batch limit
-HTTP_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
-
-
-def quick_http_failures() -> None:
-    """MLflow's client retries a failed request up to 7 times over minutes; the outbox retries on its own, so a
-    process that logs through it fails a request fast (unless the environment already says otherwise)."""
-    for key, value in HTTP_ENV.items():
-        os.environ.setdefault(key, value)
 
 
 class Outbox:
@@ -44,7 +38,6 @@ class Outbox:
     def __init__(self, tracking_uri: str, spool: str | Path, max_backoff_s: float = 60.0):
         from mlflow import MlflowClient
 
-        quick_http_failures()
         self.uri = tracking_uri
         self.client = MlflowClient(tracking_uri=tracking_uri)
         self.spool = Path(spool)

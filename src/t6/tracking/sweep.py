@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig
 
 log = logging.getLogger(__name__)
 SWEEP_FILE = "mlflow_sweep.json"
@@ -135,9 +135,9 @@ def sweep_job_info() -> dict | None:
     return info
 
 
-def attach_to_sweep(cfg: DictConfig, info: dict) -> None:
-    """Point this job's MLflow logger at the sweep's experiment, as a child of its parent run."""
-    mlflow_cfg = cfg.logger.mlflow
+def sweep_job_run(info: dict) -> tuple[str, str, dict[str, str]]:
+    """This job's MLflow run in the sweep: (the sweep's experiment, the run's name: what the job varies, its tags:
+    a child of the parent run, the job's number and overrides)."""
     swept = [o for o in info["overrides"] if o.partition("=")[0].lstrip("+~") in info["swept_keys"]]  # what varies
     tags = {
         "mlflow.parentRunId": info["parent_run_id"],
@@ -148,7 +148,4 @@ def attach_to_sweep(cfg: DictConfig, info: dict) -> None:
     for override in info["overrides"]:
         key, _, value = override.partition("=")
         tags[f"override.{key.lstrip('+~')}"] = value
-    with open_dict(cfg):
-        mlflow_cfg.experiment_name = info["experiment_name"]
-        mlflow_cfg.run_name = " ".join(swept) or f"job {info['job_num']}"
-        mlflow_cfg.tags = {**(mlflow_cfg.get("tags") or {}), **tags}
+    return info["experiment_name"], " ".join(swept) or f"job {info['job_num']}", tags

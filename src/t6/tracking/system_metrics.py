@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import lightning as L
 from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
 from t6.tracking.outbox import Outbox, OutboxClient
-from t6.training.lightning_private import tracking_uri
+
+PREFIX = "system/"  # MLflow's own prefix for system metrics
 
 
 class NodeMonitor(SystemMetricsMonitor):
-    """MLflow's SystemMetricsMonitor (its CPU, memory, disk, network and GPU monitors) logging through an outbox:
-    `system/cpu_utilization_percentage`, ... (`system/<node>/...` with several nodes), at the training step
-    when sampled. MLflow's own loop stops for good at the first failed read of the run; this one goes on
-    while the store is away (the samples wait in the outbox)."""
+    """MLflow's SystemMetricsMonitor (its CPU, memory, disk, network and GPU monitors: `monitors`, sampled by its
+    `collect_metrics` and `aggregate_metrics`) on a thread of its own logging through an outbox:
+    `system/cpu_utilization_percentage`, ... (`system/<node>/...` with several nodes), at the training step when
+    sampled. MLflow's own loop stops for good at the first failed read of the run; this one goes on while the
+    store is away (the samples wait in the outbox)."""
 
     def __init__(self, client: OutboxClient, run_id: str, interval_s: float, node_id: str | None, step):
         super().__init__(
@@ -25,12 +28,18 @@ class NodeMonitor(SystemMetricsMonitor):
             node_id=node_id,
             tracking_uri=client.outbox.uri,  # its own (unused) logger would otherwise open ./mlflow.db
         )
-        self.client, self.step = client, step
+        self.client, self.run, self.step = client, run_id, step
+        self.stopping = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self.monitor, daemon=True, name="t6-system-metrics")
+        self.thread.start()
 
     def monitor(self) -> None:
-        while not self._shutdown_event.is_set():
+        while not self.stopping.is_set():
             self.collect_metrics()
-            if self._shutdown_event.wait(self.sampling_interval):
+            if self.stopping.wait(self.sampling_interval):
                 return
             self.publish_metrics(self.aggregate_metrics())
 
@@ -38,17 +47,17 @@ class NodeMonitor(SystemMetricsMonitor):
         from mlflow.entities import Metric
         from mlflow.utils.time import get_current_time_millis
 
-        prefix = self._metrics_prefix + (self.node_id + "/" if self.node_id else "")
+        prefix = PREFIX + (self.node_id + "/" if self.node_id else "")
         now, step = get_current_time_millis(), self.step()
-        self.client.log_batch(self._run_id, metrics=[Metric(prefix + k, v, now, step) for k, v in metrics.items()])
+        self.client.log_batch(self.run, metrics=[Metric(prefix + k, v, now, step) for k, v in metrics.items()])
         for monitor in self.monitors:
             monitor.clear_metrics()
 
     def finish(self) -> None:
-        if self._process is not None:
-            self._shutdown_event.set()
-            self._process.join()
-            self._process = None
+        if self.thread is not None:
+            self.stopping.set()
+            self.thread.join()
+            self.thread = None
 
 
 class SystemMetrics(L.Callback):
@@ -74,7 +83,7 @@ class SystemMetrics(L.Callback):
             client = logger.experiment
         else:
             spool = Path(logger.outbox_dir) / f"system-node{trainer.node_rank}.jsonl"
-            self.outbox = Outbox(tracking_uri(logger), spool)
+            self.outbox = Outbox(logger.tracking_uri, spool)
             client = OutboxClient(self.outbox)
         node = f"node{trainer.node_rank}" if trainer.num_nodes > 1 else None
         self.monitor = NodeMonitor(client, run_id, self.interval_s, node, lambda: trainer.global_step)

@@ -7,27 +7,26 @@ own resume path, goes through `torch.load(weights_only=True, mmap=True)`: the fi
 copied into each rank's RAM (ranks on one node share its pages). FSDP bypasses the CheckpointIO;
 `t6.training.fsdp.T6FSDPStrategy` reads the same way.
 
-`BackgroundCheckpointIO` (the Trainer's plugin, conf/trainer/default.yaml) is Lightning's
-AsyncCheckpointIO around it: a checkpoint whose tensors are on a GPU is copied into host memory on the
-training thread (a point-in-time copy: training then changes the weights freely) and written by one
-writer thread, so training stalls for the copy instead of the write (a 4.2 GB medium state: ~1 s at the
-5 GB/s the checkpoint interval assumes, HOST_COPY_BYTES_S; not yet measured on a GPU).
-Saves and removals run in the order they were asked for, each write still atomic. A checkpoint already
-in host memory (a CPU run) is written at once: copying it would take the memory the step was planned
-with, and the cores that would write it in the background are the ones training. `wait()` returns when
-every save asked for is on disk; Lightning's teardown, at the end of fit and on any exception (SIGTERM's
-save included), waits the same way, so no process exits with a checkpoint half written.
+`BackgroundCheckpointIO` (the Trainer's plugin, conf/trainer/default.yaml) writes through it from one writer
+thread of its own: a checkpoint whose tensors are on a GPU is copied into host memory on the training thread (a
+point-in-time copy: training then changes the weights freely) and written by the writer, so training stalls for
+the copy instead of the write (a 4.2 GB medium state: ~1 s at the 5 GB/s the checkpoint interval assumes,
+HOST_COPY_BYTES_S; not yet measured on a GPU). Saves, removals and links run in the order they were asked for,
+each write still atomic. A checkpoint already in host memory (a CPU run) is written at once: copying it would
+take the memory the step was planned with, and the cores that would write it in the background are the ones
+training. `wait()` returns when every save asked for is on disk; `teardown()` (Lightning's, at the end of fit and
+on any exception, a stop's save included) waits the same way, so no process exits with a checkpoint half written.
 """
 
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.fabric.plugins import TorchCheckpointIO
-from lightning.pytorch.plugins.io import AsyncCheckpointIO
+from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from t6.model.load import read_checkpoint
@@ -67,13 +66,15 @@ def host_copy(checkpoint: dict[str, Any]) -> dict[str, Any]:
     return apply_to_collection(checkpoint, torch.Tensor, lambda t: t.detach().to("cpu", copy=True))
 
 
-class BackgroundCheckpointIO(AsyncCheckpointIO):
-    """AtomicCheckpointIO's writes in a background thread (see the module docstring). background: None
-    writes checkpoints on a GPU in the background and the others at once; True or False, every one."""
+class BackgroundCheckpointIO(CheckpointIO):
+    """AtomicCheckpointIO's writes from a writer thread (see the module docstring). background: None writes
+    checkpoints on a GPU in the background and the others at once; True or False, every one."""
 
     def __init__(self, background: bool | None = None, checkpoint_io: AtomicCheckpointIO | None = None):
-        super().__init__(checkpoint_io or AtomicCheckpointIO())
+        self.checkpoint_io = checkpoint_io or AtomicCheckpointIO()
         self.background = background
+        self.executor: ThreadPoolExecutor | None = None  # one writer, started on the first write it takes
+        self.error: BaseException | None = None  # the writer's, raised on the training thread
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         self.raise_error()
@@ -83,28 +84,41 @@ class BackgroundCheckpointIO(AsyncCheckpointIO):
             return
         self.submit(self.checkpoint_io.save_checkpoint, host_copy(checkpoint), path, storage_options)
 
+    def load_checkpoint(self, path, map_location: Any | None = None, weights_only: bool | None = None) -> dict:
+        return self.checkpoint_io.load_checkpoint(path, map_location)
+
     def remove_checkpoint(self, path) -> None:
         """Removed after the saves asked for before (a file being written is not removed ahead of its rename)."""
         self.raise_error()
         self.submit(self.checkpoint_io.remove_checkpoint, path)
 
     def submit(self, fn, *args) -> None:
+        """fn(*args) on the writer thread, after everything asked for before."""
+
         def run() -> None:
             try:
                 fn(*args)
             except BaseException as err:  # raised on the training thread at the next save, wait or teardown
-                self._error = err
+                self.error = err
 
-        self._ensure_setup()
-        self._executor.submit(run)
+        if self.executor is None:
+            self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+        self.executor.submit(run)
 
     def wait(self) -> None:
         """Return when every save and removal asked for is done; raise the first error of one."""
-        if self._executor is not None:
-            self._executor.submit(lambda: None).result()
+        if self.executor is not None:
+            self.executor.submit(lambda: None).result()
+        self.raise_error()
+
+    def teardown(self) -> None:
+        """Wait for the writes, then stop the writer (a later write starts another)."""
+        if self.executor is not None:
+            self.executor.shutdown(wait=True)
+            self.executor = None
         self.raise_error()
 
     def raise_error(self) -> None:
-        if self._error is not None:
-            err, self._error = self._error, None
+        if self.error is not None:
+            err, self.error = self.error, None
             raise err

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,12 +24,6 @@ from torch.distributed.fsdp import (
     StateDictType,
 )
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-from t6.training.lightning_private import (
-    load_raw_module_state,
-    move_torchmetrics_to_device,
-    setup_activation_checkpointing,
-)
 
 
 def full_state_dict_context(model: FSDP, rank0_only: bool):
@@ -87,16 +82,20 @@ class T6FSDPStrategy(FSDPStrategy):
     also one checkpointed unit; parameter names survive wrapping (use_orig_params: per-block compile, logging).
     """
 
-    def __init__(self, activation_checkpointing: bool = False, **kwargs):
+    def __init__(self, activation_checkpointing: bool = False, state_dict_type: str = "full", **kwargs):
         from t6.model.t6 import Block
 
         if activation_checkpointing:
             kwargs["activation_checkpointing_policy"] = {Block}
         kwargs.setdefault("use_orig_params", True)
         kwargs.setdefault("auto_wrap_policy", {Block})
-        super().__init__(**kwargs)
+        super().__init__(state_dict_type=state_dict_type, **kwargs)
+        self.full_state = state_dict_type == "full"
+        self.checkpointed = (Block,) if activation_checkpointing else ()
 
     def _setup_model(self, model: nn.Module) -> nn.Module:
+        """Lightning's, with `device_id=cpu` on the CPU (Lightning passes the device's index, None there, and
+        torch's FSDP then looks for an accelerator); no public hook wraps the model otherwise."""
         if self.root_device.type != "cpu" or any(isinstance(m, FSDP) for m in model.modules()):
             return super()._setup_model(model)
         model = FSDP(
@@ -107,8 +106,12 @@ class T6FSDPStrategy(FSDPStrategy):
             device_id=torch.device("cpu"),
             **self.kwargs,
         )
-        move_torchmetrics_to_device(model, self.root_device)
-        setup_activation_checkpointing(model, self._activation_checkpointing_kwargs)
+        if self.checkpointed:  # each block recomputed in backward, as Lightning does on a GPU
+            from torch.utils.checkpoint import checkpoint
+
+            for module in model.modules():
+                if isinstance(module, self.checkpointed):
+                    module.forward = functools.partial(checkpoint, module.forward, use_reentrant=False)
         return model
 
     @property
@@ -127,13 +130,13 @@ class T6FSDPStrategy(FSDPStrategy):
             self.precision_plugin.device_type = self.root_device.type
 
     def lightning_module_state_dict(self) -> dict:
-        if self._state_dict_type != "full":
+        if not self.full_state:
             return super().lightning_module_state_dict()
         with full_state_dict_context(self.model, rank0_only=True):
             return self.model.state_dict()
 
     def optimizer_state(self, optimizer) -> dict:
-        if self._state_dict_type != "full":
+        if not self.full_state:
             return super().optimizer_state(optimizer)
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer -> the torch optimizer
         with full_state_dict_context(self.model, rank0_only=True):
@@ -148,9 +151,8 @@ class T6FSDPStrategy(FSDPStrategy):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         module = self.lightning_module
-        load_raw_module_state(
-            checkpoint.pop("state_dict"), module=self.model, world_size=self.world_size, strict=module.strict_loading
-        )
+        with full_state_dict_context(self.model, rank0_only=False):
+            self.model.load_state_dict(checkpoint.pop("state_dict"), strict=module.strict_loading)
         states = checkpoint.get("optimizer_states")
         if states is None or module.trainer.state.fn != TrainerFn.FITTING:
             return checkpoint

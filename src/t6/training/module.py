@@ -16,7 +16,7 @@ from t6.model import T6, ModelConfig
 from t6.model.loss import IGNORE_INDEX
 from t6.training.fsdp import clip_grad_norm
 from t6.training.optim import MuonWithAdamW, param_groups, param_kinds
-from t6.training.preemption import agree_on_step_end
+from t6.training.stop import any_rank
 
 log = logging.getLogger(__name__)
 
@@ -110,14 +110,14 @@ class T6LitModule(L.LightningModule):
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         """Once per optimizer step, after the backward of its last micro-batch: the global gradient
         norm (logged as train/grad_norm, before clipping), clipping by norm under DDP and FSDP alike,
-        and the non-finite check with the ranks' agreement on a stop signal (one all_reduce, the one
-        host sync of a step; t6.training.preemption)."""
+        and the non-finite check, read in the step's one host sync (which also carries the stop
+        protocol's request: t6.training.stop.any_rank)."""
         by_norm = gradient_clip_algorithm in (None, "norm")
         norm = clip_grad_norm(self.trainer.strategy.model, self, gradient_clip_val if by_norm else None)
         if not by_norm:
             self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
         self.log("train/grad_norm", norm, on_step=True, on_epoch=False)  # NaN on a skipped step
-        if not agree_on_step_end(self.trainer, norm):
+        if any_rank(self.trainer, torch.isfinite(norm).logical_not()):
             self.on_nonfinite_grad(norm)
         if self.trainer.global_step % self.trainer.log_every_n_steps == 0 and self.trainer.is_global_zero:
             lr = float(optimizer.param_groups[0]["lr"])  # straight to the loggers: no device tensor per step
@@ -126,7 +126,7 @@ class T6LitModule(L.LightningModule):
 
     def on_nonfinite_grad(self, norm: torch.Tensor) -> None:
         ckpt = self.trainer.checkpoint_callback
-        last_good = (ckpt.last_model_path or None) if ckpt is not None else None
+        last_good = getattr(ckpt, "final_path", None) or getattr(ckpt, "last_model_path", None) or None
         message = (
             f"non-finite gradient norm ({norm.item()}: a NaN or inf training loss on some rank) "
             f"at step {self.global_step}"

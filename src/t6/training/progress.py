@@ -1,7 +1,6 @@
-"""What training shows on the console: a rich bar that counts optimizer steps on a terminal, plain
-lines where output goes to a file (nohup, SLURM logs, CI), and the model summary. The bar and
-the lines read the loss only at logging steps, so neither forces a host-device synchronization
-on every micro-batch."""
+"""What training shows on the console: a plain line every few optimizer steps, on a terminal and in a log
+file (nohup, SLURM logs, CI) alike, and the model summary. The lines read the loss only at logging steps,
+so they force no host-device synchronization on every micro-batch."""
 
 from __future__ import annotations
 
@@ -9,67 +8,23 @@ import sys
 import time
 
 import lightning as L
-from lightning.pytorch.callbacks import RichModelSummary, RichProgressBar
+from lightning.pytorch.callbacks import RichModelSummary
 from lightning.pytorch.utilities.model_summary.model_summary import get_formatted_model_size, get_human_readable_count
 
 
-def _is_terminal() -> bool:
+def is_terminal() -> bool:
     return sys.stdout.isatty()
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
     """h:mm:ss, hours unbounded (one word for log parsers)."""
     minutes, secs = divmod(round(seconds), 60)
     return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"
 
 
-class StepProgressBar(RichProgressBar):
-    """Lightning's rich progress bar, counting optimizer steps: `Training 30/100`, also on resumed
-    runs and with gradient accumulation (the stock bar counts micro-batches of the current epoch
-    against the remaining steps, `30/14`, and shows `Epoch 0/-2` for step-based runs). The metrics
-    beside it are refreshed at logging steps (trainer.log_every_n_steps) and after validation.
-    It switches itself off when stdout is not a terminal, where `ProgressLog` prints lines."""
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self._metrics_step = -1
-
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        super().setup(trainer, pl_module, stage)
-        if not _is_terminal():
-            self.disable()
-
-    @property
-    def total_train_batches(self) -> int | float:
-        max_steps = self.trainer.max_steps
-        return max_steps if max_steps and max_steps > 0 else super().total_train_batches
-
-    def _get_train_description(self, current_epoch: int) -> str:
-        return f"{'Training':{len(self.validation_description)}}"
-
-    def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict:
-        metrics = super().get_metrics(trainer, pl_module)
-        metrics.pop("v_num", None)  # the logger's version: an MLflow run id fragment, not a metric
-        return metrics
-
-    def on_train_batch_end(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int
-    ) -> None:
-        if self.is_disabled:
-            return
-        if self.train_progress_bar_id is None:
-            self._initialize_train_progress_bar_id()
-        self._update(self.train_progress_bar_id, trainer.global_step)
-        step = trainer.global_step
-        if step != self._metrics_step and step % max(trainer.log_every_n_steps, 1) == 0:
-            self._metrics_step = step
-            self._update_metrics(trainer, pl_module)  # reads the logged tensors: one sync per logging step
-        self.refresh()
-
-
 class ProgressLog(L.Callback):
     """One plain line every `every_n_steps` optimizer steps (default trainer.log_every_n_steps) and at
-    the last step, on global rank 0, when stdout is not a terminal (`when: no_tty`; or `always`, `never`):
+    the last step, on global rank 0 (`when: always`; `no_tty`: only when stdout is not a terminal; `never`):
 
         step 20/100 (20%) | loss 6.1234 | lr 3.00e-03 | 1,234 tok/s | elapsed 0:01:02 | ETA 0:04:08
 
@@ -78,7 +33,7 @@ class ProgressLog(L.Callback):
 
     WHEN = ("no_tty", "always", "never")
 
-    def __init__(self, every_n_steps: int | None = None, when: str = "no_tty"):
+    def __init__(self, every_n_steps: int | None = None, when: str = "always"):
         if when not in self.WHEN:
             raise ValueError(f"callbacks.progress_log.when={when!r} must be one of {', '.join(self.WHEN)}")
         if every_n_steps is not None and every_n_steps < 1:
@@ -91,7 +46,7 @@ class ProgressLog(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.active = trainer.is_global_zero and (
-            self.when == "always" or (self.when == "no_tty" and not _is_terminal())
+            self.when == "always" or (self.when == "no_tty" and not is_terminal())
         )
         self._t0 = self._t_last = time.perf_counter()
         self._step0 = self._printed = trainer.global_step
@@ -125,9 +80,9 @@ class ProgressLog(L.Callback):
         ]
         if trainer.optimizers:
             parts.append(f"lr {trainer.optimizers[0].param_groups[0]['lr']:.2e}")
-        parts += [f"{rate:,.0f} tok/s", f"elapsed {_duration(now - self._t0)}"]
+        parts += [f"{rate:,.0f} tok/s", f"elapsed {duration(now - self._t0)}"]
         if max_steps and max_steps > 0 and step > self._step0:
-            parts.append(f"ETA {_duration((max_steps - step) * (now - self._t0) / (step - self._step0))}")
+            parts.append(f"ETA {duration((max_steps - step) * (now - self._t0) / (step - self._step0))}")
         return " | ".join(parts)
 
 

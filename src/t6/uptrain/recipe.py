@@ -1,17 +1,18 @@
 """The uptrain recipe's config side (conf/experiment/uptrain.yaml): the values it reads from a
-converted checkpoint while the config is composed, and the model shape it writes back.
+converted checkpoint while the config is composed, and the config that names a warm start's model shape.
 
     ${t6.uptrain_steps:init_from,fraction,batch_size,global_batch_size,devices,num_nodes,seq_len}
         optimizer steps that train on `fraction` of the source's tokens at this run's global batch
     ${t6.source_lr:init_from,key,factor}
         factor x the source run's lr_ablation.<key>
 
-Importing this module registers both resolvers (t6.run.plan imports it). The dependency goes one way:
-this module reads t6.config; t6.config knows nothing of uptraining.
+`register_resolvers()` registers both (t6.run.cli.register, which every entry script calls). The dependency goes
+one way: this module reads t6.config; t6.config knows nothing of uptraining.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import asdict, fields
 from functools import lru_cache
@@ -28,9 +29,22 @@ from t6.model.load import read_checkpoint
 MODEL_FIELDS = tuple(f.name for f in fields(ModelConfig) if not f.name.startswith("attention"))
 
 
+def model_changes(cfg: DictConfig, model_cfg: dict) -> list[str]:
+    """The size.* and attention settings a warm start's model (model_cfg) changes in cfg, which is left as it is."""
+    return adopt_model_config(copy.deepcopy(cfg), model_cfg)
+
+
+def with_model_config(cfg: DictConfig, model_cfg: dict) -> DictConfig:
+    """A copy of cfg whose size.* and attention describe model_cfg: the run's name, tags and records then name the
+    model it trains (cfg is left as it is)."""
+    named = copy.deepcopy(cfg)
+    adopt_model_config(named, model_cfg)
+    return named
+
+
 def adopt_model_config(cfg: DictConfig, model_cfg: dict) -> list[str]:
-    """Write a warm start's model shape into the composed config (size.* and attention.name/options),
-    so the run trains, logs and tags the model it really is. Returns the fields that changed."""
+    """Write a warm start's model shape into `cfg` (size.* and attention.name/options; callers pass a copy).
+    Returns the fields that changed."""
     changed = []
     with open_dict(cfg):
         for name in MODEL_FIELDS:
@@ -112,6 +126,3 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("t6.uptrain_steps", uptrain_steps)
     if not OmegaConf.has_resolver("t6.source_lr"):
         OmegaConf.register_new_resolver("t6.source_lr", source_lr)
-
-
-register_resolvers()

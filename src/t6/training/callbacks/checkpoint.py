@@ -1,6 +1,5 @@
-"""Lightning's ModelCheckpoint, plus the final step, and the step where the ranks agreed to stop, saved once
-as last.ckpt; and how often a run saves when `every_n_train_steps: auto` (`checkpoint_interval`, which the
-run's plan calls)."""
+"""The run's checkpoints (`RunCheckpoint`: periodic files, last.ckpt beside them, the final step), and how often a
+run saves when `every_n_train_steps: auto` (`checkpoint_interval`, which the run's plan calls)."""
 
 from __future__ import annotations
 
@@ -9,7 +8,7 @@ import os
 from pathlib import Path
 
 import lightning as L
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Checkpoint
 
 from t6.training.checkpoint_io import BackgroundCheckpointIO
 
@@ -46,51 +45,108 @@ def nice_floor(x: float) -> int:
     return int(max(m for m in (1, 2, 5) if m * power <= x) * power)
 
 
-class RunCheckpoint(ModelCheckpoint):
-    """Lightning's ModelCheckpoint (periodic `step*.ckpt` plus `last.ckpt`) that also saves, once, as
-    `last.ckpt` (the file `ckpt_path=last` reads) when the periodic interval does not fall on it: the final
-    step, and the step at which the ranks agreed to stop (t6.training.preemption; Lightning raises
-    SIGTERMException at that step's end). The stop is saved here, at the end of the step's batch, as a periodic
-    checkpoint is: a resume from it continues exactly as from one (a save later in the step, after its
-    validation, would make Lightning's resume count the step twice). Use it with `enable_version_counter:
-    false` so an existing `last.ckpt` (a resumed run's directory) is replaced, never joined by `last-v1.ckpt`.
+class RunCheckpoint(Checkpoint):
+    """The run's checkpoints, each written by `trainer.save_checkpoint` (every rank together) through the Trainer's
+    CheckpointIO (t6.training.checkpoint_io: atomic, in the background from a GPU):
 
-    With `save_last: link` (last.ckpt a symlink to the newest periodic file, the paper recipes' choice)
-    Lightning would link the final step's last.ckpt to the previous periodic file, an older step; the
-    final step is then saved as a periodic file first, and last.ckpt links to it."""
+    - `step{N}.ckpt` (`filename`) every `every_n_train_steps` optimizer steps, at the end of the step's batch (a
+      resume from it continues exactly); 0: none; None: after every validation instead. The newest `save_top_k`
+      are kept (-1: all), the older ones removed once the newer is written;
+    - `last.ckpt` beside the newest (`save_last: true`: a second file; `link`: a relative symbolic link to the
+      newest periodic file, made after that file is written), the file `ckpt_path=last` and auto_resume read;
+    - at the end of training, the final step as last.ckpt when the interval did not fall on it (with `link`, as a
+      periodic file that last.ckpt links to).
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args, **kwargs) -> None:
-        super().on_train_batch_end(trainer, pl_module, *args, **kwargs)
-        if trainer.received_sigterm and self._last_global_step_saved != trainer.global_step:
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))  # every rank: a collective
+    `last_step` is the step last.ckpt holds; the files kept and `last_step` are in the checkpoint, so a resumed run
+    goes on removing the old ones. A stop (t6.training.stop) saves last.ckpt itself unless `saves_last_at` its step."""
 
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.save_last and self._last_global_step_saved != trainer.global_step and not trainer.sanity_checking:
-            candidates = self._monitor_candidates(trainer)
-            if self.save_last == "link" and self.save_top_k != 0 and self.monitor is None:
-                self._save_topk_checkpoint(trainer, candidates)  # step{N}.ckpt of the final step, which last.ckpt links
-            self._save_last_checkpoint(trainer, candidates)
-        super().on_train_end(trainer, pl_module)
+    def __init__(
+        self,
+        dirpath: str | os.PathLike,
+        filename: str = "step{step:06d}",
+        every_n_train_steps: int | None = 0,
+        save_top_k: int = 1,
+        save_last: bool | str = True,
+    ):
+        if save_last not in (True, False, "link"):
+            raise ValueError(f"callbacks.model_checkpoint.save_last={save_last!r} must be true, false or link")
+        self.dirpath, self.filename = str(dirpath), filename
+        self.every_n_train_steps, self.save_top_k, self.save_last = every_n_train_steps, save_top_k, save_last
+        self.kept: list[str] = []  # the periodic files of this run, oldest first
+        self.last_step: int | None = None
+        self.step: int | None = None  # the optimizer step the last batch ended in
 
-    @staticmethod
-    def _link_checkpoint(trainer: L.Trainer, filepath: str, linkpath: str) -> None:
-        """`save_last: link`: with checkpoints written in the background, the link is made by the writer
-        after the file it names is written, and replaces the old link atomically, so `last.ckpt` never
-        names a file being written."""
-        io = trainer.strategy.checkpoint_io
-        if not isinstance(io, BackgroundCheckpointIO):
-            return ModelCheckpoint._link_checkpoint(trainer, filepath, linkpath)
-        if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
-            io.submit(replace_link, filepath, linkpath)
-        trainer.strategy.barrier()
+    @property
+    def last_path(self) -> str:
+        return str(Path(self.dirpath) / LAST)
 
     @property
     def final_path(self) -> str | None:
-        """The last.ckpt of this directory, when it exists."""
-        if self.dirpath is None:
-            return None
-        path = Path(self.dirpath) / f"{self.CHECKPOINT_NAME_LAST}{self.FILE_EXTENSION}"
-        return str(path) if path.is_file() else None
+        """last.ckpt of this directory, when it exists."""
+        return self.last_path if Path(self.last_path).exists() else None
+
+    def saves_last_at(self, step: int) -> bool:
+        """Whether the end of optimizer step `step` saves last.ckpt (a periodic save, with save_last)."""
+        every = self.every_n_train_steps
+        return bool(self.save_last and every and step % every == 0)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.step = trainer.global_step
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
+        step = trainer.global_step
+        if step == self.step:
+            return  # a micro-batch inside an optimizer step
+        self.step = step
+        every = self.every_n_train_steps
+        if every and step % every == 0:
+            self.save(trainer)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.every_n_train_steps is None and not trainer.sanity_checking and self.last_step != trainer.global_step:
+            self.save(trainer)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.save_last and self.last_step != trainer.global_step:
+            self.save(trainer, periodic=self.save_last == "link")  # a link needs a file to name
+
+    def save(self, trainer: L.Trainer, periodic: bool = True) -> None:
+        step = trainer.global_step
+        path = str(Path(self.dirpath) / f"{self.filename.format(step=step)}.ckpt")
+        periodic = periodic and self.save_top_k != 0
+        if periodic:
+            trainer.save_checkpoint(path)
+            self.kept = [p for p in self.kept if p != path] + [path]
+        if self.save_last == "link" and periodic:
+            self.link(trainer, path)
+        elif self.save_last:
+            trainer.save_checkpoint(self.last_path)
+        if self.save_last:
+            self.last_step = step
+        keep = len(self.kept) if self.save_top_k < 0 else self.save_top_k
+        for old in self.kept[: len(self.kept) - keep]:
+            trainer.strategy.remove_checkpoint(old)  # after the newer file is written (in the writer's order)
+        self.kept = self.kept[len(self.kept) - keep :]
+
+    def link(self, trainer: L.Trainer, path: str) -> None:
+        """last.ckpt becomes a link to path, after path is written (by the background writer when there is one)."""
+        io = trainer.strategy.checkpoint_io
+        if trainer.is_global_zero:
+            if isinstance(io, BackgroundCheckpointIO):
+                io.submit(replace_link, path, self.last_path)
+            else:
+                replace_link(path, self.last_path)
+        trainer.strategy.barrier("last.ckpt linked")
+
+    def state_dict(self) -> dict:
+        return {"kept": list(self.kept), "last_step": self.last_step}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.kept = [p for p in state_dict.get("kept", []) if Path(p).parent == Path(self.dirpath)]
+        self.last_step = state_dict.get("last_step")
+
+
+LAST = "last.ckpt"
 
 
 def replace_link(filepath: str, linkpath: str) -> None:

@@ -7,102 +7,98 @@ import time
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ThroughputMonitor as LightningThroughputMonitor
-from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from lightning.pytorch.utilities import rank_zero_only
-
-from t6.training.lightning_private import logs_at_this_batch
+from lightning.fabric.utilities.throughput import Throughput
+from lightning.pytorch.trainer.states import TrainerFn
 
 log = logging.getLogger(__name__)
 
 
-class ThroughputMonitor(LightningThroughputMonitor):
-    """Lightning's ThroughputMonitor fed the model's FLOPs as t6.model.facts measures them (FlopCounterMode
-    on a meta-device copy, so nothing is allocated), logging `train/samples_per_sec`,
-    `train/items_per_sec` (tokens), `train/flops_per_sec` for all ranks and `train/device/...` per
-    device, and `train/device/mfu` against the device's peak for the run's compute dtype (bf16 / fp16
-    under mixed precision; TF32 for fp32 on CUDA): `peak_tflops`, which the run's plan fills in when the config
-    leaves it null (`t6.hardware.device.peak_flops`: Lightning's table for a GPU it knows, else a measured
-    matmul, as on the CPU; `peak_source` says which), said once in the log; no MFU without it. Three changes to
-    Lightning's own:
+class ThroughputMonitor(L.Callback):
+    """Lightning's `Throughput` (lightning.fabric) fed the model's FLOPs as t6.model.facts measures them
+    (FlopCounterMode on a meta-device copy, so nothing is allocated), logging `train/samples_per_sec`,
+    `train/items_per_sec` (tokens), `train/flops_per_sec` for all ranks and `train/device/...` per device, and
+    `train/device/mfu` against the device's peak for the run's compute dtype (bf16 / fp16 under mixed precision;
+    TF32 for fp32 on CUDA): `peak_tflops`, which the run's plan gives when the config leaves it null
+    (`t6.hardware.device.peak_flops`: Lightning's table for a GPU it knows, else a measured matmul, as on the CPU;
+    `peak_source` says which), said once in the log; no MFU without it. Rank 0 measures:
 
-    - It measures once per `log_every_n_steps` optimizer steps, not every micro-batch, so its
-      CUDA synchronize costs one host-device sync per logging interval.
-    - The interval excludes validation and checkpoint writing (from a save's start to the next
-      training batch), so the rates are training's own.
-    - The peak is the run's compute dtype's, from the precision setting (Lightning reads FSDP's gradient
-      reduction dtype, which t6.training.fsdp keeps in fp32 under bf16 mixed precision).
+    - once per `log_every_n_steps` optimizer steps (and when the run stops), not every micro-batch, so its CUDA
+      synchronize costs one host-device sync per logging interval; logged at the step Lightning logs that
+      step's loss at;
+    - training's own time: validation and checkpoint writing (from a save's start to the next training
+      batch) are left out of the interval.
     """
 
     def __init__(self, peak_tflops: float | None = None, peak_source: str = "callbacks.throughput.peak_tflops"):
-        super().__init__(
-            batch_size_fn=lambda batch: batch[0].shape[0], length_fn=lambda batch: batch[0].numel(), window_size=2
-        )
         self.peak_tflops = peak_tflops
         self.peak_source = peak_source
-        self.flops_per_batch: float | None = None
-        self._pending = 0  # micro-batches since the last measurement
-        self._paused_at: float | None = None
-        self._val_start = 0.0
+        self.flops_per_batch: float | None = None  # per device and micro-batch
+        self.throughput: Throughput | None = None
+        self.t0 = 0.0  # when training started, moved on by the time paused
+        self.samples = self.tokens = self.batches = 0
+        self.pending = 0  # micro-batches since the last measurement
+        self.step: int | None = None
+        self.paused_at: float | None = None  # a checkpoint save's start
+        self.val_start: float | None = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        super().setup(trainer, pl_module, stage)
+        if stage != "fit":
+            return
         peak = self.peak_tflops * 1e12 if self.peak_tflops else None
-        if stage == "fit" and trainer.is_global_zero and peak:
+        if trainer.is_global_zero and peak:
             log.info("MFU against a peak of %.4g TFLOP/s: %s", peak / 1e12, self.peak_source)
-        self.available_flops = peak
-        for throughput in self._throughputs.values():
-            throughput.available_flops = peak
-        if stage == "fit" and self.flops_per_batch is None:
-            from t6.model import T6
-            from t6.model.facts import flops_per_token
+        self.throughput = Throughput(available_flops=peak, world_size=trainer.world_size, window_size=2)
+        if self.flops_per_batch is None:
+            from t6.model.facts import flops_per_token, meta_model
 
-            with torch.device("meta"):
-                meta = T6(pl_module.model.cfg)
             datamodule = trainer.datamodule
             seq_len, batch = datamodule.seq_len, datamodule.batch_size
-            self.flops_per_batch = flops_per_token(meta, seq_len) * seq_len * batch  # per device and micro-batch
+            self.flops_per_batch = flops_per_token(meta_model(pl_module.model.cfg), seq_len) * seq_len * batch
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.t0, self.step = time.perf_counter(), trainer.global_step
+        self.samples = self.tokens = self.batches = self.pending = 0
+        self.throughput.reset()
 
     def on_train_batch_start(self, trainer: L.Trainer, *_) -> None:
-        if self._paused_at is not None and trainer.is_global_zero:
-            self._t0s[RunningStage.TRAINING] += time.perf_counter() - self._paused_at
-        self._paused_at = None
+        if self.paused_at is not None:
+            self.t0 += time.perf_counter() - self.paused_at
+        self.paused_at = None
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-        if trainer.state.stage == RunningStage.TRAINING and self._paused_at is None:
-            self._paused_at = time.perf_counter()
+        if trainer.training and self.paused_at is None:
+            self.paused_at = time.perf_counter()
 
-    @rank_zero_only
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, *_) -> None:
-        self._pending += 1
-        stage = trainer.state.stage
-        self._samples[stage] += self.batch_size_fn(batch)
-        self._lengths[stage] += self.length_fn(batch)
-        self._batches[stage] += 1
-        if not logs_at_this_batch(trainer):
+        if not trainer.is_global_zero:
+            return
+        self.pending += 1
+        self.samples += batch[0].shape[0]
+        self.tokens += batch[0].numel()
+        self.batches += 1
+        step = trainer.global_step
+        ended, self.step = step != self.step, step
+        if not ended or (step % max(trainer.log_every_n_steps, 1) and not trainer.should_stop):
             return
         if trainer.strategy.root_device.type == "cuda":
             torch.cuda.synchronize(trainer.strategy.root_device)
-        self._throughputs[stage].update(
-            time=time.perf_counter() - self._t0s[stage],
-            batches=self._batches[stage],
-            samples=self._samples[stage],
-            lengths=self._lengths[stage],
-            flops=None if self.flops_per_batch is None else self.flops_per_batch * self._pending,
+        self.throughput.update(
+            time=time.perf_counter() - self.t0,
+            batches=self.batches,
+            samples=self.samples,
+            lengths=self.tokens,
+            flops=None if self.flops_per_batch is None else self.flops_per_batch * self.pending,
         )
-        self._pending = 0
-        self._compute(trainer)
+        self.pending = 0
+        metrics = {f"train/{k}": v for k, v in self.throughput.compute().items()}
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step - 1)  # where Lightning logs this step's train/loss
 
-    @rank_zero_only
     def on_validation_start(self, trainer: L.Trainer, *_) -> None:
-        if not trainer.sanity_checking:
-            self._val_start = time.perf_counter()
+        if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
+            self.val_start = time.perf_counter()
 
-    @rank_zero_only
-    def on_validation_batch_end(self, *_, **__) -> None:
-        pass  # training throughput only; validation's is not a figure of merit
-
-    @rank_zero_only
     def on_validation_end(self, trainer: L.Trainer, *_) -> None:
-        if not trainer.sanity_checking and trainer.state.fn == TrainerFn.FITTING and self._paused_at is None:
-            self._t0s[RunningStage.TRAINING] += time.perf_counter() - self._val_start  # else the pause covers it
+        if self.val_start is not None and self.paused_at is None:
+            self.t0 += time.perf_counter() - self.val_start  # else the pause (a save after it) covers it
+        self.val_start = None

@@ -1,0 +1,93 @@
+"""What a run changes for its whole process, each set here alone, for as long as it applies, then restored:
+
+- `hydra_job_scope()`: Lightning's `ddp` strategy starts ranks 1..N-1 by re-running the entry script with
+  `sys.argv`. Inside a Hydra multirun (`-m`), `sys.argv` is the whole sweep, so every child would start the sweep
+  again. For the duration of one job this points the argv (and Hydra's run dir, which Lightning passes on) at that
+  job alone: the children run `train.py <this job's overrides> hydra.run.dir=<this job's dir>`. Afterwards it
+  restores the argv and the rendezvous variables Lightning put into the environment, so the next job of the sweep
+  launches its own process group.
+- `run_settings(plan)`, around execute: TF32 for the fp32 matmuls left outside autocast on CUDA, and MLflow's HTTP
+  client failing a request fast (no retries of its own, a 10 s timeout: the run's outbox retries, t6.tracking.outbox).
+- `destroy_process_group()`: a sweep's next job in this process starts its own group.
+
+Two settings live with the code they serve, scoped the same way: the stop signals' handlers, installed for the
+fit only (t6.training.stop), and dynamo's recompile limit, lifted while a decoder steps (t6.model.decode).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "PL_GLOBAL_SEED")
+# MLflow's client retries a failed request up to 7 times over minutes; the outbox retries on its own (an
+# environment that sets these already wins).
+MLFLOW_HTTP = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+
+
+@contextmanager
+def environment(values: dict[str, str | None]) -> Iterator[None]:
+    """os.environ with `values` where the environment does not set them already; as it was afterwards (the keys of
+    `values`: also those set meanwhile, e.g. Lightning's rendezvous variables)."""
+    saved = {key: os.environ.get(key) for key in values}
+    for key, value in values.items():
+        if value is not None:
+            os.environ.setdefault(key, value)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@contextmanager
+def run_settings(plan) -> Iterator[None]:
+    """A training run's process-wide settings (see the module docstring)."""
+    import torch
+
+    precision = torch.get_float32_matmul_precision()
+    if plan.hardware.device == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32 (A100 and later)
+    try:
+        with environment(MLFLOW_HTTP):
+            yield
+    finally:
+        torch.set_float32_matmul_precision(precision)
+
+
+@contextmanager
+def hydra_job_scope() -> Iterator[None]:
+    """Run one Hydra job so that Lightning's re-launched DDP ranks repeat this job, not the sweep."""
+    from t6.config import in_multirun
+
+    if not in_multirun():
+        yield
+        return
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import read_write
+
+    hydra_cfg = HydraConfig.get()
+    saved_argv, saved_run_dir = sys.argv[:], hydra_cfg.run.dir
+    sys.argv = [sys.argv[0], *hydra_cfg.overrides.task]
+    with read_write(hydra_cfg):
+        hydra_cfg.run.dir = hydra_cfg.runtime.output_dir
+    try:
+        with environment(dict.fromkeys(RENDEZVOUS_ENV)):  # none set: only restored as they were
+            yield
+    finally:
+        sys.argv = saved_argv
+        with read_write(hydra_cfg):
+            hydra_cfg.run.dir = saved_run_dir
+
+
+def destroy_process_group() -> None:
+    """End this process's torch.distributed group (a sweep's next job starts a new one)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

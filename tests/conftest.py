@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,16 @@ register()  # as every entry script does before Hydra composes
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
+# third-party test modules the project's tests import (transformers' model tests), never collected themselves
+collect_ignore = ["third_party"]
+THIRD_PARTY_MARKERS = ["accelerate_tests", "flash_attn_test", "flash_attn_3_test", "flash_attn_4_test"]
+THIRD_PARTY_MARKERS += ["torch_compile_test"]
+
+
+def pytest_configure(config):
+    for marker in THIRD_PARTY_MARKERS:  # the markers of transformers' model tests (tests/third_party), registered
+        config.addinivalue_line("markers", f"{marker}: transformers' own marker (tests/third_party)")
+
 
 # A model small enough for a CPU test step in well under a second, with the real vocabulary.
 TEST_SIZE = ["size=tiny", "size.n_layer=2", "size.d_model=64", "size.block_size=64"]
@@ -68,6 +79,46 @@ def random_model(tmp_path: Path, *overrides: str, seed: int = 0):
     return model.eval()
 
 
+def tiny_model_config(tmp_path: Path, attention: str, *overrides: str):
+    """The ModelConfig of a very small T6 of `attention` (2 layers x 32, head_dim 16, block 64, 99 tokens),
+    the mechanism's options and head count as its config gives them."""
+    from t6.config import model_config
+
+    base = ["size=tiny", "size.n_layer=2", "size.d_model=32", "size.head_dim=16", "size.block_size=64"]
+    return model_config(compose_config([*base, "size.vocab_size=99", f"attention={attention}", *overrides], tmp_path))
+
+
+@pytest.fixture(scope="session")
+def hf_classes(tmp_path_factory):
+    """(T6Config, T6ForCausalLM) as transformers loads them from a directory export.py wrote (remote code,
+    the same files for every mechanism): the export's own classes, not t6.hf's."""
+    from dataclasses import asdict
+
+    import torch
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    from t6.hf.export import write_export
+    from t6.model import T6
+
+    root = tmp_path_factory.mktemp("hf_classes")
+    model = T6(tiny_model_config(root, "mha"))
+    state = {f"model.{k}": v for k, v in model.state_dict().items()}
+    torch.save({"state_dict": state, "hyper_parameters": {"model_config": asdict(model.cfg)}}, root / "last.ckpt")
+    _, out = write_export(root / "last.ckpt", root / "t6")
+    return tuple(
+        get_class_from_dynamic_module(f"{module}.{name}", out)
+        for module, name in (("configuration_t6", "T6Config"), ("modeling_t6", "T6ForCausalLM"))
+    )
+
+
+def hf_config(config_class, cfg, **extra):
+    """An exported T6Config of the ModelConfig cfg, its token ids inside the vocabulary."""
+    from dataclasses import asdict
+
+    ids = {k: cfg.vocab_size - 1 for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    return config_class(**{**asdict(cfg), **ids, **extra})
+
+
 @pytest.fixture(scope="session")
 def shared_data_dir(tmp_path_factory) -> Path:
     """One tokenization of the embedded corpus for the whole session."""
@@ -91,6 +142,20 @@ def make_cfg(tmp_path, shared_data_dir, monkeypatch):
         return cfg
 
     return make
+
+
+@pytest.fixture(autouse=True)
+def _accelerators_untried():
+    """Each test starts with every accelerator untried (t6.model.fallback remembers a failure for the process)."""
+    from t6.model import fallback
+
+    fallback.reset()
+    yield
+    fallback.reset()
+    log = sys.modules.get("t6.training.callbacks.fallbacks")  # a run's listener goes with its run
+    if log is not None and log.FallbackLog.stop_listening is not None:
+        log.FallbackLog.stop_listening()
+        log.FallbackLog.stop_listening = None
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from t6.bench import common, kv_memory, prefill
+from t6.bench import common, harness, kv_memory, prefill
 from t6.bench.common import model_configs
 from t6.config import conf_dir
 from t6.model import ModelConfig
@@ -26,7 +26,7 @@ def test_conf_dir_is_the_checkouts_conf():
 
 def test_attentions_default_to_the_papers_six_and_accept_groups():
     parser = argparse.ArgumentParser()
-    common.attention_args(parser)
+    harness.attention_args(parser)
     assert parser.parse_args([]).attentions == list(PAPER)
     assert parser.parse_args(["--attentions", "all"]).attentions == available()
     assert parser.parse_args(["--attentions", "tpa,paper"]).attentions == ["tpa", *[n for n in PAPER if n != "tpa"]]
@@ -72,13 +72,13 @@ def test_loss_bench_runs_each_setting_liger_included(tmp_path, monkeypatch):
     rows = loss.main([*args.split(), "--chunks", "none,8,liger", "--json", str(out)])
     assert [r["chunk_tokens"] for r in rows] == ["none", 8, "liger"]
     assert all(r["step_ms"] > 0 and r["peak_mib"] > 0 for r in rows)
-    assert json.loads(out.read_text())["rows"][2]["chunk_tokens"] == "liger"
+    assert json.loads(out.read_text())["records"][2]["chunk_tokens"] == "liger"
 
 
 def test_columns_no_record_has_are_left_out_and_missing_cells_left_empty():
     records = [{"name": "a", "ms": 1.0, "ratio": None}, {"name": "b", "ms": 2.0, "ratio": 0.5}]
     columns = [("name", "name", ""), ("ms", "ms", ".1f"), ("gpu_ms", "GPU ms", ".1f"), ("ratio", "ratio", ".2f")]
-    lines = common.table(records, columns).splitlines()
+    lines = harness.table(records, columns).splitlines()
     assert lines[0].split() == ["name", "ms", "ratio"]  # no record has gpu_ms: no column
     assert lines[2].split() == ["a", "1.0"] and lines[3].split() == ["b", "2.0", "0.50"]
 
@@ -90,6 +90,7 @@ def test_device_and_host_times_are_absent_off_cuda_not_zero():
     assert calls == []  # nothing was run to measure nothing
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU time is measured on a CUDA device")
 def test_gpu_time_counts_the_kernels_and_stays_under_the_wall_time():
     a = torch.randn(2048, 2048, device="cuda")
@@ -263,3 +264,20 @@ def test_decode_measure_times_given_shapes_past_their_block_size():
     assert by_name["gqa2"]["speed_vs_mha"] == pytest.approx(
         by_name["gqa2"]["tokens_per_s"] / by_name["mha"]["tokens_per_s"]
     )
+
+
+def test_step_overhead_times_the_hosts_part_of_a_guarded_and_a_replayed_step(tmp_path):
+    """t6.bench.step_overhead on the CPU: the compiled step with a backend that runs nothing (dynamo's guards over
+    every parameter and cache tensor, which it takes as graph inputs) and the decoder's step whose replay runs
+    nothing."""
+    from t6.bench import step_overhead
+
+    out = tmp_path / "host.json"
+    args = ["--attentions", "mha", "--size", "tiny", "--device", "cpu", "--dtype", "float32"]
+    result = step_overhead.main([*args, "--steps", "3", "--rounds", "1", "--json", str(out)])
+    (r,) = result["records"]
+    model = model_configs(["mha"], "tiny")["mha"]
+    params = sum(1 for _ in step_overhead.random_model(model, "cpu", torch.float32).parameters())
+    assert r["graph_inputs"] >= params + 2 * model.n_layer  # the weights and each layer's K and V caches
+    assert r["guards_us"] > 0 and r["replay_us"] > 0 and "eager_us" not in r  # the eager step's host time: CUDA
+    assert json.loads(out.read_text())["benchmark"] == "step_overhead"

@@ -225,6 +225,9 @@ NEEDS = {
     "t6.evaluation": "lm-eval's own CLI on a checkpoint",
     "ssh": "another machine",
     "python -c": "Python on the export (tests/test_export.py loads it so)",
+    "t6.bench.suite": "a GPU for eight minutes (its --smoke run on the CPU is tests/test_suite.py)",
+    "tools/gpu/": "a package index, for the GPU machine's wheels",
+    ".gpu/env.sh": "a GPU machine without a package index",
 }
 
 

@@ -364,6 +364,7 @@ def test_auto_batch_size_is_the_rows_the_memory_left_holds():
     assert rows_that_fit(1000 * gib, 1) == AUTO_MAX_ROWS
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="measures CUDA memory")
 def test_auto_batch_size_on_cuda_measures_a_scoring_pass():
     model = random_model(block_size=64).cuda()

@@ -24,7 +24,7 @@ from t6.data.tokenizer import EOT, gpt2_encoding
 from t6.evaluation.checkpoint import evaluate_checkpoint
 from t6.hf.export import AUTO_MAP, check_export, sample_tokens, write_export
 from t6.hf.export import run as export_run
-from t6.hf.source import PACKAGE, Source, check_names, configuration_source, modeling_source, plan
+from t6.hf.source import PACKAGE, carried_imports, carried_modules, export_sources, file_stem, relative
 from t6.inference.generate import generate_text
 from t6.inference.generate import run as generate_run
 from t6.model import T6, ModelConfig
@@ -78,7 +78,8 @@ def test_transformers_computes_the_t6_and_generates_its_greedy_tokens_from_its_o
     model, out = exports(name)
     hf = load_hf(out)
     attn = hf.model.blocks[0].attn
-    assert type(attn).__module__ == type(hf).__module__ != type(model.blocks[0].attn).__module__  # the export's code
+    package = type(hf).__module__.rpartition(".")[0]  # the export's code, as transformers loaded it
+    assert type(attn).__module__.rpartition(".")[0] == package and not type(attn).__module__.startswith("t6.")
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, VOCAB, (2, 24), generator=g)
     prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (5, 9)]
@@ -97,12 +98,8 @@ def test_transformers_computes_the_t6_and_generates_its_greedy_tokens_from_its_o
         # the cache generate() used holds what the attention declares (TPA's factors, MLA's latent, GQA's KV heads)
         assert [layer.kv.spec for layer in got.cache.layers] == [b.attn.cache_spec() for b in model.blocks]
         assert got.cache.layers[0].kv.elements_per_token() == kv_elements_per_token(model)
-        if attn.supports_key_mask:  # prompts of different lengths, left-padded in one batch
-            want = model.generate(idx, 6, temperature=0, prompt_mask=mask)
-            assert torch.equal(hf.generate(idx, attention_mask=mask.long(), max_new_tokens=6, do_sample=False), want)
-        else:
-            with pytest.raises(ValueError, match=f"attention='{name}'.*does not honour padding masks"):
-                hf.generate(idx, attention_mask=mask.long(), max_new_tokens=6, do_sample=False)
+        want = model.generate(idx, 6, temperature=0, prompt_mask=mask)  # prompts of different lengths, left-padded
+        assert torch.equal(hf.generate(idx, attention_mask=mask.long(), max_new_tokens=6, do_sample=False), want)
 
 
 def test_cache_holds_each_mechanisms_own_quantities(exports):
@@ -161,27 +158,27 @@ def test_export_holds_the_config_weights_code_tokenizer_and_card(exports):
     assert check_export(out, model, sample_tokens(model.cfg)) <= 1e-5
 
 
-def test_modeling_file_is_the_projects_modules_without_t6(exports):
-    """Every definition of every module the export carries is in modeling_t6.py unchanged, no `t6` import
-    is left, and the fused operators are their eager forms; configuration_t6.py is t6.hf.configuration."""
+def test_the_code_files_are_the_projects_modules_with_relative_imports(exports):
+    """Each code file of the export is its module's source with only its `t6` imports made relative (the registry
+    also imports every mechanism; the operators are their eager forms), and the files import torch, transformers
+    and the standard library only: nothing of t6, no C++ extension, Triton or Liger."""
+    from transformers.dynamic_module_utils import get_imports
+
     _, out = exports("mha")
-    code = (out / "modeling_t6.py").read_text()
-    assert code == modeling_source()
-    tree = ast.parse(code)
-    generated = {n.name: ast.unparse(n) for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-    layout = plan({n: get_mechanism(n) for n in NAMES})
-    assert {get_mechanism(n).cls.__module__ for n in NAMES} <= set(layout.modules)
-    for name in layout.modules:  # each module's text less its imports (its `t6` ones: the names are in the file)
-        for node in Source(name, layout.source(name).body()).tree.body:
-            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-                assert generated.get(node.name) == ast.unparse(node), f"{name}.{node.name} differs in the export"
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level == 0:
-            assert node.module.split(".")[0] != "t6", ast.unparse(node)
-        if isinstance(node, ast.Import):
-            assert all(a.name.split(".")[0] != "t6" for a in node.names), ast.unparse(node)
-    assert "tpa_decode = reference_tpa_decode" in code and "latent_decode = reference_latent_decode" in code
-    assert (out / "configuration_t6.py").read_text() == configuration_source()
+    files = {p.name: p.read_text() for p in out.glob("*.py")}
+    assert files == export_sources()
+    modules = carried_modules({n: get_mechanism(n) for n in NAMES})
+    assert {get_mechanism(n).cls.__module__ for n in NAMES} <= set(modules)
+    for module, source in modules.items():
+        text = files[f"{file_stem(module)}.py"]
+        assert text.startswith(relative(source)) and (module == PACKAGE or text == relative(source)), module
+        changed = [(a, b) for a, b in zip(source.splitlines(), text.splitlines()) if a != b]
+        assert all(a.strip().startswith("from t6.") and b.strip().startswith("from .") for a, b in changed)
+    assert "_discovered = True" in files["attention.py"]
+    fused = files["attention_fused_decode.py"]
+    assert "tpa_decode = reference_tpa_decode" in fused and "latent_decode = reference_latent_decode" in fused
+    for name in files:
+        assert set(get_imports(out / name)) <= {*sys.stdlib_module_names, "torch", "transformers"}, name
 
 
 def test_tokenizer_encodes_the_shipped_corpus_as_t6(exports):
@@ -196,7 +193,10 @@ def test_tokenizer_encodes_the_shipped_corpus_as_t6(exports):
     assert tokenizer.decode(ids) == text
     for special in ("The end.<|endoftext|>Next", "<|endoftext|>", "  spaces   and\n\n\nnewlines  "):
         assert tokenizer(special)["input_ids"] == enc.encode(special, allowed_special={"<|endoftext|>"})
-    assert (tokenizer.eos_token_id, tokenizer.bos_token_id, len(tokenizer)) == (EOT, EOT, 50257)
+    ids = (tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id)
+    assert ids == (EOT, EOT, EOT) and len(tokenizer) == 50257
+    batch = tokenizer(["ROMEO:", "JULIET: speak"], padding=True)  # a pipeline's or lm-eval's batches pad
+    assert batch["input_ids"][0][-1] == EOT and batch["attention_mask"][0][-1] == 0
 
 
 def test_what_is_not_a_t6_is_an_error_naming_it(tmp_path):
@@ -227,15 +227,15 @@ class Outsider(Attention):
 def test_a_mechanism_the_export_cannot_carry_is_an_error_naming_it():
     every = {n: get_mechanism(n) for n in NAMES}
     with pytest.raises(ValueError, match=r"attention=outsider \(Outsider, test_export\) cannot be exported"):
-        modeling_source({**every, "outsider": Mechanism("outsider", Outsider, {})})
-    fake_module = f"{PACKAGE}.fake"
-    fake = type("Fake", (Attention,), {"__module__": fake_module})
-    with pytest.raises(ValueError, match=r"attention=fake \(Fake, .*fake\) cannot be exported: .* imports t6.perf"):
-        plan({"fake": Mechanism("fake", fake, {})}, {fake_module: Source(fake_module, "from t6.perf import mfu\n")})
-    a, b = Source(f"{PACKAGE}.gqa", "def contract(x):\n    return x\n"), Source(f"{PACKAGE}.x", "contract = 1\n")
-    with pytest.raises(ValueError, match=r"attention=x.*x.py defines `contract`, which .*gqa.py defines too"):
-        check_names([a, b], [], {b.name: {"attention=x"}})
-    check_names([a, Source(f"{PACKAGE}.y", "def contract(x):\n    return x\n")], [], {})  # the same definition
+        export_sources({**every, "outsider": Mechanism("outsider", Outsider, {})})
+    fake = f"{PACKAGE}.fake"
+    for source, why in [
+        ("from t6.perf import mfu\n", "has `from t6.perf import mfu`"),
+        ("import t6.model.layers\n", "has `import t6.model.layers`"),
+        ("from t6.model import T6\n", "imports the package t6.model"),
+    ]:
+        with pytest.raises(ValueError, match=f"attention=fake cannot be exported: {fake} {why}"):
+            carried_imports(fake, ast.parse(source), "attention=fake")
 
 
 @pytest.fixture(scope="module")
@@ -247,7 +247,9 @@ def full_export(tmp_path_factory):
     ckpt = save_training_checkpoint(model, root / "last.ckpt", global_step=7, mlflow_run_id="not-in-any-store")
     store = f"tracking_uri=sqlite:///{root / 'no-store' / 'mlflow.db'}"
     lines = export_run(compose("export", [f"ckpt_path={ckpt}", f"out={root / 't6-full'}", store], runtime=True))
-    assert lines[0] == f"wrote {root / 't6-full'}: T6 (gqa), 8 files" and lines[1].startswith("checked: ")
+    assert lines[0] == f"wrote {root / 't6-full'}: T6 (gqa), {6 + len(export_sources())} files" and lines[1].startswith(
+        "checked: "
+    )
     assert "not in this machine's store" in (root / "t6-full" / "README.md").read_text()
     return model, root / "t6-full"
 

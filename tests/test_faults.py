@@ -182,7 +182,7 @@ def test_stop_signals_to_random_ranks_lose_nothing(tmp_path, shared_data_dir, wo
 def write_records() -> None:
     out = os.environ.get("T6_FAULTS_OUT")
     if out:
-        from t6.bench.common import environment
+        from t6.bench.harness import environment
 
         path = Path(out) / "trials.json"
         old = json.loads(path.read_text())["trials"] if path.exists() else []

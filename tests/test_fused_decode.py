@@ -261,6 +261,7 @@ def compiled_kernels():
     return triton_decode
 
 
+@pytest.mark.cuda
 def test_compiled_kernels_run_in_a_fresh_process():
     if not torch.cuda.is_available():
         pytest.skip("the compiled Triton kernels need a CUDA device")
@@ -298,6 +299,7 @@ def cuda_lengths(B: int, S: int, gen: torch.Generator) -> torch.Tensor:
     return lengths.cuda()
 
 
+@pytest.mark.cuda
 def test_cuda_kernels_equal_the_eager_reference():
     """Every tuning of the table, compiled for this GPU, on the medium shapes with padding and lengths."""
     kernels = compiled_kernels()
@@ -317,6 +319,31 @@ def test_cuda_kernels_equal_the_eager_reference():
             torch.testing.assert_close(fast.float(), ref, **TOL[torch.bfloat16], msg=f"{tuning} B={B} S={S}")
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_operators_run_their_tables_tuning_at_medium_in_fp32_and_bf16(dtype):
+    """The operators as a model calls them, each with the table's tuning for its shapes and dtype, launch on this
+    GPU (the fp32 TPA kernel once needed 360,448 B of shared memory: out of resources on an H100) and equal the
+    reference; nothing fell back."""
+    compiled_kernels()
+    from t6.model import fallback
+
+    gen = torch.Generator().manual_seed(10)
+    B, S = 2, 4096
+    lengths = cuda_lengths(B, S, gen)
+    tpa_args = [None if a is None else a.to(dtype) for a in medium_tpa(B, S, True, gen)]
+    latent_args = [a.to(dtype) for a in medium_latent(B, S, gen)]
+    for op, ref, args in (
+        (tpa_decode, reference_tpa_decode, tpa_args),
+        (latent_decode, reference_latent_decode, latent_args),
+    ):
+        fast = op(*args, None, lengths)
+        expected = ref(*(a if a is None else a.float() for a in args), None, lengths)
+        torch.testing.assert_close(fast.float(), expected, rtol=2e-2, atol=2e-2)  # fp32 dots run as TF32
+    assert fallback.events() == []
+
+
+@pytest.mark.cuda
 def test_cuda_decode_replays_in_a_cuda_graph_with_new_lengths_and_cache():
     """The operators captured once in a CUDA graph over a whole cache: replays after the rows' lengths and
     the cache changed in place give what eager calls give."""

@@ -209,3 +209,11 @@ def test_ranks_that_planned_different_micro_batches_stop_together_before_trainin
     else:
         assert said[0] == said[1] and "rank 0: 8 (40.0 GiB free), rank 1: 4 (30.0 GiB free)" in said[0]
         assert "set data.batch_size=4, which fits every device" in said[0]
+
+
+def test_the_supported_torch_range_holds_the_pinned_torch_and_the_gpu_images():
+    from t6.hardware.device import torch_supported
+
+    assert torch_supported()  # the installed, pinned torch
+    assert torch_supported("2.11.0+cu130") and torch_supported("2.13.0+cpu")
+    assert not torch_supported("2.10.1") and not torch_supported("2.14.0")

@@ -56,21 +56,66 @@ PRIVATE = [
         "cache_implementation names",
     ),
     (
+        "transformers.modeling_utils:PreTrainedModel",
+        "_init_weights",
+        "t6.hf.modeling.T6ForCausalLM",
+        "the method transformers documents for a custom model's initialization (missing weights, resized "
+        "embeddings): T6's own, module by module",
+    ),
+    (
+        "transformers.modeling_utils:PreTrainedModel",
+        "_initialize_weights",
+        "t6.hf.modeling.T6ForCausalLM",
+        "transformers 5.24 passes over a remote-code module without parameters of its own; a T6 attention or SwiGLU "
+        "initializes its layers itself, so the export keeps the rest of it without that shortcut",
+    ),
+    (
+        "transformers.modeling_utils:PreTrainedModel",
+        "_is_hf_initialized",
+        "t6.hf.modeling.T6ForCausalLM._initialize_weights",
+        "the flag transformers marks a loaded (or already initialized) module with; nothing public says so",
+    ),
+    (
+        "torch.nn:Module",
+        "_forward_hooks",
+        "t6.model.attention.base.plain_linear",
+        "whether a projection has a forward hook (which would change what it computes): no public accessor",
+    ),
+    (
+        "torch.nn:Module",
+        "_forward_pre_hooks",
+        "t6.model.attention.base.plain_linear",
+        "whether a projection has a forward pre-hook: no public accessor",
+    ),
+    (
         "torch",
         "_dynamo",
-        "t6.model.decode (mark_static_address, config.recompile_limit), t6.bench.decode",
+        "t6.model.decode (mark_static_address, config.recompile_limit), t6.bench.step_overhead (reset)",
         "a CUDA graph's fixed input addresses and the recompile limit have no torch.compiler equivalent in 2.13",
     ),
     (
         "torch",
+        "_functorch",
+        "t6.model.t6.eager_backward_compile (config.force_non_lazy_backward_lowering)",
+        "AOTAutograd compiles a backward at the first backward call, outside the compile fallback's guard; only "
+        "its config compiles it with the forward",
+    ),
+    (
+        "torch.utils",
+        "_pytree",
+        "t6.inference.memory.PeakMemory (tree_flatten)",
+        "the tensors among an operator's nested arguments and outputs; torch.utils has no public flatten",
+    ),
+    (
+        "torch",
         "_subclasses",
-        "t6.hardware.memory (FakeTensorMode)",
-        "tracing a training step without memory needs fake tensors; the meta device loses storage sharing",
+        "t6.hardware.memory, t6.inference.memory (FakeTensorMode)",
+        "tracing a training step or a prefill without memory needs fake tensors; the meta device loses storage sharing",
     ),
     (
         "torch:UntypedStorage",
         "_cdata",
-        "t6.hardware.memory",
+        "t6.hardware.memory, t6.inference.memory",
         "the identity of a fake tensor's storage (views share it); data_ptr() is 0 for every fake storage",
     ),
     (
@@ -83,7 +128,7 @@ PRIVATE = [
     (
         "torch.utils",
         "_python_dispatch",
-        "t6.bench.decode_kernels (TorchDispatchMode)",
+        "t6.bench.decode_kernels, t6.inference.memory (TorchDispatchMode)",
         "seeing which operator a decode step dispatches to; torch.overrides sees functions, not operators",
     ),
     (
@@ -106,9 +151,9 @@ def owner(spec: str):
 
 
 def has_member(obj, name: str) -> bool:
-    """A class attribute or method, a module's member, or an instance attribute a class of the MRO sets in its
-    own code (`self.name =` / `self.name:`)."""
-    if hasattr(obj, name):
+    """A class attribute or method, an attribute the class declares (annotated), a module's member, or an instance
+    attribute a class of the MRO sets in its own code (`self.name =` / `self.name:`)."""
+    if hasattr(obj, name) or name in getattr(obj, "__annotations__", {}):
         return True
     if isinstance(obj, type):
         for cls in obj.__mro__:

@@ -209,6 +209,7 @@ def test_a_micro_batch_that_cannot_fit_fails_naming_the_ways_out(make_cfg, monke
         "GiB",
         "test cap",
         "data.batch_size=auto",
+        "gradient_checkpointing=true",
         "trainer.strategy.activation_checkpointing=true",
         "trainer=fsdp",
     ):

@@ -277,6 +277,7 @@ def test_a_cpu_checkpoint_is_written_at_once_by_default(tmp_path, monkeypatch):
     assert gate.written == ["a.ckpt"]  # on return, without a wait
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a checkpoint on a GPU needs CUDA")
 def test_a_gpu_checkpoint_is_written_in_the_background_by_default(tmp_path, monkeypatch):
     from t6.training.checkpoint_io import BackgroundCheckpointIO

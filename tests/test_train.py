@@ -113,6 +113,23 @@ def test_every_optimizer_trains(optimizer, make_cfg):
     assert kinds["norm"] == 0.0  # no weight decay on norms, whatever the optimizer
 
 
+@pytest.mark.slow  # a short training run, ~15-30 s on two cores
+def test_gradient_checkpointing_option_recomputes_each_block(make_cfg):
+    """gradient_checkpointing=true reaches the trained model: each block runs again in backward (its forward
+    pre-hook fires twice per micro-batch; tests/test_hf_transformers.py checks the gradients are the same)."""
+    cfg = make_cfg("gradient_checkpointing=true", "trainer.max_steps=2", "callbacks.model_checkpoint=null")
+    _, objects = train(cfg)
+    model = objects["model"].model.train()
+    assert model.gradient_checkpointing
+    calls = []
+    model.blocks[0].register_forward_pre_hook(lambda *_: calls.append(1))
+    idx = torch.randint(0, 100, (1, 16))
+    model(idx, targets=idx).backward()  # a recompute stops once it has what backward needs: count pre-hooks
+    assert len(calls) == 2
+    with pytest.raises(ValueError, match="gradient_checkpointing='yes' must be true or false"):
+        train(make_cfg("gradient_checkpointing=yes"))
+
+
 def test_compiled_module_keeps_plain_checkpoint_keys():
     from t6.training.module import T6LitModule
 

@@ -196,11 +196,89 @@ def test_lengths_bound_each_row_of_a_whole_latent_cache(kernels, index_dtype):
             torch.testing.assert_close(fast[b : b + 1], alone, **TOL[torch.float32], msg=f"row {b}, {n} tokens")
 
 
-def test_the_table_chooses_by_shape_class_not_by_context():
-    """Every table entry is one the tests above run; the choice depends on the shapes of the model alone."""
-    picks = {kernels_module.tuning_for(k, HP, W) for k in ("tpa", "latent") for HP in (16, 64) for W in (64, 256)}
+def test_the_table_chooses_by_shape_class_and_dtype_not_by_context():
+    """Every table entry is one the tests above run; the choice depends on the model's shapes and the cache's
+    dtype alone (fp16 and bf16 alike)."""
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    picks = {
+        kernels_module.tuning_for(k, HP, W, dtype)
+        for k in ("tpa", "latent")
+        for HP in (16, 64)
+        for W in (64, 256)
+        for dtype in dtypes
+    }
     assert picks == set(kernels_module.TUNING.values())
     assert {t.block_s for t in picks} == {t.block_s for t in TUNINGS}
+    assert all(
+        kernels_module.tuning_for("tpa", 64, 64, torch.float16) == kernels_module.tuning_for("tpa", 64, 64, d)
+        for d in (torch.bfloat16, torch.float16)
+    )
+
+
+@pytest.mark.slow  # compiles every distinct launch for sm_90 (~30 kernels) in a fresh process (~2 min on 2 cores)
+def test_every_launch_of_every_mechanism_fits_an_h100_compiled_ahead_of_time(tmp_path):
+    """Each launch the registered mechanisms make at every size, in fp32 and bf16, compiled for sm_90 by Triton's
+    own compiler and ptxas (no GPU needed): shared memory within an H100's 232,448 B, no register spilled. The
+    table chosen by shape alone failed this: the fp32 TPA kernel at small/medium/large needed 360,448 B."""
+    out = tmp_path / "fit.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # real compilation, not the interpreter
+    done = subprocess.run(
+        [sys.executable, "-m", "t6.bench.kernel_fit", "--quiet", "--json", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parents[1],
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    import json
+
+    records = json.loads(out.read_text())["records"]
+    assert {r["dtype"] for r in records} == {"float32", "bfloat16"}
+    used = {u for r in records for u in r["used_by"].split(", ")}
+    fused = {"tpa", "tpa_kvonly", "tpa_sigmoid", "tpa_softmax", "mla", "gla"}
+    assert used == {f"{name}/{size}" for name in fused for size in ("tiny", "small", "medium", "large", "xl")}
+    misfits = [r for r in records if not r["fits"]]
+    assert not misfits, misfits
+    assert all(r["shared_bytes"] <= kernels_module.SHARED_MEMORY_SM90 and r["spill_bytes"] == 0 for r in records)
+
+
+class OutOfSharedMemory:
+    """A kernel whose launch fails as Triton's does where the compiled kernel needs more shared memory than the
+    device has: triton.runtime.errors.OutOfResources, raised at the first launch."""
+
+    def __getitem__(self, grid):
+        from triton.runtime.errors import OutOfResources
+
+        def launch(*args, **kwargs):
+            raise OutOfResources(360_448, 232_448, "shared memory")
+
+        return launch
+
+
+@pytest.mark.parametrize("name", ["tpa", "mla"])
+def test_a_kernel_out_of_shared_memory_falls_back_to_the_reference_with_the_same_tokens(
+    kernels, name, monkeypatch, caplog
+):
+    """Under Triton's interpreter the fused operators run the Triton kernels on the CPU; where the decode kernel's
+    first launch runs out of shared memory, generation warns once and goes on with the eager reference: the
+    tokens of a run that never tried the kernels (T6_EAGER=triton_decode)."""
+    from test_inference import tiny
+
+    from t6.model import fallback
+    from t6.model.t6 import left_pad
+
+    model = tiny(name, block_size=48)
+    idx, mask = left_pad([[5, 9, 2], [7, 1, 4, 4, 8, 3, 2]])
+    monkeypatch.setenv("T6_EAGER", "triton_decode")
+    eager = model.generate(idx, 6, temperature=0, prompt_mask=mask)
+    monkeypatch.delenv("T6_EAGER")
+    assert fallback.events() == []
+    kernel = "_tpa_kernel" if name == "tpa" else "_latent_kernel"
+    monkeypatch.setattr(kernels, kernel, OutOfSharedMemory())
+    assert torch.equal(model.generate(idx, 6, temperature=0, prompt_mask=mask), eager)
+    (event,) = fallback.events()
+    assert event.name == "triton_decode" and event.error.startswith("OutOfResources: out of resource: shared memory")
+    assert [r.getMessage() for r in caplog.records if r.name == "t6.model.fallback"] == [event.message()]
 
 
 def test_splits_fill_the_device_and_keep_a_minimum_share():

@@ -157,9 +157,9 @@ def test_grouped_heads_expanded_where_sdpa_cannot_broadcast_them(monkeypatch):
     assert base.sdpa_broadcasts_groups("cuda", torch.float16) and not base.sdpa_broadcasts_groups("cuda", torch.float32)
     q, k, v = torch.randn(2, 6, 9, 8), torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 8)  # 3 query heads per KV head
     pos = torch.arange(9)
-    broadcast = base.Attention.attend(q, k, v, pos, None)  # [B, h, T, d]
+    broadcast = base.attend(q, k, v, pos, None)  # [B, h, T, d]
     monkeypatch.setattr(base, "sdpa_broadcasts_groups", lambda device_type, dtype: False)
-    torch.testing.assert_close(base.Attention.attend(q, k, v, pos, None), broadcast)
+    torch.testing.assert_close(base.attend(q, k, v, pos, None), broadcast)
     ref = torch.nn.functional.scaled_dot_product_attention(
         q, k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1), is_causal=True
     )

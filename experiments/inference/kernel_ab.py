@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 from torch.utils import cpp_extension
 
-from t6.bench.common import ints, median, model_config_of, time_call
+from t6.bench.common import median, model_config_of, time_call
+from t6.bench.harness import ints
 from t6.model.attention import fused_decode
 
 

@@ -1,5 +1,6 @@
-"""The benchmarks' one harness: which mechanisms (`--attentions`), their parameter-matched configs,
-dtypes, devices, timing, tables and JSON.
+"""What the benchmarks measure with: the mechanisms' parameter-matched configs, timing on the host and the
+device, the device's copy bandwidth, ratios to the reference mechanism. Their command lines, tables, JSON
+and printing are the harness's (t6.bench.harness).
 
 A mechanism's config is conf/attention/NAME.yaml x conf/size/SIZE.yaml composed by Hydra, as
 training composes it (`heads.<size>` gives the parameter-matched head count). Ratios are to the
@@ -8,24 +9,16 @@ reference mechanism, `t6.model.attention.REFERENCE`, measured in the same run.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import datetime
-import importlib.metadata
-import json
-import os
-import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, open_dict
 
 from t6.config import conf_dir, model_config
-from t6.hardware.device import DTYPES
 from t6.model import ModelConfig
-from t6.model.attention import REFERENCE, get_attention_class, select
+from t6.model.attention import REFERENCE, get_attention_class
 from t6.model.facts import kv_bytes_per_token
 
 
@@ -144,112 +137,3 @@ def ratios_to_mha(records: list[dict], key: str, out: str) -> None:
     mha = next((r for r in records if r["attention"] == REFERENCE), None)
     for r in records:
         r[out] = r[key] / mha[key] if mha else None
-
-
-def ints(text: str) -> list[int]:
-    """ "1k,2k,16384" -> [1024, 2048, 16384]."""
-    return [int(v[:-1]) * 1024 if v.lower().endswith("k") else int(v) for v in text.split(",") if v]
-
-
-def attention_names(spec: str) -> list[str]:
-    """--attentions: names, `paper` (the paper's six) and `all` (every registered), comma-separated."""
-    try:
-        return select(spec)
-    except (KeyError, ValueError) as e:
-        raise argparse.ArgumentTypeError(str(e).strip("'\"")) from None
-
-
-def resolve_device(name: str) -> str:
-    """`auto`: cuda when available, else cpu; any other name as given."""
-    return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
-
-
-def attention_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--attentions",
-        type=attention_names,
-        default="paper",
-        help="mechanism names, `paper` (the paper's six) and `all` (every registered), comma-separated",
-    )
-
-
-def common_args(
-    parser: argparse.ArgumentParser, size: str = "medium", device: str = "cpu", dtype: str = "float32"
-) -> None:
-    """--attentions, --size, --device, --dtype, --threads, --json (defaults per benchmark)."""
-    attention_args(parser)
-    parser.add_argument("--size", default=size, help="model width from conf/size/NAME.yaml")
-    parser.add_argument("--device", type=resolve_device, default=device, help="auto, cpu, cuda, cuda:1, ...")
-    parser.add_argument("--dtype", default=dtype, choices=sorted(DTYPES))
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
-    parser.add_argument("--json", type=Path, default=None, help="write the records to this JSON file")
-
-
-def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
-    """parser's arguments, with --threads applied."""
-    args = parser.parse_args(argv)
-    if getattr(args, "threads", None):
-        torch.set_num_threads(args.threads)
-    return args
-
-
-def layer_args(parser: argparse.ArgumentParser, contexts: str, contexts_help: str) -> None:
-    """The options of the one-layer inference benchmarks (decode, prefill): lengths, batch, scope."""
-    parser.add_argument("--contexts", default=contexts, help=contexts_help)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument(
-        "--scope",
-        default="attention",
-        choices=["attention", "block"],
-        help="one attention layer, or the whole decoder block (adds the norms and SwiGLU)",
-    )
-
-
-def table(records: list[dict], columns: list[tuple[str, str, str]]) -> str:
-    """columns: (key, header, format) -> a fixed-width text table. A column whose key no record has is
-    left out (GPU time on the CPU); a record without a value leaves its cell empty."""
-    columns = [c for c in columns if any(c[0] in r for r in records)]
-    cells = [[h for _, h, _ in columns]]
-    for r in records:
-        cells.append([("" if r.get(k) is None else format(r[k], f)) for k, _, f in columns])
-    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def write_json(path: Path | None, payload: dict) -> None:
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(payload, indent=2))
-        print(f"wrote {path}")
-
-
-def machine_name() -> str:
-    """The CPU's model name (/proc/cpuinfo), else the platform's processor name."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def environment(device: str) -> dict:
-    """What a number was measured with, and when: the machine, torch, triton and CUDA versions, the device,
-    CPU threads, the date (the tables of experiments/*/README.md name them)."""
-    try:
-        triton_version = importlib.metadata.version("triton")
-    except importlib.metadata.PackageNotFoundError:
-        triton_version = None
-    return {
-        "torch": torch.__version__,
-        "triton": triton_version,
-        "cuda": torch.version.cuda,
-        "device": device if not device.startswith("cuda") else torch.cuda.get_device_name(device),
-        "threads": torch.get_num_threads(),
-        "cpu_count": os.cpu_count(),
-        "machine": machine_name(),
-        "date": datetime.date.today().isoformat(),
-    }

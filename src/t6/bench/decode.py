@@ -17,8 +17,9 @@ time per token (the kernels' durations, torch.profiler): a wall time far above i
 
 `--step` chooses the step timed, as generation runs it (`T6.generate`): `eager` calls the layer
 with views that grow with the context (the CPU's path: the fused C++ decode operators); `static`
-compiles it for fixed shapes over the cache-length bucket of the context (t6.model.decode), on CUDA
-captured as a CUDA graph and replayed; `auto` (default) is static on CUDA, eager elsewhere.
+runs it for fixed shapes over the cache-length bucket of the context (t6.model.decode), on CUDA
+captured as a CUDA graph and replayed; `compiled` compiles that step with inductor before its capture;
+`auto` (default) is static on CUDA, eager elsewhere.
 """
 
 from __future__ import annotations
@@ -28,23 +29,10 @@ import dataclasses
 
 import torch
 
-from t6.bench.common import (
-    DTYPES,
-    common_args,
-    environment,
-    gpu_time_call,
-    ints,
-    layer_args,
-    layer_kv_bytes_per_token,
-    median,
-    model_configs,
-    parse,
-    ratios_to_mha,
-    table,
-    time_call,
-    write_json,
-)
-from t6.model.decode import bucket, call_step, compile_step
+from t6.bench import harness
+from t6.bench.common import gpu_time_call, layer_kv_bytes_per_token, median, model_configs, ratios_to_mha, time_call
+from t6.bench.harness import DTYPES, common_args, ints, layer_args, parse, table, write_json
+from t6.model.decode import CudaGraphs, FixedStep, bucket
 from t6.model.facts import decode_flops_per_cached_token
 from t6.model.t6 import Block
 
@@ -86,26 +74,25 @@ def attention_of(layer):
     return layer.attn if isinstance(layer, Block) else layer
 
 
+STEPS = ("auto", "eager", "static", "compiled")
+
+
 def resolve_step(step: str, device: str) -> str:
     """--step auto: static on CUDA (a CUDA graph), eager elsewhere (the CPU's fused operators)."""
     return ("static" if str(device).startswith("cuda") else "eager") if step == "auto" else step
 
 
-def decode_call(layer, compiled, cache, x: torch.Tensor, context: int, max_len: int):
-    """The call that decodes x [B, 1, d] at position `context`: the layer itself (compiled None: eager,
-    views growing with the context), or its fixed-shape compilation over the cache bucket of the context."""
+def decode_call(layer, step: str, cache, x: torch.Tensor, context: int, max_len: int):
+    """The call that decodes x [B, 1, d] at position `context`: the layer itself (step "eager": views growing with
+    the context), or its fixed-shape step over the cache bucket of the context (t6.model.decode.FixedStep: on
+    CUDA captured as a CUDA graph; "compiled": compiled by inductor first)."""
     pos = torch.tensor([context], device=x.device)  # [1]
-    if compiled is None:
+    if step == "eager":
         return lambda: layer(x, pos, cache)
     cache.static_len = bucket(context + 1, max_len)
-    cuda = x.device.type == "cuda"
-
-    def call():
-        if cuda:
-            torch.compiler.cudagraph_mark_step_begin()
-        return call_step(compiled, x, pos, cache)
-
-    return call
+    capture = CudaGraphs() if x.device.type == "cuda" else None
+    fixed = FixedStep(layer, (x, pos, cache), [cache], compile=step == "compiled", capture=capture)
+    return lambda: fixed(cache.static_len)
 
 
 def measure(
@@ -121,14 +108,15 @@ def measure(
     rounds: int = 5,
     warmup: int = 3,
     verbose: bool = True,
+    on_records=None,
 ) -> list[dict]:
     """Decode records (one per name and context) for the given name -> ModelConfig, timed
     interleaved round by round; `speed_vs_mha` is filled where a config is named "mha".
-    step: "eager" or "static" (see the module's docstring)."""
-    if step not in ("eager", "static"):
-        raise ValueError(f"step={step!r} must be 'eager' or 'static'")
+    step: "eager", "static" or "compiled" (see the module's docstring)."""
+    if step not in STEPS[1:]:
+        raise ValueError(f"step={step!r} must be one of {', '.join(STEPS[1:])}")
     max_len = max(contexts) + 1
-    layers, caches, compiled, info = {}, {}, {}, {}
+    layers, caches, info = {}, {}, {}
     for name, cfg in configs.items():
         cfg = dataclasses.replace(cfg, block_size=max(cfg.block_size, max_len))  # RoPE tables reach the context
         layer = build_layer(cfg, scope, device, dtype)
@@ -136,9 +124,7 @@ def measure(
         cache = attn.build_kv_cache(batch, max_len, dtype, device)
         for t in cache.tensors.values():
             t.normal_()  # a full cache of random keys/values (or factors, latents)
-            torch._dynamo.mark_static_address(t)  # a CUDA graph of the static step writes it in place
         layers[name], caches[name] = layer, cache
-        compiled[name] = compile_step(layer, device) if step == "static" else None
         info[name] = {
             "n_head": cfg.n_head,
             "options": cfg.attention_options,
@@ -152,8 +138,7 @@ def measure(
         seconds = {name: [] for name in layers}
         with torch.inference_mode():
             calls = {  # the new token sees context + 1 tokens
-                name: decode_call(layer, compiled[name], caches[name], x, context, max_len)
-                for name, layer in layers.items()
+                name: decode_call(layer, step, caches[name], x, context, max_len) for name, layer in layers.items()
             }
             for call in calls.values():  # warm up (and compile, capture)
                 time_call(call, warmup, device)
@@ -182,6 +167,8 @@ def measure(
             print(table(rows, COLUMNS), flush=True)
             print()
         records += rows
+        if on_records is not None:
+            on_records(records)  # after each context: a run cut short keeps what it measured
     return records
 
 
@@ -197,6 +184,12 @@ def run(args) -> dict:
             "--bandwidth-gbs and --peak-tflops are required off the CPU (the device's memory bandwidth and peak)"
         )
     print(f"limits: {bw:.1f} GB/s copy bandwidth, {peak:.1f} GFLOP/s fp32 matmul")
+
+    def result(records: list[dict]) -> dict:
+        add_roofline(records, bw, peak)
+        fields = dict(bandwidth_gbs=bw, peak_gflops=peak, scope=args.scope, size=args.size, dtype=args.dtype)
+        return harness.result("decode", args.device, records, **fields)
+
     records = measure(
         configs,
         contexts,
@@ -209,19 +202,10 @@ def run(args) -> dict:
         rounds=args.rounds,
         warmup=args.warmup,
         verbose=False,  # the table is printed once, with the roofline
+        on_records=lambda records: harness.write_json(args.json, result(records), quiet=True),
     )
-    add_roofline(records, bw, peak)
     print(table(records, COLUMNS + ROOFLINE))
-    return {
-        "benchmark": "decode",
-        "bandwidth_gbs": bw,
-        "peak_gflops": peak,
-        "scope": args.scope,
-        "size": args.size,
-        "dtype": args.dtype,
-        "environment": environment(args.device),
-        "records": records,
-    }
+    return result(records)
 
 
 COLUMNS = [
@@ -268,9 +252,9 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--step",
         default="auto",
-        choices=["auto", "eager", "static"],
-        help="the decode step timed: eager (growing views), static (fixed shapes, compiled; a CUDA graph on "
-        "CUDA), auto: static on CUDA, eager elsewhere",
+        choices=STEPS,
+        help="the decode step timed: eager (growing views), static (fixed shapes; a CUDA graph on CUDA), compiled "
+        "(static, compiled by inductor first), auto: static on CUDA, eager elsewhere",
     )
     parser.add_argument("--bandwidth-gbs", type=float, default=None, help="memory bandwidth (default: measured, CPU)")
     parser.add_argument(

@@ -28,27 +28,16 @@ for the shape class.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import itertools
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from t6.bench.common import (
-    DTYPES,
-    common_args,
-    copy_bandwidth_gbs,
-    environment,
-    host_time_call,
-    ints,
-    model_configs,
-    parse,
-    table,
-    time_call,
-    write_json,
-)
+from t6.bench import harness
+from t6.bench.common import copy_bandwidth_gbs, host_time_call, model_configs, time_call
 from t6.bench.decode import build_layer
+from t6.bench.harness import DTYPES, common_args, ints, table
 from t6.model.attention import fused_decode
 
 # operator -> (its Triton kernel's name in triton_decode, its eager reference, its cache arguments)
@@ -196,6 +185,7 @@ def sweep_calls(calls: list[Call], bandwidth: float, tolerance: float) -> list[d
 COLUMNS = [
     ("attention", "attention", ""),
     ("kernel", "operator", ""),
+    ("dtype", "dtype", ""),
     ("batch", "batch", "d"),
     ("context", "context", "d"),
     ("calls", "calls", "d"),
@@ -206,6 +196,7 @@ COLUMNS = [
     ("gbs", "GB/s", ".1f"),
     ("of_copy_bw", "of copy BW", ".2f"),
     ("max_abs_err", "max err", ".1e"),
+    ("within_tolerance", "within tolerance", ""),
 ]
 SWEEP_COLUMNS = [
     ("attention", "attention", ""),
@@ -222,55 +213,58 @@ SWEEP_COLUMNS = [
 
 
 def run(args) -> dict:
-    dtype = DTYPES[args.dtype]
     if args.sweep and not args.device.startswith("cuda"):
         raise ValueError(f"--sweep times the Triton kernels: it needs --device cuda (got --device {args.device})")
     contexts = ints(args.contexts)
     configs = model_configs(args.attentions, args.size)
     bandwidth = args.bandwidth_gbs or copy_bandwidth_gbs(args.device, 1024 if args.device.startswith("cuda") else 256)
     print(f"copy bandwidth: {bandwidth:.1f} GB/s ({'given' if args.bandwidth_gbs else 'measured'})")
-    tolerance = 1e-2 if dtype == torch.float32 else 5e-2  # TF32 dots in fp32; bf16/fp16 rounding otherwise
     records, sweeps = [], []
-    fused = {name: cfg for name, cfg in configs.items() if decode_calls(cfg, 2, 1, args.device, dtype)}
-    if len(fused) < len(configs):
-        print(f"skipped (no fused decode operator): {', '.join(n for n in configs if n not in fused)}")
-    for name, cfg in fused.items():
-        for batch in ints(args.batches):
-            for context in contexts:
-                calls = decode_calls(cfg, context, batch, args.device, dtype)
-                where = {"attention": name, "kernel": calls[0].kernel, "batch": batch, "context": context}
-                records.append({**where, **measure_calls(calls, args.device, args.steps, bandwidth)})
-                print(table(records[-1:], COLUMNS), flush=True)
-                if args.sweep:
-                    rows = [{**where, **r} for r in sweep_calls(calls, bandwidth, tolerance)]
-                    print(table(rows, SWEEP_COLUMNS), flush=True)
-                    sweeps += rows
-                del calls  # the layer's cache goes with them
-    print(table(records, COLUMNS))
-    return {
-        "benchmark": "decode_kernels",
-        "size": args.size,
-        "dtype": args.dtype,
-        "copy_bandwidth_gbs": bandwidth,
-        "environment": environment(args.device),
-        "records": records,
-        "sweep": sweeps,
-    }
+    result = harness.result(
+        "decode_kernels", args.device, records, size=args.size, copy_bandwidth_gbs=bandwidth, sweep=sweeps
+    )
+    dtypes = args.dtypes.split(",") if args.dtypes else [args.dtype]
+    for dtype_name in dtypes:
+        dtype = DTYPES[dtype_name]
+        tolerance = 1e-2 if dtype == torch.float32 else 5e-2  # TF32 dots in fp32; bf16/fp16 rounding otherwise
+        fused = {name: cfg for name, cfg in configs.items() if decode_calls(cfg, 2, 1, args.device, dtype)}
+        if len(fused) < len(configs):
+            print(f"skipped (no fused decode operator): {', '.join(n for n in configs if n not in fused)}")
+        for name, cfg in fused.items():
+            for batch in ints(args.batches):
+                for context in contexts:
+                    calls = decode_calls(cfg, context, batch, args.device, dtype)
+                    where = {
+                        "attention": name,
+                        "kernel": calls[0].kernel,
+                        "dtype": dtype_name,
+                        "batch": batch,
+                        "context": context,
+                    }
+                    record = {**where, **measure_calls(calls, args.device, args.steps, bandwidth)}
+                    record["within_tolerance"] = record["max_abs_err"] <= tolerance
+                    records.append(record)
+                    print(table(records[-1:], COLUMNS), flush=True)
+                    if args.sweep:
+                        rows = [{**where, **r} for r in sweep_calls(calls, bandwidth, tolerance)]
+                        print(table(rows, SWEEP_COLUMNS), flush=True)
+                        sweeps += rows
+                    del calls  # the layer's cache goes with them
+                    harness.write_json(args.json, result, quiet=True)
+    return result
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = harness.parser(__doc__)
     common_args(parser, device="auto", dtype="bfloat16")
     parser.set_defaults(attentions="tpa,tpa_kvonly,mla,gla")
+    parser.add_argument("--dtypes", default=None, help="cache dtypes, comma-separated (default: --dtype)")
     parser.add_argument("--contexts", default="4k,32k,128k", help="cached tokens before the new one")
     parser.add_argument("--batches", default="1,16")
     parser.add_argument("--steps", type=int, default=20, help="timed calls (wall and host time)")
     parser.add_argument("--sweep", action="store_true", help="time every tuning of a grid (CUDA)")
     parser.add_argument("--bandwidth-gbs", type=float, default=None, help="copy bandwidth (default: measured)")
-    args = parse(parser, argv)
-    result = run(args)
-    write_json(args.json, result)
-    return result
+    return harness.run_main(parser, argv, run, COLUMNS)
 
 
 if __name__ == "__main__":

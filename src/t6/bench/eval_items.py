@@ -14,7 +14,6 @@ The model has random weights at `--size`, in `--dtype`, on `--device` (auto: CUD
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
@@ -23,7 +22,9 @@ from types import SimpleNamespace
 import torch
 
 import t6.config
-from t6.bench.common import DTYPES, compose, environment, resolve_device
+from t6.bench import harness
+from t6.bench.common import compose
+from t6.bench.harness import DTYPES, environment, resolve_device
 from t6.evaluation.adapter import T6LM
 from t6.evaluation.next_line import build_next_line_task
 from t6.model import T6
@@ -63,8 +64,21 @@ def measure(lms: list[T6LM], reqs: list, n_items: int, repeats: int) -> list[flo
     return [n_items / b for b in best]
 
 
+COLUMNS = [
+    ("size", "size", ""),
+    ("attention", "attention", ""),
+    ("task", "task", ""),
+    ("shots", "shots", "d"),
+    ("context_tokens", "ctx tokens", ".1f"),
+    ("continuation_tokens", "cont tokens", ".1f"),
+    ("items_per_s_per_choice", "per-choice items/s", ".2f"),
+    ("items_per_s_shared_prefix", "shared-prefix items/s", ".2f"),
+    ("speedup", "ratio", ".2f"),
+]
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = harness.parser(__doc__)
     parser.add_argument("--size", default="tiny")
     parser.add_argument("--attention", default="tpa")
     parser.add_argument("--items", type=int, default=40)
@@ -76,10 +90,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--device", type=resolve_device, default="auto", help="auto, cpu, cuda, cuda:1, ...")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="the model's weights")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--json", dest="json_path")
-    args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    parser.add_argument("--json", type=Path, default=None, help="write the records to this JSON file")
+    args = harness.parse(parser, argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: no CUDA device here; use --device cpu (or auto)")
 
@@ -112,18 +124,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 "speedup": round(after / before, 2),
             }
         )
-    print(
-        f"{'size':6s} {'attention':10s} {'task':9s} {'shots':>5s} {'ctx tok':>7s} {'cont tok':>8s} "
-        f"{'per-choice items/s':>18s} {'shared-prefix items/s':>21s} {'ratio':>6s}"
-    )
-    for r in rows:
-        print(
-            f"{r['size']:6s} {r['attention']:10s} {r['task']:9s} {r['shots']:5d} {r['context_tokens']:7.1f} "
-            f"{r['continuation_tokens']:8.1f} {r['items_per_s_per_choice']:18.2f} "
-            f"{r['items_per_s_shared_prefix']:21.2f} {r['speedup']:6.2f}"
-        )
-    if args.json_path:
-        Path(args.json_path).write_text(json.dumps(rows, indent=2))
+    harness.finish(harness.result("eval_items", args.device, rows), COLUMNS, args.json)
     return rows
 
 

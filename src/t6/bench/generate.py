@@ -7,9 +7,10 @@ against the bound the device's memory bandwidth sets.
 Random weights and prompts, greedy decoding, no stop tokens. Each setting prefills the prompts and
 decodes `--new-tokens` tokens; the decode speed is the difference of two generations (new_tokens + 1
 tokens and 1 token: the same prefill, then new_tokens decode steps and samples), so prefill is reported
-on its own. `--step` is generate's decoder: static (fixed shapes, compiled; a CUDA graph on CUDA),
-eager (views growing with the context; the CPU's fused operators), auto (static on CUDA, eager
-elsewhere). The mechanisms run one after another (the caches of a long batch may not fit together).
+on its own. `--step` is generate's decoder: static (fixed shapes; each cache bucket's step captured as a
+CUDA graph on CUDA and replayed), compiled (static, the step compiled by inductor first), eager (views
+growing with the context; the CPU's fused operators), auto (static on CUDA, eager elsewhere). The
+mechanisms run one after another (the caches of a long batch may not fit together).
 
 The bound: a decode step reads every weight once (the tied embedding once, as the LM head) and each
 row's cache up to its context, so it takes at least (weight bytes + batch x context x cache bytes per
@@ -24,21 +25,12 @@ import argparse
 
 import torch
 
-from t6.bench.common import (
-    DTYPES,
-    common_args,
-    copy_bandwidth_gbs,
-    environment,
-    ints,
-    median,
-    model_configs,
-    parse,
-    table,
-    time_call,
-    write_json,
-)
+from t6.bench import harness
+from t6.bench.common import copy_bandwidth_gbs, median, model_configs, time_call
+from t6.bench.harness import DTYPES, common_args, ints, table
 from t6.model import T6, ModelConfig
 from t6.model.facts import kv_bytes_per_token, parameter_count
+from t6.model.t6 import DECODERS
 
 
 def random_model(cfg: ModelConfig, device: str, dtype: torch.dtype) -> T6:
@@ -127,11 +119,12 @@ def measure(
     rounds: int = 3,
     bandwidth_gbs: float,
     verbose: bool = True,
+    on_records=None,
 ) -> list[dict]:
     """One record per mechanism, prompt length and batch: prefill time, decode ms/token and tokens/s (all
     rows), the bound and the fraction of it reached; each time the median of `rounds`, after two warm-up
-    generations (the first compiles and captures the static step's graphs). The mechanisms run one after
-    another."""
+    generations (the first captures the static step's graphs). The mechanisms run one after another;
+    on_records(records so far) is called after each."""
     records = []
     for name, cfg in configs.items():
         rows = measure_model(
@@ -152,6 +145,8 @@ def measure(
             print(table(rows, COLUMNS), flush=True)
             print()
         records += rows
+        if on_records is not None:
+            on_records(records)
     return records
 
 
@@ -174,6 +169,10 @@ def run(args) -> dict:
     configs = model_configs(args.attentions, args.size, block_size=max(prompt_lengths) + args.new_tokens + 1)
     bw = args.bandwidth_gbs or copy_bandwidth_gbs(args.device, 1024 if args.device.startswith("cuda") else 256)
     print(f"bandwidth: {bw:.1f} GB/s ({'given' if args.bandwidth_gbs else 'measured copy, read + write'})")
+
+    def result(records: list[dict]) -> dict:
+        return harness.result("generate", args.device, records, bandwidth_gbs=bw, size=args.size, dtype=args.dtype)
+
     records = measure(
         configs,
         prompt_lengths,
@@ -184,15 +183,9 @@ def run(args) -> dict:
         step=args.step,
         rounds=args.rounds,
         bandwidth_gbs=bw,
+        on_records=lambda records: harness.write_json(args.json, result(records), quiet=True),
     )
-    return {
-        "benchmark": "generate",
-        "bandwidth_gbs": bw,
-        "size": args.size,
-        "dtype": args.dtype,
-        "environment": environment(args.device),
-        "records": records,
-    }
+    return result(records)
 
 
 def main(argv=None) -> dict:
@@ -200,18 +193,11 @@ def main(argv=None) -> dict:
     common_args(parser)
     parser.add_argument("--prompt-lengths", default="2k", help="prompt tokens, comma-separated (2k = 2048)")
     parser.add_argument("--batches", default="1", help="sequences generated together, comma-separated")
-    parser.add_argument("--new-tokens", type=int, default=64, help="decoded tokens per generation")
+    parser.add_argument("--new-tokens", type=harness.positive_int, default=64, help="decoded tokens per generation")
     parser.add_argument("--rounds", type=int, default=3, help="timed generations per setting; the median is kept")
-    parser.add_argument(
-        "--step", default="auto", choices=["auto", "eager", "static"], help="generate's decoder (see above)"
-    )
+    parser.add_argument("--step", default="auto", choices=list(DECODERS), help="generate's decoder (see above)")
     parser.add_argument("--bandwidth-gbs", type=float, default=None, help="memory bandwidth (default: measured)")
-    args = parse(parser, argv)
-    if args.new_tokens < 1:
-        parser.error(f"--new-tokens={args.new_tokens} must be at least 1")
-    result = run(args)
-    write_json(args.json, result)
-    return result
+    return harness.run_main(parser, argv, run, None)
 
 
 if __name__ == "__main__":

@@ -15,12 +15,13 @@ activations not counted. Ratios are to MHA.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
 
-from t6.bench.common import DTYPES, attention_args, environment, model_configs, parse, ratios_to_mha, table, write_json
+from t6.bench import harness
+from t6.bench.common import model_configs, ratios_to_mha
+from t6.bench.harness import DTYPES, attention_args, parse, table
 from t6.model.attention import REFERENCE
 from t6.model.facts import kv_bytes_per_token, kv_elements_per_token, meta_model, parameter_count
 
@@ -72,14 +73,7 @@ def run(args) -> dict:
                     f"cache_spec says {r['kv_cache_bytes_per_token']:,}"
                 )
         records += rows
-    return {
-        "benchmark": "kv_memory",
-        "dtype": args.dtype,
-        "budget_gib": args.budget_gib,
-        "batch": args.batch,
-        "environment": environment("cpu"),
-        "records": records,
-    }
+    return harness.result("kv_memory", "cpu", records, dtype=args.dtype, budget_gib=args.budget_gib, batch=args.batch)
 
 
 COLUMNS = [
@@ -97,7 +91,7 @@ COLUMNS = [
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = harness.parser(__doc__)
     attention_args(parser)
     parser.add_argument("--sizes", default="small,medium,large")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
@@ -105,7 +99,7 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--json", type=Path, default=None, help="write the records to this JSON file")
     args = parse(parser, argv)
-    write_json(args.json, run(args))
+    harness.finish(run(args), None, args.json)
 
 
 if __name__ == "__main__":

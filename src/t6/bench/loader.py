@@ -9,8 +9,6 @@ conf/train.yaml (e.g. `size=small data=fineweb_edu`).
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
 from pathlib import Path
 
@@ -18,6 +16,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import open_dict
 
+from t6.bench import harness
 from t6.bench.common import compose
 from t6.config import model_config
 from t6.model import T6
@@ -59,10 +58,10 @@ def step_tokens_per_s(cfg, datamodule, steps: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--batches", type=int, default=200, help="loader batches to time")
     parser.add_argument("--steps", type=int, default=5, help="training steps to time")
-    parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
@@ -83,14 +82,16 @@ def main(argv: list[str] | None = None) -> dict:
         "train_step_tokens_per_s": train,
         "loader_over_step": loader / train,
     }
-    print(f"{'what':<28}{'tokens/s':>14}")
-    print(f"{'loader alone':<28}{loader:>14,.0f}")
-    print(f"{'training step consumes':<28}{train:>14,.0f}")
-    print(f"{'ratio loader / step':<28}{loader / train:>14.1f}x")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    harness.finish(harness.result("loader", "cpu", [result]), COLUMNS, args.json)
     return result
+
+
+COLUMNS = [
+    ("config", "config", ""),
+    ("loader_tokens_per_s", "loader alone tokens/s", ",.0f"),
+    ("train_step_tokens_per_s", "training step consumes tokens/s", ",.0f"),
+    ("loader_over_step", "loader / step", ".1f"),
+]
 
 
 if __name__ == "__main__":

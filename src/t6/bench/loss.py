@@ -21,7 +21,9 @@ from pathlib import Path
 
 import torch
 
-from t6.bench.common import DTYPES, environment, model_config_of, resolve_device, table, write_json
+from t6.bench import harness
+from t6.bench.common import model_config_of
+from t6.bench.harness import DTYPES, resolve_device
 from t6.bench.train_step import bench_one, chunk_tokens
 from t6.hardware.probes import peak_rss
 
@@ -113,28 +115,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     rows = run(args)
-    print(
-        table(
-            rows,
-            [
-                ("chunk_tokens", "chunk tokens", ""),
-                ("step_ms", "ms/step", ".0f"),
-                ("tokens_per_s", "tokens/s", ".0f"),
-                ("speedup_vs_first", "speed vs first", ".2f"),
-                ("peak_mib", "peak MiB", ".0f"),
-                ("memory_vs_first", "memory vs first", ".2f"),
-            ],
-        )
-    )
-    write_json(
-        args.json,
-        {
-            "environment": environment(resolve_device(args.device)),
-            "args": {k: str(v) for k, v in vars(args).items()},
-            "rows": rows,
-        },
-    )
+    arguments = {k: str(v) for k, v in vars(args).items()}
+    harness.finish(harness.result("loss", resolve_device(args.device), rows, args=arguments), COLUMNS, args.json)
     return rows
+
+
+COLUMNS = [
+    ("chunk_tokens", "chunk tokens", ""),
+    ("step_ms", "ms/step", ".0f"),
+    ("tokens_per_s", "tokens/s", ".0f"),
+    ("speedup_vs_first", "speed vs first", ".2f"),
+    ("peak_mib", "peak MiB", ".0f"),
+    ("memory_vs_first", "memory vs first", ".2f"),
+]
 
 
 if __name__ == "__main__":

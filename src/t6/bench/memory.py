@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from t6.bench.common import environment, write_json
+from t6.bench import harness
 
 GIB = 2**30
 
@@ -130,10 +130,7 @@ def main() -> None:
             flush=True,
         )
     device = records[0]["device"] if records else "cpu"
-    write_json(
-        args.json,
-        {"benchmark": "memory", "extra": list(args.extra), "environment": environment(device), "records": records},
-    )
+    harness.write_json(args.json, harness.result("memory", device, records, extra=list(args.extra)))
 
 
 if __name__ == "__main__":

@@ -12,27 +12,12 @@ interleaved, round by round; the median round is reported, with ratios to MHA.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
-from t6.bench.common import (
-    DTYPES,
-    common_args,
-    environment,
-    gpu_time_call,
-    ints,
-    layer_args,
-    layer_kv_bytes_per_token,
-    median,
-    model_configs,
-    parse,
-    ratios_to_mha,
-    table,
-    time_call,
-    write_json,
-)
+from t6.bench import harness
+from t6.bench.common import gpu_time_call, layer_kv_bytes_per_token, median, model_configs, ratios_to_mha, time_call
 from t6.bench.decode import attention_of, build_layer
+from t6.bench.harness import DTYPES, common_args, ints, layer_args, parse, table
 
 
 def run(args) -> dict:
@@ -78,14 +63,7 @@ def run(args) -> dict:
         print(table(rows, COLUMNS), flush=True)
         print()
         records += rows
-    return {
-        "benchmark": "prefill",
-        "scope": args.scope,
-        "size": args.size,
-        "dtype": args.dtype,
-        "environment": environment(args.device),
-        "records": records,
-    }
+    return harness.result("prefill", args.device, records, scope=args.scope, size=args.size, dtype=args.dtype)
 
 
 COLUMNS = [
@@ -100,12 +78,12 @@ COLUMNS = [
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = harness.parser(__doc__)
     common_args(parser)
     layer_args(parser, "512,1k,2k,4k", "prompt lengths")
     parser.add_argument("--rounds", type=int, default=3)
     args = parse(parser, argv)
-    write_json(args.json, run(args))
+    harness.finish(run(args), None, args.json)
 
 
 if __name__ == "__main__":

@@ -18,18 +18,9 @@ import argparse
 
 import torch
 
-from t6.bench.common import (
-    DTYPES,
-    common_args,
-    environment,
-    median,
-    model_configs,
-    parse,
-    ratios_to_mha,
-    table,
-    time_call,
-    write_json,
-)
+from t6.bench import harness
+from t6.bench.common import median, model_configs, ratios_to_mha, time_call
+from t6.bench.harness import DTYPES, common_args, parse
 from t6.hardware.device import peak_flops
 from t6.model import T6, ModelConfig
 from t6.model.facts import flops_per_token
@@ -43,7 +34,7 @@ def bench_one(mcfg: ModelConfig, args: argparse.Namespace, device: str) -> tuple
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.startswith("cuda"))
     if args.compile:
-        model.compile_blocks()  # the region training compiles (compile=true): each block, the loss outside
+        model.compile_blocks(args.compile_backend)  # the region training compiles: each block, the loss outside
     idx = torch.randint(0, mcfg.vocab_size, (args.batch_size, args.seq_len + 1), device=device)
     x, y = idx[:, :-1], idx[:, 1:]  # [B, T] each
     autocast = torch.autocast(torch.device(device).type, dtype=DTYPES[args.dtype], enabled=args.dtype != "float32")
@@ -102,6 +93,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             }
         )
         print(f"  {attention}: {step * 1e3:.1f} ms/step", flush=True)
+        harness.write_json(args.json, result_of(args, rows), quiet=True)  # a run cut short keeps its rows
     ratios_to_mha(rows, "tokens_per_s", "ratio_to_mha")  # > 1: faster than MHA
     for r in rows:
         r["gflops_per_token_train"] = r["flops_per_token_train"] / 1e9
@@ -138,6 +130,11 @@ def parser() -> argparse.ArgumentParser:
         "--compile", action="store_true", help="torch.compile each block, as training does (T6.compile_blocks)"
     )
     p.add_argument(
+        "--compile-backend",
+        default="inductor",
+        help="torch.compile's backend with --compile (aot_eager: dynamo and AOTAutograd without code generation)",
+    )
+    p.add_argument(
         "--loss-chunk-tokens",
         type=chunk_tokens,
         default=1024,
@@ -159,20 +156,14 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def result_of(args: argparse.Namespace, rows: list[dict]) -> dict:
+    return harness.result("train_step", args.device, rows, size=args.size, dtype=args.dtype, compile=args.compile)
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse(parser(), argv)
     rows = run(args)
-    print(table(rows, COLUMNS))
-    write_json(
-        args.json,
-        {
-            "benchmark": "train_step",
-            "size": args.size,
-            "dtype": args.dtype,
-            "environment": environment(args.device),
-            "records": rows,
-        },
-    )
+    harness.finish(result_of(args, rows), COLUMNS, args.json)
     return rows
 
 

@@ -25,9 +25,9 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from t6.data.tokenizer import Tokenizer, gpt2, load_with_tokenizer
-from t6.model import T6
+from t6.model import T6, fallback
 
-AUTO_CPU_ROWS = 16  # batch_size=auto on the CPU
+AUTO_CPU_ROWS = 16  # batch_size=auto on the CPU, and on CUDA where the memory probe fails (t6.model.fallback)
 AUTO_MEMORY_SHARE = 0.8  # of the memory left, for an evaluation's batch on CUDA
 AUTO_MAX_ROWS = 256  # more rows per pass buys little: requests share passes by prefix and length
 AUTO_PROBE_ROWS, AUTO_PROBE_TOKENS = 4, 32  # the measured probe batch: full-length requests, the last tokens scored
@@ -88,12 +88,22 @@ class T6LM(TemplateLM):
 
     def auto_batch_size(self) -> int:
         """batch_size=auto. On CUDA: the rows that AUTO_MEMORY_SHARE of the memory left (free, plus what the
-        caching allocator holds unused) holds, at most AUTO_MAX_ROWS, each row's memory measured as the peak of
-        one scoring pass over a probe batch of AUTO_PROBE_ROWS full-length requests (their prefixes prefilled
-        into KV caches, the last AUTO_PROBE_TOKENS tokens scored) under the caller's autocast, as evaluation
-        will run. Elsewhere AUTO_CPU_ROWS: on the CPU a larger batch buys nothing, the cores are busy at 16."""
+        caching allocator holds unused) holds, at most AUTO_MAX_ROWS (`probe_batch_size`); where the probe fails
+        (t6.model.fallback "eval_batch_probe"), AUTO_CPU_ROWS. Elsewhere AUTO_CPU_ROWS: on the CPU a larger batch buys
+        nothing, the cores are busy at 16."""
         if self._device.type != "cuda":
             return AUTO_CPU_ROWS
+        if fallback.enabled("eval_batch_probe"):
+            try:
+                return self.probe_batch_size()
+            except Exception as err:
+                fallback.fell_back("eval_batch_probe", err)
+        return AUTO_CPU_ROWS
+
+    def probe_batch_size(self) -> int:
+        """The CUDA memory probe: each row's memory measured as the peak of one scoring pass over a probe batch of
+        AUTO_PROBE_ROWS full-length requests (their prefixes prefilled into KV caches, the last AUTO_PROBE_TOKENS
+        tokens scored) under the caller's autocast, as evaluation will run."""
         device = self._device
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)

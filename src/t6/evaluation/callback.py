@@ -45,6 +45,7 @@ class DownstreamEval(L.Callback):
         self.tokenizer = tokenizer
         self.last_step: int | None = None
         self.history: list[tuple[int, dict[str, float]]] = []  # (step, metrics) of every evaluation
+        self.seconds: list[float] = []  # how long each evaluation took (rank 0), also logged as perf/eval_s
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
         step = trainer.global_step
@@ -67,6 +68,9 @@ class DownstreamEval(L.Callback):
         del model
         if trainer.is_global_zero:
             evaluated = time.perf_counter()
+            self.seconds.append(evaluated - start)
+            for logger in trainer.loggers:
+                logger.log_metrics({"perf/eval_s": evaluated - start}, step=step)
             metrics = self.log_to_loggers(trainer, results, step)
             self.history.append((step, metrics))
             shown = ", ".join(f"{k}={v:.4f}" for k, v in metrics.items() if k.endswith("/avg"))

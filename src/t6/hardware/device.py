@@ -16,6 +16,17 @@ from collections.abc import Callable
 
 import torch
 
+# The torch versions the code supports: the pinned one, and back to a GPU image's own (APIs newer than the
+# oldest are used only where they exist, e.g. t6.model.t6.eager_backward_compile).
+SUPPORTED_TORCH = ((2, 11), (2, 13))
+
+
+def torch_supported(version: str = torch.__version__) -> bool:
+    """Whether a torch version ("2.11.0+cu130") is within SUPPORTED_TORCH (major.minor, both ends included)."""
+    major, minor = (int(part) for part in version.split("+")[0].split(".")[:2])
+    return SUPPORTED_TORCH[0] <= (major, minor) <= SUPPORTED_TORCH[1]
+
+
 # Dtypes by the names the settings use (cache_dtype, the benchmarks' --dtype).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -5,8 +5,8 @@ The directory holds everything the standard tools need, and nothing from this pr
     model.safetensors          the T6's weights under `model.` (the tied LM head stored once)
     config.json                model_type t6, ModelConfig's fields (the mechanism, its options), token
                                ids, auto_map to the two code files, and where the weights came from
-    configuration_t6.py        T6Config (t6.hf.configuration)
-    modeling_t6.py             the model's own modules and T6ForCausalLM (generated: t6.hf.source)
+    modeling_t6.py, configuration_t6.py   T6ForCausalLM and T6Config (t6.hf.modeling, t6.hf.configuration)
+    t6.py, attention_tpa.py, ...          the model's own modules they import (copied: t6.hf.source)
     tokenizer.json, tokenizer_config.json   the GPT-2 BPE (t6.hf.tokenizer)
     generation_config.json     token ids, greedy by default, at most block_size tokens
     README.md                  a model card: the model, its cost, the run's metrics from MLflow
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from t6.data.tokenizer import EOT
-from t6.hf.source import configuration_source, modeling_source
+from t6.hf.source import export_sources
 from t6.hf.tokenizer import write_tokenizer
 from t6.model.config import ModelConfig
 from t6.model.facts import kv_elements_per_token, meta_model, parameter_count
@@ -190,7 +190,7 @@ def write_export(
     path = Path(ckpt_path).expanduser()
     ckpt = read_checkpoint(path, what, mmap=True)
     cfg, state = model_state(ckpt, what, path)
-    modeling = modeling_source()  # every registered mechanism; one that cannot be carried is an error naming it
+    code = export_sources()  # every registered mechanism; one that cannot be carried is an error naming it
     model = T6(cfg)
     model.load_state_dict(state)
     model.eval()
@@ -210,8 +210,8 @@ def write_export(
     config.save_pretrained(out)
     if json.loads((out / HF_CONFIG).read_text())["model_type"] != HF_MODEL_TYPE:
         raise RuntimeError(f"{out / HF_CONFIG} was written without model_type {HF_MODEL_TYPE!r}")
-    (out / "configuration_t6.py").write_text(configuration_source(), encoding="utf-8")
-    (out / "modeling_t6.py").write_text(modeling, encoding="utf-8")
+    for name, text in code.items():
+        (out / name).write_text(text, encoding="utf-8")
     write_tokenizer(out, cfg.block_size)
     GenerationConfig(bos_token_id=EOT, eos_token_id=EOT, pad_token_id=EOT, do_sample=False).save_pretrained(out)
     metrics, origin = run_record(source.get("mlflow_run_id"), tracking_uri)

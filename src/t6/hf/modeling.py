@@ -2,13 +2,20 @@
 holds each layer's own KVCache, allocated from its attention's `cache_spec` (TPA caches its factors,
 MLA its latent, GQA its KV heads only), behind transformers' cache interface.
 
-Every export carries this module, after the model's own sources, as modeling_t6.py (t6.hf.source),
-so `AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)` computes T6.forward's logits
-and `generate()` decodes through each mechanism's cached path, as T6.generate does.
+Every export carries this module as modeling_t6.py beside the model's own files (t6.hf.export), so
+`AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)` computes T6.forward's logits and
+`generate()` decodes through each mechanism's cached path, as T6.generate does.
 
-Padding: right padding (lm-eval's batches) needs nothing, since no real position of a causal model
-sees a later one; left padding (prompts of different lengths batched for generate) becomes the
-caches' key mask, as in T6.generate, for the attentions that honour one.
+Calls take what transformers' own causal LMs take (transformers 5.24's LlamaForCausalLM):
+- `cache` (or its former name `past_key_values`): a T6Cache a previous call returned, grown as tokens
+  arrive; `use_cache` (default: the config's `use_cache`, off in training mode) starts one;
+- `attention_mask` [B, cached + new tokens], any pattern of 1 (token) and 0 (padding): the caches'
+  key mask, so no token attends to a padding position (left, right or in between). A token's position
+  is its index in the sequence: RoPE scores depend on distances only, so a left-padded row computes
+  what it would alone, and a gap keeps its width; `position_ids` may shift a row by a constant, no more;
+- `inputs_embeds` instead of `input_ids`, `labels` (the shifted causal-LM loss), `logits_to_keep`,
+  `output_hidden_states` (the embeddings, then each block's output, the last one normalized),
+  `output_attentions` (each layer's softmax probabilities [B, h, T, S], computed explicitly while asked).
 """
 
 from __future__ import annotations
@@ -16,14 +23,16 @@ from __future__ import annotations
 from dataclasses import fields
 
 import torch
+from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.utils.deprecation import deprecate_kwarg
 
 from t6.hf.configuration import T6Config
-from t6.model.attention.base import KVCache
+from t6.model.attention.base import Attention, KVCache
 from t6.model.config import ModelConfig
-from t6.model.layers import Rotary
+from t6.model.layers import Rotary, SwiGLU
 from t6.model.t6 import T6
 
 
@@ -32,9 +41,21 @@ def to_model_config(config: T6Config) -> ModelConfig:
     return ModelConfig(**{f.name: getattr(config, f.name) for f in fields(ModelConfig) if hasattr(config, f.name)})
 
 
+def resized(kv: KVCache, max_len: int) -> KVCache:
+    """A KVCache of max_len positions holding kv's tokens: the same quantities, layout, dtype and device."""
+    first = next(iter(kv.tensors.values()))
+    head_major = tuple(name for name, dim in kv.seq_dims.items() if dim == 2)
+    out = KVCache(kv.spec, first.shape[0], max_len, first.dtype, first.device, head_major)
+    for name, tensor in kv.tensors.items():
+        dim = kv.seq_dims[name]
+        keep = min(kv.max_len, max_len)
+        out.tensors[name].narrow(dim, 0, keep).copy_(tensor.narrow(dim, 0, keep))  # [B, ..., keep, ...]
+    return out
+
+
 class T6CacheLayer(CacheLayerMixin):
-    """One layer's KVCache, allocated once at its full length; the attention writes it in place
-    (KVCache.update), this layer counts the tokens it holds."""
+    """One layer's KVCache, written in place by the attention (KVCache.update); this layer counts the tokens
+    it holds and grows the KVCache when a call brings more than it has room for."""
 
     is_croppable = True
 
@@ -54,10 +75,16 @@ class T6CacheLayer(CacheLayerMixin):
         return self.length
 
     def get_max_length(self) -> int:
-        return self.kv.max_len
+        return -1  # it grows (up to the model's block_size)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0
+
+    def reserve(self, tokens: int, limit: int) -> None:
+        """Room for `tokens` tokens: a KVCache twice as long (at least `tokens`, at most `limit` unless more are
+        asked) holding the same ones, when this one is shorter."""
+        if tokens > self.kv.max_len:
+            self.kv = resized(self.kv, max(tokens, min(2 * self.kv.max_len, limit)))
 
     def reset(self) -> None:
         for tensor in self.kv.tensors.values():
@@ -65,7 +92,11 @@ class T6CacheLayer(CacheLayerMixin):
         self.kv.key_mask, self.length = None, 0
 
     def crop(self, tokens_to_remove: int) -> None:
-        self.length = max(0, self.length - tokens_to_remove)  # later writes overwrite the removed tokens
+        """Forget the last -tokens_to_remove tokens (transformers' convention: a count <= 0); later writes
+        overwrite them."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop({tokens_to_remove}): give the number of tokens to remove as a negative count")
+        self.length = max(0, self.length + tokens_to_remove)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.batch_select_indices(beam_idx)
@@ -79,24 +110,31 @@ class T6CacheLayer(CacheLayerMixin):
 
 
 class T6Cache(Cache):
-    """The caches of a T6's layers for `batch_size` sequences of up to `max_len` tokens, each holding
-    what its attention declares (`cache_spec`), in the model's dtype and on its device."""
+    """The caches of a T6's layers for `batch_size` sequences, room for `max_len` tokens to start with (they
+    grow up to the model's block_size), each holding what its attention declares (`cache_spec`), in the
+    model's dtype and on its device."""
 
     def __init__(self, model: T6, batch_size: int, max_len: int, dtype=None, device=None):
+        self.block_size = model.cfg.block_size
         super().__init__(layers=[T6CacheLayer(kv) for kv in model.build_kv_caches(batch_size, max_len, dtype, device)])
 
     def kv_caches(self) -> list[KVCache]:
         return [layer.kv for layer in self.layers]
 
+    def reserve(self, tokens: int) -> None:
+        for layer in self.layers:
+            layer.reserve(tokens, self.block_size)
+
     def advance(self, tokens: int) -> None:
         for layer in self.layers:
             layer.length += tokens
 
-    def mask_keys(self, mask: torch.Tensor) -> None:
-        """mask: bool [B, S], False at the padding of the first S positions (the later ones are real)."""
-        max_len = self.layers[0].kv.max_len
-        key_mask = torch.ones(mask.shape[0], max_len, dtype=torch.bool, device=mask.device)  # [B, max_len]
-        key_mask[:, : mask.shape[1]] = mask
+    def mask_keys(self, mask: torch.Tensor | None) -> None:
+        """mask: bool [B, S], False at the padding among the first S positions (later ones are tokens), or None."""
+        key_mask = None
+        if mask is not None:
+            key_mask = torch.ones(mask.shape[0], self.layers[0].kv.max_len, dtype=torch.bool, device=mask.device)
+            key_mask[:, : mask.shape[1]] = mask  # [B, max_len]
         for layer in self.layers:
             layer.kv.key_mask = key_mask
 
@@ -105,6 +143,7 @@ class T6ForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = T6Config
     base_model_prefix = "model"
     main_input_name = "input_ids"
+    supports_gradient_checkpointing = True
     _no_split_modules = ["Block"]
     _tied_weights_keys = {"model.lm_head.weight": "model.embed.weight"}  # applied when tie_embeddings
 
@@ -114,80 +153,175 @@ class T6ForCausalLM(PreTrainedModel, GenerationMixin):
         self.post_init()
 
     @torch.no_grad()
-    def _init_weights(self, module: torch.nn.Module) -> None:
-        """The rotary tables (buffers, not weights: transformers builds the model on the meta device and
-        loads only the weights); every weight comes from the checkpoint or T6's own initialization."""
-        if isinstance(module, Rotary):
+    def _init_weights(self, module: nn.Module) -> None:
+        """T6's own initialization (T6.init_weights), module by module, for what transformers has not loaded (its
+        guard on torch.nn.init skips loaded tensors): each attention its own way (Attention.init_weights: N(0,
+        init_std), Xavier on TPA's factor maps, a zero output projection), SwiGLU N(0, init_std) with a zero down
+        projection, the embedding and an untied head N(0, init_std), norms ones; the rotary tables (buffers,
+        made on the meta device when transformers loads a model) are rebuilt."""
+        std = self.config.init_std
+        if isinstance(module, Attention):
+            module.init_weights()
+        elif isinstance(module, SwiGLU):
+            nn.init.normal_(module.gate.weight, std=std)
+            nn.init.normal_(module.up.weight, std=std)
+            nn.init.zeros_(module.down.weight)
+        elif isinstance(module, nn.Embedding) or module is self.model.lm_head:
+            nn.init.normal_(module.weight, std=std)
+        elif isinstance(module, nn.RMSNorm):
+            nn.init.ones_(module.weight)
+        elif isinstance(module, Rotary):
             table = Rotary(module.dim, module.max_len, module.theta)
             module.cos.copy_(table.cos)  # [max_len, dim/2]
             module.sin.copy_(table.sin)  # [max_len, dim/2]
 
-    def get_input_embeddings(self) -> torch.nn.Embedding:
+    def _initialize_weights(self, module: nn.Module, is_custom_code: bool = False) -> None:
+        """transformers' own, less its shortcut for remote code, which passes over a module without parameters of
+        its own: an attention or a SwiGLU initializes its layers itself (`_init_weights`)."""
+        if not getattr(module, "_is_hf_initialized", False):
+            self._init_weights(module)
+            module._is_hf_initialized = True
+
+    def mark_tied_weights_as_initialized(self, loading_info) -> None:
+        """transformers marks the tied head as loaded, as the embedding will fill it; a T6's head *is* its
+        embedding (one parameter), so that would also hide a missing embedding: only when the embedding is there."""
+        if not any(source in loading_info.missing_keys for source in self.all_tied_weights_keys.values()):
+            super().mark_tied_weights_as_initialized(loading_info)
+
+    def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed
 
-    def set_input_embeddings(self, value: torch.nn.Embedding) -> None:
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.model.embed = value
 
-    def get_output_embeddings(self) -> torch.nn.Linear:
+    def get_output_embeddings(self) -> nn.Linear:
         return self.model.lm_head
 
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.model.lm_head = value
+
     def build_cache(self, batch_size: int, max_len: int | None = None) -> T6Cache:
-        """Caches for batch_size sequences of up to max_len tokens (default: the model's block_size)."""
+        """Caches for batch_size sequences, room for max_len tokens (default: the model's block_size)."""
         return T6Cache(self.model, batch_size, min(max_len or self.config.block_size, self.config.block_size))
 
-    def padding_mask(self, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
-        """attention_mask [B, S] (1: token, 0: padding) -> bool [B, S] when a row has padding before one
-        of its tokens (left padding), checked against the attention; None otherwise (no padding, or
-        padding after the tokens only, which a causal model never attends to from a real position)."""
+    @staticmethod
+    def key_mask(attention_mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
+        """attention_mask [B, length] (1: token, 0: padding, for the cached and the new tokens) -> bool [B, length],
+        or None when it masks nothing."""
         if attention_mask is None:
             return None
-        mask = attention_mask.to(torch.bool)  # [B, S]
-        if not bool((~mask[:, :-1] & mask[:, 1:]).any()):
-            return None
-        try:
-            return self.model.check_prompt_mask(mask, mask.shape)
-        except ValueError as err:
-            raise ValueError(f"attention_mask: {err}") from None
+        if attention_mask.dim() != 2 or attention_mask.shape[1] != length:
+            raise ValueError(
+                f"attention_mask has shape {tuple(attention_mask.shape)}; a T6 takes a 2D mask [batch, cached + new "
+                f"tokens] = [{attention_mask.shape[0]}, {length}] (1: token, 0: padding)"
+            )
+        mask = attention_mask.to(torch.bool)  # [B, length]
+        return None if bool(mask.all()) else mask
 
+    @staticmethod
+    def check_positions(position_ids: torch.Tensor | None, mask: torch.Tensor | None, start: int, T: int) -> None:
+        """position_ids [B or 1, T] may shift each row's positions start..start+T-1 by a constant over its tokens
+        (RoPE scores depend on distances only, so a left-padded row counted from its first token computes the
+        same); anything else would change distances the T6 keeps."""
+        if position_ids is None:
+            return
+        shift = position_ids.to(torch.long) - torch.arange(start, start + T, device=position_ids.device)  # [B, T]
+        same = shift == shift[:, -1:]  # [B, T], against the row's last (newest) token
+        if mask is not None:
+            same = same | ~mask[:, -T:]  # padding positions carry any position
+        if not bool(same.all()):
+            raise ValueError(
+                "position_ids: a T6 places each token at its index in the sequence (cached tokens first); a row's "
+                "positions may be shifted by a constant, but these change the distances between its tokens. Pass "
+                "the tokens with an attention_mask (0 at padding) and no position_ids"
+            )
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
         self,
-        input_ids: torch.LongTensor,
+        input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         cache: T6Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
         **kwargs,
     ) -> CausalLMOutputWithPast | tuple:
-        """input_ids [B, T] follow the cache's tokens (none without a cache) -> logits [B, T, vocab],
-        T6.forward's; labels [B, T] give the mean next-token loss (shifted here, -100 ignored);
-        use_cache=True without a cache starts one of block_size tokens."""
-        B, T = input_ids.shape
+        """input_ids [B, T] (or inputs_embeds [B, T, d]) follow the cache's tokens (none without a cache) ->
+        logits [B, T, vocab] (the last logits_to_keep positions when > 0), T6.forward's; labels [B, T] give the
+        mean next-token loss (shifted here, -100 ignored)."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("give exactly one of input_ids [B, T] and inputs_embeds [B, T, d_model]")
         if cache is not None and not isinstance(cache, T6Cache):
             raise TypeError(
                 f"cache is a {type(cache).__name__}; a T6 caches what its attention declares: pass the cache a "
                 "previous call returned, model.build_cache(batch_size), or none"
             )
+        config = self.config
+        use_cache = (config.use_cache and not self.training) if use_cache is None else use_cache
+        output_attentions = config.output_attentions if output_attentions is None else output_attentions
+        output_hidden_states = config.output_hidden_states if output_hidden_states is None else output_hidden_states
+        return_dict = config.return_dict if return_dict is None else return_dict
+
+        x = self.model.embed(input_ids) if inputs_embeds is None else inputs_embeds  # [B, T, d]
+        B, T = x.shape[:2]
         if cache is None and use_cache:
-            cache = self.build_cache(B)
+            cache = self.build_cache(B, T)
         start = 0 if cache is None else cache.get_seq_length()
-        padding = self.padding_mask(attention_mask)  # [B, start + T] or None
-        step_cache = cache if cache is not None or padding is None else self.build_cache(B, T)
-        if padding is not None:
-            step_cache.mask_keys(padding)
-        logits = self.model(input_ids, start, None if step_cache is None else step_cache.kv_caches())  # [B, T, V]
+        padding = self.key_mask(attention_mask, start + T)  # [B, start + T] or None
+        self.check_positions(kwargs.pop("position_ids", None), padding, start, T)
+        step = cache if cache is not None or padding is None else self.build_cache(B, T)  # the mask lives in caches
+        if step is not None:
+            step.reserve(start + T)
+            step.mask_keys(padding)
+
+        attns = [block.attn for block in self.model.blocks]
+        for attn in attns:
+            attn.recorded = [] if output_attentions else None
+        try:
+            states = [x]  # the embeddings, then each block's output
+            for h in self.model.hidden_states(x, start, None if step is None else step.kv_caches()):
+                states = [*states, h] if output_hidden_states else [h]
+            attentions = self.recorded_attentions(attns) if output_attentions else None
+        finally:
+            for attn in attns:
+                attn.recorded = None
         if cache is not None:
             cache.advance(T)
+        final = self.model.norm(states[-1])  # [B, T, d]
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.model.lm_head(final[:, keep])  # [B, T or kept, vocab]
         loss = None
         if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        out = CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
-        return out if return_dict is not False else out.to_tuple()
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=config.vocab_size, **kwargs)
+        out = CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            cache=cache,
+            hidden_states=(*states[:-1], final) if output_hidden_states else None,
+            attentions=attentions,
+        )
+        return out if return_dict else out.to_tuple()
+
+    def recorded_attentions(self, attns: list[nn.Module]) -> tuple[torch.Tensor, ...]:
+        """Each layer's attention probabilities [B, h, T, S] recorded during the forward (Attention.recorded)."""
+        missing = sorted({type(a).__name__ for a in attns if len(a.recorded) != 1})
+        if missing:
+            raise NotImplementedError(
+                f"output_attentions: attention={self.config.attention!r} ({', '.join(missing)}) does not record its "
+                "attention weights (Attention.recorded); call without output_attentions"
+            )
+        return tuple(a.recorded[0] for a in attns)
 
     def _prepare_cache_for_generation(
         self, generation_config, model_kwargs: dict, generation_mode, batch_size: int, max_cache_length: int
     ) -> None:
-        """generate()'s cache: a T6Cache for every sequence it decodes, unless the caller gave one."""
+        """generate()'s cache: a T6Cache for every sequence it decodes, room for the whole generation, unless
+        the caller gave one (it grows as needed)."""
         if model_kwargs.get("cache") is not None or generation_config.use_cache is False:
             return super()._prepare_cache_for_generation(
                 generation_config, model_kwargs, generation_mode, batch_size, max_cache_length

@@ -1,270 +1,177 @@
-"""The code files of an export, generated from the project's own modules so they cannot drift.
+"""The code files of an export: the project's own modules, copied, with their `t6` imports made relative.
 
-modeling_t6.py holds the model's modules (t6.model: config, layers, the attention base and
-registry, every registered mechanism's module and what it imports, the backbone) and then
-t6.hf.modeling, concatenated in dependency order with their `t6` imports removed: the file needs
-torch and transformers, never `t6`. Two modules are carried in part:
-  - t6.model.attention (the package): its registry functions, with discovery marked done,
-    since every mechanism is defined in the file;
-  - t6.model.attention.fused_decode: for each operator a mechanism imports (`tpa_decode`, ...)
-    its eager form (`reference_tpa_decode`, ...), so no C++ or Triton kernel is needed.
-configuration_t6.py is t6.hf.configuration as it is.
+transformers loads a model's code from its directory (remote code) and brings along the files its
+modules import relatively (`from .name import x`, flat: no sub-folders). So the export copies
 
-A mechanism whose module imports from outside t6.model, or defines a module-level name that
-another carried module defines differently, cannot be carried in one file: an error names it.
+    t6/hf/modeling.py          -> modeling_t6.py        (T6ForCausalLM, T6Cache)
+    t6/hf/configuration.py     -> configuration_t6.py   (T6Config)
+    t6/model/<name>.py         -> <name>.py              (config, layers, t6, loss, decode, ...)
+    t6/model/attention/__init__.py -> attention.py      (the registry)
+    t6/model/attention/<name>.py   -> attention_<name>.py (the base, every registered mechanism)
+
+every module the wrapper and the registered mechanisms import, found by following their `t6` imports,
+each with its `from t6.x.y import names` lines rewritten to `from .<file> import names` and nothing else
+changed. Two files differ from their module:
+  - attention.py ends by importing every mechanism's module (the registry's `_discover` walks a package
+    folder; the export's mechanisms are files beside it);
+  - attention_fused_decode.py holds the eager form of each operator the mechanisms import (`tpa_decode =
+    reference_tpa_decode`, ...): the export needs no C++ extension or Triton kernel.
+So the export needs torch and transformers only, and runs the code training runs, for every mechanism.
+
+A carried module may import from t6.model only, names rather than modules (`from t6.model.x import y`);
+anything else is an error naming the module and the mechanism that needs it (docs/attention.md).
 """
 
 from __future__ import annotations
 
 import ast
-import functools
 import importlib.util
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from t6.model.attention import Mechanism, available, get_mechanism
 
 MODEL = "t6.model"
-PACKAGE = "t6.model.attention"  # the registry; its `_discover` finds mechanism modules on disk
-OPERATORS = "t6.model.attention.fused_decode"  # torch.library operators, carried as their eager forms
-CONFIGURATION = "t6.hf.configuration"  # imported relatively, from configuration_t6.py next to the model file
+PACKAGE = "t6.model.attention"  # the registry
+OPERATORS = "t6.model.attention.fused_decode"  # torch.library operators: carried as their eager forms
 WRAPPER = "t6.hf.modeling"
-RULE = "#" + "-" * 99
+NAMES = {WRAPPER: "modeling_t6", "t6.hf.configuration": "configuration_t6", PACKAGE: "attention"}
 
 
-def module_path(name: str) -> Path:
-    spec = importlib.util.find_spec(name)
+def file_stem(module: str) -> str:
+    """The module's file name in an export, without `.py`: t6.model.attention.tpa -> attention_tpa."""
+    if module in NAMES:
+        return NAMES[module]
+    if module.startswith(PACKAGE + "."):
+        return "attention_" + module.removeprefix(PACKAGE + ".")
+    return module.removeprefix(MODEL + ".")
+
+
+def module_path(module: str) -> Path:
+    spec = importlib.util.find_spec(module)
     if spec is None or spec.origin is None:
-        raise ValueError(f"module {name} has no source file")
+        raise ValueError(f"module {module} has no source file")
     return Path(spec.origin)
 
 
-def display_path(name: str) -> str:
-    """The module's file relative to src/, e.g. t6/model/attention/tpa.py (a package: its __init__.py)."""
-    spec = importlib.util.find_spec(name) if name.startswith("t6.") else None
-    package = spec is not None and spec.origin is not None and Path(spec.origin).name == "__init__.py"
-    return name.replace(".", "/") + ("/__init__.py" if package else ".py")
+def t6_imports(tree: ast.Module) -> list[ast.ImportFrom | ast.Import]:
+    """Every import of a t6 module in a parsed file, at any depth (type-hint and deferred imports too)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").split(".")[0] == "t6"):
+            found.append(node)
+        elif isinstance(node, ast.Import) and any(a.name.split(".")[0] == "t6" for a in node.names):
+            found.append(node)
+    return found
 
 
-@dataclass
-class Source:
-    """One module's source: its text, its imports of t6 modules and the names it defines."""
-
-    name: str
-    text: str
-    tree: ast.Module = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.tree = ast.parse(self.text)
-
-    @functools.cached_property
-    def t6_imports(self) -> list[ast.ImportFrom | ast.Import]:
-        """Every import of a t6 module, at any depth (deferred imports inside functions too)."""
-        found = []
-        for node in ast.walk(self.tree):
-            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").split(".")[0] == "t6"):
-                found.append(node)
-            elif isinstance(node, ast.Import) and any(a.name.split(".")[0] == "t6" for a in node.names):
-                found.append(node)
-        return found
-
-    @functools.cached_property
-    def outside_imports(self) -> list[ast.stmt]:
-        """Top-level imports of other packages (hoisted to the top of the file), `__future__` excluded."""
-        return [
-            node
-            for node in self.tree.body
-            if isinstance(node, (ast.Import, ast.ImportFrom))
-            and node not in self.t6_imports
-            and not (isinstance(node, ast.ImportFrom) and node.module == "__future__")
-        ]
-
-    def definitions(self) -> dict[str, str]:
-        """Module-level names this module binds -> their source (functions, classes, assignments)."""
-        out = {}
-        for node in self.tree.body:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                out[node.name] = ast.unparse(node)
-            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                for target in targets:
-                    for name in ast.walk(target):
-                        if isinstance(name, ast.Name) and name.id != "__all__":
-                            out[name.id] = ast.unparse(node)
-        return out
-
-    def body(self) -> str:
-        """The text without its imports (hoisted or of t6 modules), `from __future__`, `__all__` and its
-        `if TYPE_CHECKING:` blocks (imports for type hints only, of names the one file defines)."""
-        removed = [*self.t6_imports, *self.outside_imports]
-        for node in self.tree.body:
-            future = isinstance(node, ast.ImportFrom) and node.module == "__future__"
-            exports = isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets)
-            hints = isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-            if future or exports or hints:
-                removed.append(node)
-        drop = {i for node in removed for i in range(node.lineno, node.end_lineno + 1)}
-        lines = [line for i, line in enumerate(self.text.splitlines(), start=1) if i not in drop]
-        return "\n".join(lines).strip("\n")
-
-
-def read_source(name: str) -> Source:
-    return Source(name, module_path(name).read_text(encoding="utf-8"))
-
-
-def imported_modules(source: Source) -> dict[str, list[str]]:
-    """t6 module -> the names `source` imports from it (`from t6.x import a, b`); other forms are errors."""
-    out: dict[str, list[str]] = {}
-    for node in source.t6_imports:
-        if isinstance(node, ast.Import) or node.level:
+def carried_imports(module: str, tree: ast.Module, who: str) -> list[str]:
+    """The t6 modules `module` imports; an import the export cannot make relative is an error."""
+    out = []
+    for node in t6_imports(tree):
+        target = node.module if isinstance(node, ast.ImportFrom) and not node.level else None
+        allowed = target is not None and (target.startswith(MODEL) or (module == WRAPPER and target in NAMES))
+        if not allowed:
             raise ValueError(
-                f"{display_path(source.name)}: `{ast.unparse(node)}`: the export carries `from t6.x import name` "
-                "imports only"
+                f"{who} cannot be exported: {module} has `{ast.unparse(node)}`; an export carries the modules of "
+                f"{MODEL}, imported by name (`from {MODEL}.x import y`)"
             )
-        out.setdefault(node.module, []).extend(a.name for a in node.names)
+        if target == OPERATORS:
+            continue  # written apart: their eager forms
+        if target != PACKAGE and module_path(target).name == "__init__.py":
+            raise ValueError(f"{who} cannot be exported: {module} imports the package {target}; import from a module")
+        out.append(target)
     return out
 
 
-@dataclass
-class Plan:
-    """What modeling_t6.py carries: whole modules in dependency order, the operators' eager forms,
-    and for each module the mechanisms that need it (for errors that name them)."""
+def carried_modules(mechanisms: dict[str, Mechanism]) -> dict[str, str]:
+    """Every module an export carries as it is (its `t6` imports aside) -> its source: the wrapper, the
+    configuration, each mechanism's module, and what they import, followed through t6.model."""
+    found: dict[str, str] = {}
 
-    modules: list[str] = field(default_factory=list)
-    operators: list[str] = field(default_factory=list)
-    needed_by: dict[str, set[str]] = field(default_factory=dict)
-    sources: dict[str, Source] = field(default_factory=dict)  # every module read, by name
-
-    def source(self, name: str) -> Source:
-        if name not in self.sources:
-            self.sources[name] = read_source(name)
-        return self.sources[name]
-
-
-def plan(mechanisms: dict[str, Mechanism], sources: dict[str, Source] | None = None) -> Plan:
-    """Modules (and operators) that the wrapper, the backbone and every mechanism in `mechanisms` need.
-    sources: modules' sources by name, read from their files when not given."""
-    out = Plan(sources=dict(sources or {}))
-    visiting: set[str] = set()
-
-    def visit(name: str, who: str) -> None:
-        out.needed_by.setdefault(name, set()).add(who)
-        if name in out.modules or name in visiting:
+    def visit(module: str, who: str) -> None:
+        if module in found:
             return
-        visiting.add(name)
-        for dep, names in imported_modules(out.source(name)).items():
-            if dep == CONFIGURATION and name == WRAPPER:
-                continue
-            if dep == OPERATORS:
-                out.operators += [n for n in names if n not in out.operators]
-                continue
-            if dep != MODEL and not dep.startswith(MODEL + "."):
-                raise ValueError(
-                    f"{who} cannot be exported: {display_path(name)} imports {dep}, and an export carries only "
-                    f"the modules of {MODEL} (with {WRAPPER}); move what it needs into {MODEL}"
-                )
+        found[module] = module_path(module).read_text(encoding="utf-8")
+        for dep in carried_imports(module, ast.parse(found[module]), who):
             visit(dep, who)
-        visiting.discard(name)
-        out.modules.append(name)  # after its dependencies
 
-    for mech_name, mechanism in sorted(mechanisms.items()):
+    for name, mechanism in sorted(mechanisms.items()):
         module = mechanism.cls.__module__
-        who = f"attention={mech_name} ({mechanism.cls.__name__}, {module})"
+        who = f"attention={name} ({mechanism.cls.__name__}, {module})"
         if not module.startswith(PACKAGE + "."):
             raise ValueError(f"{who} cannot be exported: its class is not defined in a module of {PACKAGE}")
         visit(module, who)
-    visit(WRAPPER, "the Hugging Face wrapper")  # last: the backbone and the HF classes follow the mechanisms
-    return out
+    visit(WRAPPER, "the Hugging Face wrapper")
+    visit("t6.hf.configuration", "the Hugging Face wrapper")
+    return found
 
 
-def merged_imports(nodes: list[ast.stmt]) -> list[str]:
-    """The modules' top-level imports, one statement per imported module, sorted."""
-    plain: set[str] = set()
-    names: dict[str, set[str]] = {}
-    for node in nodes:
-        aliases = [a.name + (f" as {a.asname}" if a.asname else "") for a in node.names]
-        if isinstance(node, ast.Import):
-            plain.update(aliases)
-        else:
-            names.setdefault(node.module, set()).update(aliases)
-    return [f"import {a}" for a in sorted(plain)] + [
-        f"from {module} import {', '.join(sorted(aliases))}" for module, aliases in sorted(names.items())
-    ]
+def relative(text: str) -> str:
+    """The source with each `from t6.x.y import names` made `from .<file> import names` (the lines of the
+    import statement's start; nothing else changes)."""
+    lines = text.splitlines(keepends=True)
+    for node in t6_imports(ast.parse(text)):
+        i = node.lineno - 1
+        lines[i] = lines[i].replace(f"from {node.module} import", f"from .{file_stem(node.module)} import", 1)
+    return "".join(lines)
 
 
-def operator_source(source: Source, operators: list[str]) -> str:
-    """The eager form of each operator of fused_decode (`source`), bound to the operator's name."""
-    functions = {n.name: n for n in source.tree.body if isinstance(n, ast.FunctionDef)}
-    parts = []
-    for op in operators:
-        reference = functions.get(f"reference_{op}")
-        if reference is None:
-            raise ValueError(
-                f"{display_path(OPERATORS)} has no eager form reference_{op} of the operator {op} that a mechanism "
-                "imports; the export needs one"
-            )
-        parts.append(ast.get_source_segment(source.text, reference))
-        parts.append(f"{op} = reference_{op}  # the eager form of the operator t6::{op}")
-    return "\n\n\n".join(parts)
+def registry_source(mechanisms: dict[str, Mechanism]) -> str:
+    """attention.py: the registry, then an import of every mechanism's module (the export has no package
+    folder to discover them in)."""
+    imports = sorted({(m.cls.__module__, m.cls.__name__) for m in mechanisms.values()})
+    lines = [f"from .{file_stem(module)} import {cls}  # noqa: E402, F401" for module, cls in imports]
+    return (
+        relative(module_path(PACKAGE).read_text(encoding="utf-8")).rstrip("\n")
+        + "\n\n\n# The export: every mechanism's module is a file beside this one, imported here (t6.hf.source).\n"
+        + "_discovered = True\n"
+        + "\n".join(lines)
+        + "\n"
+    )
 
 
-def check_names(sources: list[Source], operators: list[str], needed_by: dict[str, set[str]]) -> None:
-    """One module-level binding per name across the carried modules (identical definitions may repeat)."""
-    owner: dict[str, tuple[str, str]] = {}
-    problems = []
-    for source in sources:
-        defined = source.definitions()
-        if source.name == OPERATORS:
-            defined = {n: f"reference_{n}" for n in operators} | {f"reference_{n}": n for n in operators}
-        for name, text in defined.items():
-            if name in owner and owner[name][1] != text:
-                who = ", ".join(sorted(needed_by.get(source.name, {source.name})))
-                problems.append(
-                    f"{who}: {display_path(source.name)} defines `{name}`, which {display_path(owner[name][0])} "
-                    "defines too; rename one (the export puts every module in one file)"
-                )
-            owner.setdefault(name, (source.name, text))
-    if problems:
-        raise ValueError("cannot generate modeling_t6.py:\n  - " + "\n  - ".join(problems))
+def operators_source(names: list[str]) -> str:
+    """attention_fused_decode.py: each operator the mechanisms import, as its eager form `reference_<name>`
+    from fused_decode.py, with the module functions those call."""
+    text = module_path(OPERATORS).read_text(encoding="utf-8")
+    functions = {n.name: n for n in ast.parse(text).body if isinstance(n, ast.FunctionDef)}
+    wanted: list[str] = []
+
+    def need(name: str) -> None:
+        if name in wanted:
+            return
+        for node in ast.walk(functions[name]):
+            if isinstance(node, ast.Name) and node.id in functions and node.id != name:
+                need(node.id)
+        wanted.append(name)
+
+    for op in names:
+        if f"reference_{op}" not in functions:
+            raise ValueError(f"{OPERATORS} has no eager form reference_{op} of the operator {op}; the export needs one")
+        need(f"reference_{op}")
+    parts = [ast.get_source_segment(text, functions[name]) for name in wanted]
+    parts += [f"{op} = reference_{op}  # the eager form of the operator t6::{op}" for op in names]
+    head = f'"""The eager forms of {OPERATORS}\'s operators (t6.hf.source): no C++ or Triton."""\n\nimport torch\n'
+    return head + "\n\n" + "\n\n\n".join(parts) + "\n"
 
 
-def modeling_source(mechanisms: dict[str, Mechanism] | None = None) -> str:
-    """modeling_t6.py for `mechanisms` (default: every registered one)."""
+def operator_names(sources: dict[str, str]) -> list[str]:
+    """The operators the carried modules import from fused_decode, in order of first use."""
+    names: list[str] = []
+    for text in sources.values():
+        for node in t6_imports(ast.parse(text)):
+            if node.module == OPERATORS:
+                names += [a.name for a in node.names if a.name not in names]
+    return names
+
+
+def export_sources(mechanisms: dict[str, Mechanism] | None = None) -> dict[str, str]:
+    """The export's code files -> their text, for `mechanisms` (default: every registered one)."""
     if mechanisms is None:
         mechanisms = {name: get_mechanism(name) for name in available()}
-    layout = plan(mechanisms)
-    sources = [layout.source(name) for name in layout.modules]
-    carried = [*sources, layout.source(OPERATORS)] if layout.operators else sources
-    check_names(carried, layout.operators, layout.needed_by)
-    imports = merged_imports([node for source in sources for node in source.outside_imports])
-    sections = []
-    if layout.operators:
-        operators = operator_source(layout.source(OPERATORS), layout.operators)
-        sections.append(f"{RULE}\n# {display_path(OPERATORS)}: eager forms\n\n{operators}")
-    for source in sources:
-        sections.append(f"{RULE}\n# {display_path(source.name)}\n\n{source.body()}")
-        if source.name == PACKAGE:
-            if "_discovered" not in source.definitions():
-                raise ValueError(f"{display_path(PACKAGE)} no longer defines `_discovered`; update t6.hf.source")
-            sections.append("_discovered = True  # every mechanism is defined in this file, nothing to discover")
-    text = "\n\n\n".join(
-        [
-            f'"""{MODELING_DOC}"""',
-            "from __future__ import annotations",
-            "\n".join([*imports, "from .configuration_t6 import T6Config"]),
-            *sections,
-        ]
-    )
-    ast.parse(text)  # the file must be valid Python
-    return text + "\n"
-
-
-MODELING_DOC = """T6 (Tensor Product Attention Is All You Need, arXiv 2501.06425) and its attention mechanisms
-as a Hugging Face causal LM, generated by T6 Lab (t6.hf.source) from its own modules, each under a
-header naming its file; change those and export again rather than editing this file.
-"""
-
-
-def configuration_source() -> str:
-    """configuration_t6.py: t6.hf.configuration as it is."""
-    return module_path(CONFIGURATION).read_text(encoding="utf-8")
+    sources = carried_modules(mechanisms)
+    files = {f"{file_stem(module)}.py": relative(text) for module, text in sources.items()}
+    files["attention.py"] = registry_source(mechanisms)
+    if names := operator_names(sources):
+        files[f"{file_stem(OPERATORS)}.py"] = operators_source(names)
+    return files

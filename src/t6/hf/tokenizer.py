@@ -34,6 +34,7 @@ def hf_tokenizer(model_max_length: int):
         bos_token=EOT_TEXT,
         eos_token=EOT_TEXT,
         unk_token=EOT_TEXT,
+        pad_token=EOT_TEXT,  # the config's pad_token_id: batches (a pipeline's, lm-eval's) pad with it
         model_max_length=model_max_length,
     )
     if tokenizer.eos_token_id != EOT:

@@ -1,19 +1,24 @@
-"""Fixed-shape decoding: a decode step that compiles once and replays as a CUDA graph.
+"""Fixed-shape decoding: a decode step whose shapes and memory never change, replayed as a CUDA graph.
 
-One token at a time, a GPU waits on the host: Python, the dispatcher and a kernel launch per
-operation cost ~1 ms per layer and token on an H100, against ~0.1 ms of GPU work. A CUDA graph
-removes that cost, but only for a step whose shapes and memory never change. `StaticDecoder`
+One token at a time, a GPU waits on the host: Python, the dispatcher and a kernel launch per operation
+cost ~1 ms per layer and token on an H100, against ~0.1 ms of GPU work. A CUDA graph replays a whole
+step's kernels with one call, but only for a step whose shapes and memory never change. `StaticDecoder`
 makes such a step:
 
 - the caches are allocated once at full length (`max_len`) and kept for later generations;
-- each step writes its token in place at a position held in a device tensor and attends over a
-  fixed-length view of the caches (`KVCache.static_len`): a power-of-two bucket of the context
-  (`bucket`), the positions after the newest masked;
+- each step writes its token in place at the position held in a device tensor, which the step itself
+  advances, and attends over a fixed-length view of the caches (`KVCache.static_len`): a power-of-two
+  bucket of the context (`bucket`), the positions after the newest masked;
 - nothing is read back to the host.
 
-So `T6.decode_step` compiles with `fullgraph=True` once per (batch, bucket) and, on CUDA, is captured
-as a CUDA graph by torch.compile(mode="reduce-overhead") and replayed for every token of the bucket.
-The prompt is prefilled eagerly, as `T6.forward` does.
+`FixedStep` makes such a step fast once per bucket, at its first call: optionally compiled
+(`compile=True`: inductor, FlexAttention for the attention over the bucket), then on CUDA captured
+with `torch.cuda.CUDAGraph` and replayed for every later token of the bucket (as gpt-fast and vLLM
+do): the host's work per token is copying the new tokens in and one `replay()`, no dynamo guards (which
+cost 177-638 us per call of a compiled medium step, measured with a backend that runs nothing). Each
+of these falls back at its first failure (t6.model.fallback: "flex_decode", "decode_compile",
+"decode_graph"): the step then runs eagerly, with the same tokens. The prompt is prefilled eagerly
+and only its last position reaches the LM head (`T6.prefill`).
 
     decoder = StaticDecoder(model, batch_size=4)
     logits = decoder.prefill(idx, key_mask)        # [B, vocab] at the last prompt position
@@ -22,14 +27,30 @@ The prompt is prefilled eagerly, as `T6.forward` does.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
+from t6.model.fallback import enabled, fell_back
+
 if TYPE_CHECKING:
+    from t6.model.attention import KVCache
     from t6.model.t6 import T6
 
 MIN_BUCKET = 256  # the shortest cache view a step runs at: shorter contexts share its graph
+# generate(decode="auto") replays graphs on CUDA from this many new tokens on: capturing a bucket's step
+# costs about two eager steps (one run, one capture), which a graph's replay saves back within a few tokens.
+GRAPH_MIN_NEW_TOKENS = 8
+UNLIMITED = 1 << 16  # dynamo's recompile limits while a step compiles: one graph per bucket is the design
+
+
+def auto_decoder(device_type: str, new_tokens: int) -> str:
+    """What generate(decode="auto") runs: "static" (a fixed-shape step replayed as a CUDA graph) on CUDA from
+    GRAPH_MIN_NEW_TOKENS new tokens on, "eager" otherwise (on the CPU the eager step is the fastest). Never
+    "compiled" (inductor): tens of seconds per cache bucket, which no single generation earns back."""
+    return "static" if device_type == "cuda" and new_tokens >= GRAPH_MIN_NEW_TOKENS else "eager"
 
 
 def bucket(length: int, max_len: int, least: int = MIN_BUCKET) -> int:
@@ -40,34 +61,132 @@ def bucket(length: int, max_len: int, least: int = MIN_BUCKET) -> int:
     return min(max_len, max(least, 1 << (length - 1).bit_length()))
 
 
-def compile_step(fn, device: torch.device | str, backend="inductor"):
-    """fn compiled whole (fullgraph=True) for fixed shapes (dynamic=False: one graph per shape, never a
-    symbolic one); with inductor on CUDA, captured as a CUDA graph (mode="reduce-overhead"). On the CPU,
-    inductor compiles the step too, but torch 2.13's C++ FlexAttention decoding kernel fails on grouped
-    query heads (GQA, MQA, GTA) from ~512 cached tokens on; generation keeps the eager step there."""
-    mode = "reduce-overhead" if backend == "inductor" and torch.device(device).type == "cuda" else None
-    return torch.compile(fn, fullgraph=True, dynamic=False, backend=backend, mode=mode)
-
-
-def call_step(step, *args):
-    """step(*args) with dynamo's recompile limit lifted: dynamo compiles one function at most 8 times
-    (config.recompile_limit), then refuses, and with fullgraph fails; one graph per mechanism, batch
-    and bucket is this design, not a recompilation."""
+def unlimited_recompiles():
+    """Dynamo's recompile limits lifted, for the compile of one more bucket (only the limits this torch has)."""
     config = torch._dynamo.config
-    saved = config.recompile_limit, config.accumulated_recompile_limit
-    config.recompile_limit = config.accumulated_recompile_limit = 1 << 16
-    try:
-        return step(*args)
-    finally:
-        config.recompile_limit, config.accumulated_recompile_limit = saved
+    limits = [name for name in ("recompile_limit", "accumulated_recompile_limit") if hasattr(config, name)]
+    return config.patch(**dict.fromkeys(limits, UNLIMITED))
+
+
+class CudaGraphs:
+    """How `FixedStep` captures a step on CUDA: `warmup()` is where the step first runs (a side stream, as
+    torch.cuda.graph requires), then capture(run) records run() without executing it and returns the replay,
+    which returns the step's output tensor (the graph's own memory, rewritten by the next replay). The graphs
+    of one decoder share one memory pool: they never run at once."""
+
+    def __init__(self):
+        self.pool = None  # made at the first capture
+
+    @contextlib.contextmanager
+    def warmup(self):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            yield
+        torch.cuda.current_stream().wait_stream(stream)
+
+    def __call__(self, run: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = run()
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return out
+
+        return replay
+
+
+class FixedStep:
+    """fn(*args), whose tensors live at fixed addresses (marked static for dynamo) and whose caches are in
+    fixed-shape mode, made fast once per key (the caches' bucket) at its first call:
+
+    1. compile=True: fn compiled whole for fixed shapes, attention over the bucket through FlexAttention;
+       where that fails, compiled with SDPA's masked attention ("flex_decode"); where that fails, eager
+       ("decode_compile");
+    2. capture: how the step becomes one replayable call (`CudaGraphs` on CUDA), tried after the step has
+       run once in its `warmup()` (lazy initialization and compilation happen outside the capture); where
+       it fails, the step runs uncaptured ("decode_graph"). None: the step is called directly.
+
+    A call returns fn's output; with a capture, the graph's own memory (consume it before the next call)."""
+
+    def __init__(
+        self,
+        fn: Callable[..., torch.Tensor],
+        args: tuple,
+        caches: list[KVCache],
+        compile: bool = False,
+        backend="inductor",
+        capture: Callable | None = None,
+    ):
+        self.fn, self.args, self.caches, self.capture = fn, args, caches, capture
+        self.compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=backend) if compile else None
+        self.runs: dict[object, Callable[[], torch.Tensor]] = {}  # by key: the step as it runs from then on
+
+    def __call__(self, key) -> torch.Tensor:
+        run = self.runs.get(key)
+        if run is not None:
+            return run()
+        capturing = self.capture is not None and enabled("decode_graph")
+        with contextlib.ExitStack() as warmup:
+            if capturing:
+                try:
+                    warmup.enter_context(self.capture.warmup())
+                except Exception as err:
+                    fell_back("decode_graph", err)
+                    capturing = False
+            run, out = self.first_call()
+        if capturing:
+            try:
+                run = self.capture(run)  # records the step: nothing runs, out stays this call's result
+            except Exception as err:
+                fell_back("decode_graph", err)
+        self.runs[key] = run
+        return out
+
+    def first_call(self) -> tuple[Callable[[], torch.Tensor], torch.Tensor]:
+        """(the step as it will run, its output now): the first of compiled with FlexAttention, compiled with
+        SDPA, eager that works. A failed attempt computes nothing the next needs (compiling fails before it runs;
+        the step's writes are the same values at the same places)."""
+        snapshot = [t.clone() for t in self.args if isinstance(t, torch.Tensor)]  # what a step may advance (pos)
+        attempts = []
+        if self.compiled is not None and enabled("decode_compile"):
+            attempts = [("flex_decode", True), ("decode_compile", False)]
+        for name, flex in attempts:
+            if name == "flex_decode" and not enabled("flex_decode"):
+                continue
+            self.set_flex(flex)
+            run = self.call(self.compiled)
+            try:
+                with unlimited_recompiles():
+                    return run, run()
+            except Exception as err:
+                fell_back(name, err)
+                for t, saved in zip((t for t in self.args if isinstance(t, torch.Tensor)), snapshot):
+                    t.copy_(saved)
+        self.set_flex(False)
+        run = self.call(self.fn)
+        return run, run()
+
+    def call(self, fn: Callable[..., torch.Tensor]) -> Callable[[], torch.Tensor]:
+        args = self.args
+        return lambda: fn(*args)
+
+    def set_flex(self, flex: bool) -> None:
+        for cache in self.caches:
+            cache.flex_decode = flex
 
 
 class StaticDecoder:
     """Fixed-shape greedy or sampled decoding for one batch size: the caches (max_len positions, default
-    the model's block_size, in `dtype`), a key mask, and the compiled step. The step's inputs (tokens,
-    position, caches, mask) live at fixed addresses, so a CUDA graph reads and writes them in place.
+    the model's block_size, in `dtype`), a key mask, and the step (`FixedStep`: compiled if `compile`,
+    captured as a CUDA graph on CUDA). The step's inputs (tokens, position, caches, mask) live at fixed
+    addresses, so a CUDA graph reads and writes them in place.
     backend: torch.compile's, a name or a callable ("inductor"; tests use "eager" or "aot_eager", which
-    check the same graph without generating code)."""
+    check the same graph without generating code). capture: `FixedStep`'s (default: `CudaGraphs` on CUDA,
+    none elsewhere)."""
 
     def __init__(
         self,
@@ -75,7 +194,9 @@ class StaticDecoder:
         batch_size: int,
         max_len: int | None = None,
         dtype: torch.dtype | None = None,
+        compile: bool = False,
         backend="inductor",
+        capture: Callable | None = None,
     ):
         self.model, self.batch_size = model, batch_size
         self.max_len = max_len or model.cfg.block_size
@@ -86,9 +207,18 @@ class StaticDecoder:
         self.key_mask = torch.ones(batch_size, self.max_len, dtype=torch.bool, device=device)  # [B, max_len]
         self.tokens = torch.zeros(batch_size, 1, dtype=torch.long, device=device)  # [B, 1]
         self.pos = torch.zeros(1, dtype=torch.long, device=device)  # [1]
+        self.next_position: int | None = None  # the position self.pos holds (each step advances it)
         for t in (self.key_mask, self.tokens, self.pos, *(t for c in self.caches for t in c.tensors.values())):
             torch._dynamo.mark_static_address(t)  # a CUDA graph reads and writes it where it is
-        self.step_fn = compile_step(model.decode_step, device, backend)
+        if capture is None and device.type == "cuda":
+            capture = CudaGraphs()
+        self.run = FixedStep(self.advance, (self.tokens, self.pos, self.caches), self.caches, compile, backend, capture)
+
+    def advance(self, tokens: torch.Tensor, pos: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
+        """The step: tokens [B, 1] at pos [1] -> logits [B, vocab], then pos + 1 (in place)."""
+        logits = self.model.decode_step(tokens, pos, caches)  # [B, vocab]
+        pos.add_(1)
+        return logits
 
     @torch.no_grad()
     def prefill(self, idx: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -103,7 +233,7 @@ class StaticDecoder:
         for cache in self.caches:
             cache.static_len = None
             cache.key_mask = None if key_mask is None else self.key_mask  # unpadded: SDPA's causal kernel
-        logits = self.model(idx, 0, self.caches)[:, -1]  # [B, vocab]
+        logits = self.model.prefill(idx, self.caches)  # [B, vocab]
         for cache in self.caches:
             cache.key_mask = self.key_mask  # every step masks (the positions after the newest)
         return logits
@@ -117,7 +247,9 @@ class StaticDecoder:
             for cache in self.caches:
                 cache.static_len = length
         self.tokens.copy_(tokens)
-        self.pos.fill_(position)
-        if self.pos.device.type == "cuda":
-            torch.compiler.cudagraph_mark_step_begin()  # the previous step's logits are consumed
-        return call_step(self.step_fn, self.tokens, self.pos, self.caches)
+        if position != self.next_position:
+            self.pos.fill_(position)  # a new generation; the steps of one advance it themselves
+            self.next_position = None
+        logits = self.run(length)  # [B, vocab]
+        self.next_position = position + 1
+        return logits

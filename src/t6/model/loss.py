@@ -22,15 +22,20 @@ On CUDA the same computation runs by default as Liger-Kernel's fused linear cros
 Triton pass over each chunk's logits (kept in the matmul dtype) instead of several elementwise
 passes, and a chunk of ~N d / V rows chosen by Liger, so the logits it holds are about the size of
 h. `impl="chunked"` keeps the path above on every device; `impl="liger"` asks for Liger anywhere
-Triton runs (a CUDA GPU, or the CPU under TRITON_INTERPRET=1, how the tests check it).
+Triton runs (a CUDA GPU, or the CPU under TRITON_INTERPRET=1, how the tests check it). "auto" never
+picks a Liger that is not installed, and where Liger fails at its first call the loss runs the chunked
+path from then on (t6.model.fallback "liger").
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import torch
 import torch.nn.functional as F
+
+from t6.model.fallback import enabled, fell_back
 
 IGNORE_INDEX = -100  # as F.cross_entropy
 IMPLS = ("auto", "chunked", "liger")  # see the module docstring
@@ -133,15 +138,26 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         )
 
 
+def liger_installed() -> bool:
+    """Whether Liger-Kernel can be imported here (the GPU image may lack it)."""
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
 def use_liger(impl: str, device_type: str) -> bool:
-    """Whether `impl` runs as Liger's kernel on this device type ("cpu", "cuda", ...); an unknown impl,
-    or "liger" where Triton cannot run, is an error naming the setting."""
+    """Whether `impl` runs as Liger's kernel on this device type ("cpu", "cuda", ...): "auto" on CUDA where
+    Liger is installed and has not failed (t6.model.fallback). An unknown impl, or "liger" where Triton cannot run
+    or Liger is not installed, is an error naming the setting."""
     if impl not in IMPLS:
         raise ValueError(f"loss_impl={impl!r} must be one of {', '.join(IMPLS)}")
     triton_runs = device_type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
     if impl == "liger" and not triton_runs:
         raise ValueError(f"loss_impl=liger needs a CUDA device (here: {device_type}); use loss_impl=auto or chunked")
-    return impl == "liger" or (impl == "auto" and device_type == "cuda")
+    if impl == "liger" and not liger_installed():
+        raise ValueError(
+            "loss_impl=liger needs Liger-Kernel, which is not installed here (pip install liger-kernel==0.8.5); "
+            "use loss_impl=auto (Liger where it is installed, else the chunked loss) or chunked"
+        )
+    return impl == "liger" or (impl == "auto" and device_type == "cuda" and liger_installed() and enabled("liger"))
 
 
 def liger_chunk_rows(tokens: int, vocab: int, d: int) -> int:
@@ -156,7 +172,10 @@ def liger_chunk_rows(tokens: int, vocab: int, d: int) -> int:
 def _liger(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Liger-Kernel's fused linear cross-entropy: h [N, d], weight [V, d], targets [N] -> mean loss [];
     the head's gradient accumulates in fp32 as in the chunked path."""
-    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    try:  # a dependency of the project; the model's code in a Hugging Face export needs only torch
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    except ImportError as err:
+        raise ImportError("loss_impl=liger needs liger-kernel (pip install liger-kernel==0.8.5)") from err
 
     return liger_fused_linear_cross_entropy(
         h, weight, targets, ignore_index=IGNORE_INDEX, reduction="mean", accum_dtype=torch.float32
@@ -184,8 +203,11 @@ def linear_cross_entropy(
         dtype = torch.get_autocast_dtype(device_type)
         h, weight = h.to(dtype), weight.to(dtype)
     with torch.autocast(device_type, enabled=False):
-        if liger:
-            return _liger(h, weight, targets)
+        if liger and enabled("liger"):
+            try:
+                return _liger(h, weight, targets)
+            except Exception as err:  # computes nothing the chunked path needs: it starts afresh
+                fell_back("liger", err)
         if chunk_tokens is None:
             return F.cross_entropy((h @ weight.t()).to(_acc_dtype(h)), targets, ignore_index=IGNORE_INDEX)
         if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):

@@ -7,16 +7,22 @@ logits = RMSNorm(x) @ embed^T          (tied embedding / LM head)
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from t6.model.attention import KVCache, get_attention_class
+from t6.model.attention.base import plain_linear
 from t6.model.config import ModelConfig
-from t6.model.decode import StaticDecoder
+from t6.model.decode import StaticDecoder, auto_decoder
+from t6.model.fallback import enabled, fell_back
 from t6.model.layers import SwiGLU
-from t6.model.loss import linear_cross_entropy
+from t6.model.loss import IGNORE_INDEX, linear_cross_entropy
 
 
 class Block(nn.Module):
@@ -26,7 +32,7 @@ class Block(nn.Module):
         self.attn = get_attention_class(cfg.attention)(cfg)
         self.ffn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.ffn = SwiGLU(cfg.d_model, cfg.ffn_hidden)
-        self.compiled: Callable | None = None  # `layers` compiled (T6.compile_blocks), for calls without a cache
+        self.compiled: CompiledLayers | None = None  # `layers` compiled (T6.compile_blocks), for calls without a cache
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         if cache is None and self.compiled is not None:
@@ -37,6 +43,40 @@ class Block(nn.Module):
         """The block itself, never compiled: x [B, T, d] -> [B, T, d]."""
         x = x + self.attn(self.attn_norm(x), pos, cache)  # [B, T, d]
         return x + self.ffn(self.ffn_norm(x))  # [B, T, d]
+
+
+def eager_backward_compile():
+    """AOTAutograd compiles the backward with the forward inside this context (torch >= 2.8; a no-op before)."""
+    config = torch._functorch.config
+    if not hasattr(config, "force_non_lazy_backward_lowering"):
+        return contextlib.nullcontext()
+    return config.patch(force_non_lazy_backward_lowering=True)
+
+
+class CompiledLayers:
+    """A block's `layers` compiled (T6.compile_blocks), with the eager block as its fallback: a call that fails
+    to compile (or to run compiled) warns once, is recorded (t6.model.fallback "compile") and runs eagerly, and every
+    later call of every block runs eagerly. The first call of each input signature compiles the backward as
+    well as the forward (AOTAutograd otherwise compiles it at the first backward, outside this guard)."""
+
+    def __init__(self, layers: Callable, backend="inductor"):
+        self.eager = layers
+        self.compiled = torch.compile(layers, fullgraph=True, dynamic=False, backend=backend)
+        self.seen: set[tuple] = set()  # input signatures compiled and run once
+
+    def __call__(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        if enabled("compile"):
+            key = (x.shape, x.dtype, torch.is_grad_enabled(), torch.is_autocast_enabled(x.device.type))
+            try:
+                if key in self.seen:
+                    return self.compiled(x, pos)  # [B, T, d]
+                with eager_backward_compile():
+                    y = self.compiled(x, pos)  # [B, T, d]
+                self.seen.add(key)
+                return y
+            except Exception as err:
+                fell_back("compile", err)
+        return self.eager(x, pos)  # [B, T, d]
 
 
 class T6(nn.Module):
@@ -50,6 +90,11 @@ class T6(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.init_weights()
+        # Recompute each block's activations in backward instead of keeping them (less memory, one more forward
+        # of every block): training's `gradient_checkpointing` option; transformers' gradient_checkpointing_enable()
+        # sets the flag of that name. Only where gradients flow; checkpoint_function runs a block that way.
+        self.gradient_checkpointing = False
+        self.checkpoint_function: Callable = functools.partial(checkpoint, use_reentrant=False)
         # generate's fixed-shape decoders by (batch size, cache dtype, device), kept with their caches and
         # compiled graphs for later generations; clear() frees them
         self.static_decoders: dict[tuple, StaticDecoder] = {}
@@ -84,21 +129,55 @@ class T6(nn.Module):
         with targets [B, T], the mean next-token cross-entropy [] instead, through the head in
         chunks of loss_chunk_tokens tokens so the full logits never exist (t6.model.loss; None:
         all logits at once; loss_impl: "auto" runs Liger-Kernel's fused kernel on CUDA, "chunked" never)."""
-        T = idx.shape[1]
+        x = self.embed(idx)  # [B, T, d]
+        for x in self.hidden_states(x, start_pos, caches):  # [B, T, d] after each block
+            pass
+        if targets is not None:
+            return self.loss(self.norm(x), targets, loss_chunk_tokens, loss_impl)  # []
+        return self.lm_head(self.norm(x))  # [B, T, vocab]
+
+    def hidden_states(self, x: torch.Tensor, start_pos: int = 0, caches: list[KVCache] | None = None):
+        """The blocks on x [B, T, d] (embedded tokens at positions start_pos..start_pos+T-1): yields each block's
+        output [B, T, d], the last one the final hidden state before the norm."""
+        T = x.shape[1]
         if start_pos + T > self.cfg.block_size:
             raise ValueError(
                 f"sequence reaches position {start_pos + T - 1} but the model's block_size is {self.cfg.block_size}; "
                 "truncate the input or use a model with a larger size.block_size"
             )
-        pos = torch.arange(start_pos, start_pos + T, device=idx.device)  # [T]
+        pos = torch.arange(start_pos, start_pos + T, device=x.device)  # [T]
         for cache in caches or ():
             cache.expect(pos, start_pos + T)  # the caches' new length, known here without a device sync
-        x = self.embed(idx)  # [B, T, d]
+        recompute = self.gradient_checkpointing and torch.is_grad_enabled()
         for i, block in enumerate(self.blocks):
-            x = block(x, pos, None if caches is None else caches[i])  # [B, T, d]
-        if targets is not None:
-            return linear_cross_entropy(self.norm(x), self.lm_head.weight, targets, loss_chunk_tokens, loss_impl)  # []
-        return self.lm_head(self.norm(x))  # [B, T, vocab]
+            cache = None if caches is None else caches[i]
+            x = self.checkpoint_function(block, x, pos, cache) if recompute else block(x, pos, cache)  # [B, T, d]
+            yield x
+
+    def loss(self, h: torch.Tensor, targets: torch.Tensor, chunk_tokens: int | None, impl: str) -> torch.Tensor:
+        """Mean next-token cross-entropy of the head on the normalized hidden states h [B, T, d] against targets
+        [B, T] (t6.model.loss, in chunks); a wrapped head (a LoRA adapter) is called as a module instead."""
+        if plain_linear(self.lm_head):
+            return linear_cross_entropy(h, self.lm_head.weight, targets, chunk_tokens, impl)  # []
+        logits = self.lm_head(h).float()  # [B, T, vocab]
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)  # []
+
+    def prefill(self, idx: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
+        """Write the prompts idx [B, T] at positions 0..T-1 into the caches -> logits [B, vocab] at the last
+        position: the LM head runs there only (at 32k tokens x batch 16 the full logits would take 52.8 GB in
+        bf16)."""
+        T = idx.shape[1]
+        if T > self.cfg.block_size:
+            raise ValueError(
+                f"a prompt of {T} tokens exceeds the model's block_size {self.cfg.block_size}; truncate it"
+            )
+        pos = torch.arange(T, device=idx.device)  # [T]
+        for cache in caches:
+            cache.expect(pos, T)
+        x = self.embed(idx)  # [B, T, d]
+        for block, cache in zip(self.blocks, caches):
+            x = block(x, pos, cache)  # [B, T, d]
+        return self.lm_head(self.norm(x[:, -1]))  # [B, vocab]
 
     def decode_step(self, idx: torch.Tensor, pos: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
         """idx [B, 1] at the position pos [1], a device tensor never read on the host, against caches in
@@ -125,9 +204,9 @@ class T6(nn.Module):
         its own kernels, t6.model.loss); calls with a cache (generation) and `Block.layers` stay eager,
         their shapes changing at every call. Compiling each block rather than the model lets DDP's
         gradient all-reduce and FSDP's all-gathers overlap the other blocks' work. Parameter names and
-        checkpoints are unchanged."""
+        checkpoints are unchanged. Where compiling fails, the blocks run eagerly (CompiledLayers)."""
         for block in self.blocks:
-            block.compiled = torch.compile(block.layers, fullgraph=True, dynamic=False, backend=backend)
+            block.compiled = CompiledLayers(block.layers, backend)
 
     def build_kv_caches(self, batch_size: int, max_len: int | None = None, dtype=None, device=None) -> list[KVCache]:
         """One cache per layer, allocated once; each attention decides what it stores, in `cache_dtype`
@@ -137,12 +216,13 @@ class T6(nn.Module):
         dtype = dtype or self.cache_dtype(device)
         return [block.attn.build_kv_cache(batch_size, max_len, dtype, device) for block in self.blocks]
 
-    def static_decoder(self, batch_size: int) -> StaticDecoder:
-        """The fixed-shape decoder `generate` uses for this batch size (made on first use, then kept)."""
+    def static_decoder(self, batch_size: int, compile: bool = False) -> StaticDecoder:
+        """The fixed-shape decoder `generate` uses for this batch size (made on first use, then kept); compile:
+        its step compiled by inductor (t6.model.decode.FixedStep)."""
         device = self.embed.weight.device
-        key = (batch_size, self.cache_dtype(device), device)
+        key = (batch_size, self.cache_dtype(device), device, compile)
         if key not in self.static_decoders:
-            self.static_decoders[key] = StaticDecoder(self, batch_size, dtype=key[1])
+            self.static_decoders[key] = StaticDecoder(self, batch_size, dtype=key[1], compile=compile)
         return self.static_decoders[key]
 
     def num_params(self, non_embedding: bool = False) -> int:
@@ -173,9 +253,11 @@ class T6(nn.Module):
 
         decode: "eager" (caches of exactly T0 + max_new_tokens positions, shapes growing with each
         token: the fastest on the CPU, through the fused C++ decode operators), "static" (the model's
-        `static_decoder`: fixed shapes, compiled, a CUDA graph on CUDA), "auto" (static on CUDA, eager
-        elsewhere), or a StaticDecoder of batch size B. Both give the same tokens (in bf16, up to ties
-        within rounding: their kernels round in different orders).
+        `static_decoder`: fixed shapes, each cache bucket's step captured as a CUDA graph on CUDA and
+        replayed), "compiled" (static, the step compiled by inductor before its capture: fewer kernels per
+        step, tens of seconds of compiling per bucket), "auto" (static on CUDA from GRAPH_MIN_NEW_TOKENS new
+        tokens on, eager otherwise), or a StaticDecoder of batch size B. All give the same tokens (in bf16,
+        up to ties within rounding: their kernels round in different orders).
         """
         B, T0 = idx.shape
         total = T0 + max_new_tokens
@@ -184,13 +266,15 @@ class T6(nn.Module):
                 f"prompt ({T0}) + max_new_tokens ({max_new_tokens}) = {total} exceeds block_size {self.cfg.block_size}"
             )
         check_sampling(temperature, top_k, top_p)
-        if decode not in ("auto", "eager", "static") and not isinstance(decode, StaticDecoder):
-            raise ValueError(f"decode={decode!r} must be 'auto', 'eager', 'static' or a StaticDecoder")
+        if decode not in DECODERS and not isinstance(decode, StaticDecoder):
+            raise ValueError(f"decode={decode!r} must be one of {', '.join(DECODERS)} or a StaticDecoder")
         key_mask = None  # [B, T0] bool where prompts are padded
         if prompt_mask is not None and not bool(prompt_mask.all()):
             key_mask = self.check_prompt_mask(prompt_mask, idx.shape)
-        if decode == "static" or (decode == "auto" and idx.device.type == "cuda"):
-            decode = self.static_decoder(B)
+        if decode == "auto":
+            decode = auto_decoder(idx.device.type, max_new_tokens)
+        if decode in ("static", "compiled"):
+            decode = self.static_decoder(B, compile=decode == "compiled")
         if isinstance(decode, StaticDecoder):
             logits, step_at = decode.prefill(idx, key_mask), decode.step  # [B, vocab]
         else:
@@ -200,7 +284,7 @@ class T6(nn.Module):
                 padding[:, :T0] = key_mask
                 for cache in caches:
                     cache.key_mask = padding
-            logits = self(idx, 0, caches)[:, -1]  # [B, vocab]
+            logits = self.prefill(idx, caches)  # [B, vocab]
 
             def step_at(tokens: torch.Tensor, position: int) -> torch.Tensor:
                 return self(tokens, position, caches)[:, -1]  # [B, vocab]
@@ -242,6 +326,9 @@ class T6(nn.Module):
                 "generate prompts of different lengths one at a time or in equal-length batches"
             )
         return mask
+
+
+DECODERS = ("auto", "eager", "static", "compiled")  # T6.generate's decode=
 
 
 def left_pad(prompts: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -325,7 +325,141 @@ def faults_sigterm_table(payload: dict) -> str:
     return f"*{payload['machine']}; a hang: no exit within {payload['timeout_s']:g} s.*\n\n" + markdown(header, [row])
 
 
+def columns_table(payload: dict, columns: list[tuple[str, str, Callable]], note: str = "") -> str:
+    """The caption, a note, and one row per record: columns (key, header, format), a cell empty where the record
+    lacks the key."""
+    header = [h for _, h, _ in columns]
+    rows = [["" if r.get(key) is None else fmt(r[key]) for key, _, fmt in columns] for r in payload["records"]]
+    return f"{caption(payload)}{' ' + note if note else ''}\n\n{markdown(header, rows)}"
+
+
+def num(spec: str) -> Callable:
+    return lambda v: format(v, spec)
+
+
+def text(v) -> str:
+    return str(v)
+
+
+def suite_table(payload: dict) -> str:
+    """The suite's stages: their outcome and time."""
+    cols = [("stage", "stage", text), ("what", "what", text), ("status", "outcome", text), ("seconds", "s", num(".0f"))]
+    return columns_table(payload, cols, f"Budget {payload['budget_s']:.0f} s; each stage's output in logs/.")
+
+
+def machine_table(payload: dict) -> str:
+    cols = [
+        ("device", "device", text),
+        ("cpu", "CPU", text),
+        ("copy_bandwidth_gbs", "copy GB/s (read + write)", num(".1f")),
+        ("matmul_tflops_float32", "fp32 matmul TFLOP/s", num(".2f")),
+        ("matmul_tflops_bfloat16", "bf16 matmul TFLOP/s", num(".2f")),
+        ("torch", "torch", text),
+        ("triton", "triton", text),
+        ("lightning", "lightning", text),
+        ("liger_kernel", "liger-kernel", text),
+    ]
+    return columns_table(payload, cols)
+
+
+def tests_table(payload: dict) -> str:
+    cols = [(k, k, text) for k in ("tests", "passed", "skipped", "failures", "errors")] + [("failed", "failed", text)]
+    return columns_table(payload, cols, f"`pytest {payload['selection']}`.")
+
+
+def decode_kernels_table(payload: dict) -> str:
+    cols = [
+        ("attention", "attention", text),
+        ("kernel", "operator", text),
+        ("dtype", "dtype", text),
+        ("batch", "batch", text),
+        ("context", "context", k),
+        ("us", "us/step", num(".1f")),
+        ("gpu_us", "GPU us", num(".1f")),
+        ("host_us", "host us", num(".1f")),
+        ("of_copy_bw", "of copy bandwidth", num(".2f")),
+        ("max_abs_err", "max error", num(".1e")),
+        ("within_tolerance", "within tolerance", text),
+    ]
+    note = f"Copy bandwidth {payload['copy_bandwidth_gbs']:.1f} GB/s; size {payload['size']}."
+    return columns_table(payload, cols, note)
+
+
+def generate_table(payload: dict) -> str:
+    cols = [
+        ("attention", "attention", text),
+        ("prompt", "prompt", k),
+        ("batch", "batch", text),
+        ("step", "decoder", text),
+        ("prefill_ms", "prefill ms", num(".1f")),
+        ("ms_per_token", "ms/step", num(".3f")),
+        ("tokens_per_s", "tokens/s", num(",.0f")),
+        ("bound_tokens_per_s", "bound tokens/s", num(",.0f")),
+        ("fraction_of_bound", "of bound", num(".3f")),
+    ]
+    return columns_table(payload, cols, f"Size {payload['size']}, {payload['dtype']}.")
+
+
+def step_overhead_table(payload: dict) -> str:
+    cols = [
+        ("attention", "attention", text),
+        ("batch", "batch", text),
+        ("context", "context", text),
+        ("graph_inputs", "graph inputs", text),
+        ("guards_us", "compiled step: guards us", num(".1f")),
+        ("eager_us", "eager step us", num(".1f")),
+        ("replay_us", "graph replay us", num(".1f")),
+    ]
+    note = f"Host time per decode step, size {payload['size']} (off CUDA the replay runs nothing)."
+    return columns_table(payload, cols, note)
+
+
+def headline_table(payload: dict) -> str:
+    cols = [
+        ("attention", "attention", text),
+        ("size", "size", text),
+        ("precision", "precision", text),
+        ("compile", "compile", text),
+        ("compile_s", "compile s", num(".1f")),
+        ("step_s", "step s", num(".3f")),
+        ("tokens_per_s", "tokens/s", num(",.0f")),
+        ("mfu", "MFU", num(".1%")),
+        ("checkpoint_stall_s", "checkpoint stall s", num(".2f")),
+        ("eval_s", "evaluation s", num(".1f")),
+        ("samples_s", "samples s", num(".1f")),
+        ("training_share", "training share of wall", num(".0%")),
+        ("fallbacks", "fell back", text),
+    ]
+    r = payload["records"][0]
+    note = f"{r['steps']} steps of micro-batch {r['micro_batch']} x {r['seq_len']}; {r['eval_items']} evaluation items."
+    return columns_table(payload, cols, note)
+
+
+def kernel_fit_table(payload: dict) -> str:
+    cols = [
+        ("kernel", "kernel", text),
+        ("dtype", "dtype", text),
+        ("heads_padded", "heads", text),
+        ("width_padded", "width", text),
+        ("tuning", "block/warps/stages", text),
+        ("shared_bytes", "shared memory B", num(",")),
+        ("registers", "registers", text),
+        ("spill_bytes", "spilled B", text),
+        ("fits", f"fits {payload['target']}", text),
+        ("used_by", "mechanism/size", text),
+    ]
+    return columns_table(payload, cols, f"Compiled ahead of time for {payload['target']}; nothing ran.")
+
+
 RENDERERS: dict[str, Callable[[dict], str]] = {
+    "suite": suite_table,
+    "machine": machine_table,
+    "tests": tests_table,
+    "decode_kernels": decode_kernels_table,
+    "generate": generate_table,
+    "step_overhead": step_overhead_table,
+    "headline": headline_table,
+    "kernel_fit": kernel_fit_table,
     "decode": decode_table,
     "prefill": prefill_table,
     "kv_memory": kv_memory_table,

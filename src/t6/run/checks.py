@@ -97,6 +97,13 @@ def training_problems(cfg: DictConfig) -> list[str]:
         problems.append(f"nonfinite_loss={cfg.get('nonfinite_loss')!r} must be 'stop' or 'skip'")
     if not isinstance(cfg.get("compile", "auto"), bool) and cfg.get("compile", "auto") != "auto":
         problems.append(f"compile={cfg.get('compile')!r} must be auto (on CUDA, off on the CPU), true or false")
+    if not isinstance(cfg.get("gradient_checkpointing", False), bool):
+        problems.append(f"gradient_checkpointing={cfg.get('gradient_checkpointing')!r} must be true or false")
+    elif cfg.get("gradient_checkpointing") and (cfg.trainer.get("strategy") or {}).get("activation_checkpointing"):
+        problems.append(
+            "gradient_checkpointing=true and trainer.strategy.activation_checkpointing=true both recompute the "
+            "blocks in backward; keep one"
+        )
     every = ((cfg.get("callbacks") or {}).get("model_checkpoint") or {}).get("every_n_train_steps")
     if every is not None and every != "auto" and (not isinstance(every, int) or isinstance(every, bool) or every < 0):
         problems.append(

@@ -125,6 +125,7 @@ def build_module(plan: RunPlan) -> T6LitModule:
         nonfinite_loss=plan.training.nonfinite_loss,
         loss_chunk_tokens=plan.training.loss_chunk_tokens,
         loss_impl=plan.training.loss_impl,
+        gradient_checkpointing=plan.training.gradient_checkpointing,
         tokenizer=plan.tokenizer.spec() if plan.tokenizer is not None else None,
         teacher=load_model(plan.training.teacher, what="teacher") if plan.training.teacher else None,
         teacher_kl_weight=plan.training.teacher_kl_weight,

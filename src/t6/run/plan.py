@@ -217,6 +217,7 @@ class Training:
     loss_chunk_tokens: int | None
     max_steps: int
     val_check_interval: int | float | None  # in micro-batches (the config counts optimizer steps)
+    gradient_checkpointing: bool = False  # every block recomputed in backward (T6.gradient_checkpointing)
     teacher: str | None = None  # a model whose logits the loss also follows (KL), e.g. a conversion's source
     teacher_kl_weight: float = 0.5  # w in (1 - w) CE + w KL(teacher || model)
 
@@ -545,6 +546,7 @@ def plan_training(cfg: DictConfig, hardware: Hardware, batch: BatchPlan) -> Trai
         cfg.get("loss_chunk_tokens"),
         int(cfg.trainer.max_steps),
         every * batch.accumulation if isinstance(every, int) else every,  # Lightning counts micro-batches
+        bool(cfg.get("gradient_checkpointing", False)),
         cfg.get("teacher") or None,
         float(cfg.get("teacher_kl_weight", 0.5)),
     )
@@ -591,7 +593,7 @@ def preflight(cfg, mcfg, hardware: Hardware, parallel: Parallel, requested, per_
             available, source = available // parallel.devices, f"{source} shared by {parallel.devices} processes"
         runtime = probes.process_rss()  # the process as it stands (no model is built yet)
     ways_out = (
-        "a smaller data.batch_size (or data.batch_size=auto with data.global_batch_size), "
+        "a smaller data.batch_size (or data.batch_size=auto with data.global_batch_size), gradient_checkpointing=true, "
         "trainer=fsdp with trainer.strategy.activation_checkpointing=true, trainer=fsdp over more devices "
         "(trainer.devices), or a smaller size"
     )
@@ -604,7 +606,7 @@ def preflight(cfg, mcfg, hardware: Hardware, parallel: Parallel, requested, per_
             precision=hardware.precision,
             optimizer_target=cfg.optimizer._target_,
             shards=parallel.shards,
-            activation_checkpointing=parallel.activation_checkpointing,
+            activation_checkpointing=parallel.activation_checkpointing or bool(cfg.get("gradient_checkpointing")),
             device=device,
             runtime=runtime,
             loss_chunk_tokens=cfg.get("loss_chunk_tokens"),

@@ -16,6 +16,9 @@ each write still atomic. A checkpoint already in host memory (a CPU run) is writ
 take the memory the step was planned with, and the cores that would write it in the background are the ones
 training. `wait()` returns when every save asked for is on disk; `teardown()` (Lightning's, at the end of fit and
 on any exception, a stop's save included) waits the same way, so no process exits with a checkpoint half written.
+Where a background write (or the host copy) fails, the writer stops; the training thread warns
+(t6.model.fallback "background_checkpoint"), writes that checkpoint and every call asked for after it
+synchronously, in order, and writes synchronously from then on; an error of a synchronous write is the run's.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning_utilities.core.apply_func import apply_to_collection
 
+from t6.model import fallback
 from t6.model.load import read_checkpoint
 
 
@@ -75,14 +79,21 @@ class BackgroundCheckpointIO(CheckpointIO):
         self.background = background
         self.executor: ThreadPoolExecutor | None = None  # one writer, started on the first write it takes
         self.error: BaseException | None = None  # the writer's, raised on the training thread
+        self.failed: list[tuple] | None = None  # after a background write failed: it and the calls after it
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         self.raise_error()
-        if not (self.background if self.background is not None else on_gpu(checkpoint)):
-            self.wait()  # after the saves asked for earlier, in order
-            self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options)
-            return
-        self.submit(self.checkpoint_io.save_checkpoint, host_copy(checkpoint), path, storage_options)
+        background = self.background if self.background is not None else on_gpu(checkpoint)
+        if background and fallback.enabled("background_checkpoint"):
+            try:
+                copy = host_copy(checkpoint)
+            except Exception as err:  # pinned or host memory short: the checkpoint as it is, synchronously
+                fallback.fell_back("background_checkpoint", err)
+            else:
+                self.submit(self.checkpoint_io.save_checkpoint, copy, path, storage_options)
+                return
+        self.wait()  # after the saves asked for earlier, in order
+        self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options)
 
     def load_checkpoint(self, path, map_location: Any | None = None, weights_only: bool | None = None) -> dict:
         return self.checkpoint_io.load_checkpoint(path, map_location)
@@ -96,8 +107,13 @@ class BackgroundCheckpointIO(CheckpointIO):
         """fn(*args) on the writer thread, after everything asked for before."""
 
         def run() -> None:
+            if self.failed is not None:  # an earlier write failed: the training thread runs this one, in order
+                self.failed.append((fn, args))
+                return
             try:
                 fn(*args)
+            except Exception as err:  # the training thread warns and writes it again, at the next save or wait
+                self.error, self.failed = err, [(fn, args)]
             except BaseException as err:  # raised on the training thread at the next save, wait or teardown
                 self.error = err
 
@@ -119,6 +135,15 @@ class BackgroundCheckpointIO(CheckpointIO):
         self.raise_error()
 
     def raise_error(self) -> None:
-        if self.error is not None:
-            err, self.error = self.error, None
+        """After a background write failed: the fallback's warning, then that write and every call asked for after
+        it on this thread, in order (their errors are the run's); any other error of the writer is raised."""
+        if self.error is None:
+            return
+        if self.failed is not None and self.executor is not None:
+            self.executor.submit(lambda: None).result()  # the calls still queued join self.failed
+        err, calls, self.error, self.failed = self.error, self.failed, None, None
+        if calls is None:
             raise err
+        fallback.fell_back("background_checkpoint", err)
+        for fn, args in calls:
+            fn(*args)

@@ -32,6 +32,7 @@ class T6LitModule(L.LightningModule):
         nonfinite_loss: str = "stop",
         loss_chunk_tokens: int | None = None,
         loss_impl: str = "auto",
+        gradient_checkpointing: bool = False,
         tokenizer: dict | None = None,
         teacher: T6 | None = None,
         teacher_kl_weight: float = 0.5,
@@ -50,6 +51,7 @@ class T6LitModule(L.LightningModule):
         loss_chunk_tokens: tokens per chunk of the LM head + cross-entropy (None: all logits at once);
         loss_impl: "auto" (Liger-Kernel's fused kernel on CUDA, t6.model.loss's chunks elsewhere), "chunked",
         "liger".
+        gradient_checkpointing: every block recomputed in backward (T6.gradient_checkpointing).
         tokenizer: the run's tokenizer as plain data (t6.data.tokenizer.Tokenizer.spec), recorded in every
         checkpoint (`tokenizer`), so evaluation, generation and export read text as the model was trained.
         teacher: a model whose next-token distributions the training loss also follows (uptraining a converted
@@ -65,6 +67,7 @@ class T6LitModule(L.LightningModule):
         self.skipped_steps = 0
         self.save_hyperparameters("model_config", "compile", logger=False)
         self.model = T6(ModelConfig(**model_config))
+        self.model.gradient_checkpointing = gradient_checkpointing
         self.param_kinds = param_kinds(self.model)  # before any wrapping shards the parameters into 1-D views
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.run_config = run_config

@@ -124,6 +124,9 @@ class KVCache:
         # Fixed-shape decoding: views and masks `static_len` positions long whatever pos is (a power-of-two
         # bucket, see t6.model.decode); None: they end at the last written position.
         self.static_len: int | None = None
+        # A compiled fixed-shape step attends through FlexAttention (`flex_decode`) when True; otherwise, and in
+        # every eager step, SDPA with the mask of `attn_mask` (t6.model.decode.FixedStep sets it).
+        self.flex_decode = False
         self._known_end: tuple[torch.Tensor, int] | None = None  # see `expect`
         self.tensors = {}
         for name, shape in spec.items():
@@ -138,6 +141,19 @@ class KVCache:
         and `attn_mask` take `end` from here for that tensor instead of reading pos[-1] back, which on
         a GPU makes the host wait for the device, twice per layer and token."""
         self._known_end = (pos, end)
+
+    def from_start(self, pos: torch.Tensor) -> bool:
+        """Whether pos [T] are the positions 0..T-1 of an unpadded prefill (nothing cached before them, no
+        padding mask), as the model said through `expect` (never read from the device; False when unknown):
+        attention over the new tokens alone is then the whole attention, causal."""
+        known = self._known_end
+        return (
+            self.static_len is None
+            and self.key_mask is None
+            and known is not None
+            and known[0] is pos
+            and known[1] == len(pos)
+        )
 
     def _end(self, pos: torch.Tensor) -> int:
         if self.static_len is not None:
@@ -170,7 +186,7 @@ class KVCache:
         out.max_len, out.spec, out.seq_dims = self.max_len, dict(self.spec), dict(self.seq_dims)
         out.tensors = {name: t.index_select(0, index) for name, t in self.tensors.items()}  # [B', ...]
         out.key_mask = None if self.key_mask is None else self.key_mask.index_select(0, index)  # [B', max_len]
-        out.static_len, out._known_end = None, None
+        out.static_len, out._known_end, out.flex_decode = None, None, False
         return out
 
     def attn_mask(self, pos: torch.Tensor) -> torch.Tensor | None:
@@ -216,6 +232,27 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
+def plain_linear(*modules: nn.Module) -> bool:
+    """Whether each module is exactly an nn.Linear with no hooks and no replaced forward: then its weight is all
+    it computes, and a caller may use the weight itself (stack it with others into one matmul, fold it into
+    another product). A wrapped or hooked projection (a PEFT LoRA adapter, a quantized or offloaded layer) is
+    not: it must be called as a module, so that what it adds acts on that path too."""
+    return all(
+        type(m) is nn.Linear and not m._forward_hooks and not m._forward_pre_hooks and "forward" not in vars(m)
+        for m in modules
+    )
+
+
+def linear_weight(module: nn.Module, in_features: int) -> torch.Tensor:
+    """The matrix [out, in] a bias-free projection applies: a plain nn.Linear's weight, else the module applied
+    to the identity (a LoRA adapter: W + s B A), so a path that reads the matrix (MLA's absorbed decoding)
+    computes what calling the module computes."""
+    if plain_linear(module):
+        return module.weight
+    p = next(module.parameters())
+    return module(torch.eye(in_features, dtype=p.dtype, device=p.device)).T  # [out, in]
+
+
 def sdpa_broadcasts_groups(device_type: str, dtype: torch.dtype) -> bool:
     """Whether SDPA's fast kernels take grouped K/V heads as they are (enable_gqa) for queries: on the CPU
     yes; on CUDA only FlashAttention does (fp16/bf16). An fp32 CUDA input would fall back to the math
@@ -236,7 +273,9 @@ def causal_mask(pos: torch.Tensor, end: int) -> torch.Tensor:
 #   token): FlashAttention, the memory-efficient kernel where a mask or fp32 rules Flash out, then math;
 #   never cuDNN attention, which plans again for every new shape (2.66 ms of host time per token measured on
 #   an H100; for grouped heads its kernel also ran 6.7x slower than MHA's at 32k);
-# - fixed-shape decode steps (KVCache.static_len): FlexAttention, `flex_decode`.
+# - fixed-shape decode steps (KVCache.static_len): compiled, FlexAttention (`flex_decode`, where
+#   KVCache.flex_decode says so); eager (a step captured as a CUDA graph without compiling), SDPA with the
+#   cache's mask, as the inference phase above.
 # On the CPU, SDPA's dispatcher chooses in every phase (its flash kernel, else math).
 INFERENCE_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
@@ -283,6 +322,41 @@ def flex_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_mod, new
     return y
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, cached) -> torch.Tensor:
+    """Causal softmax attention with SDPA, or FlexAttention in a compiled fixed-shape decode step (the
+    kernels of each phase: see INFERENCE_SDPA_BACKENDS).
+
+    q: [B, h, T, d]; k, v: [B, h_kv, S, d] with h divisible by h_kv. Grouped heads are
+    broadcast by SDPA (enable_gqa) in causal self-attention; against a cache, each group's
+    query heads are folded into the query length instead, so K and V are never expanded.
+    `cached`: the layer's KVCache (its padding mask is honoured), or a bool/None. Returns [B, h, T, d_v].
+    """
+    if isinstance(cached, KVCache) and cached.static_len is not None and cached.flex_decode:
+        return flex_decode(q, k, v, cached.mask_mod(pos), pos[-1])  # [B, h, T, d_v]
+    T, S = q.shape[2], k.shape[2]
+    gqa = k.shape[1] != q.shape[1]
+    padded = isinstance(cached, KVCache) and cached.key_mask is not None
+    if not padded and (not cached or T == S):
+        if gqa and not sdpa_broadcasts_groups(q.device.type, q.dtype):
+            g = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)  # [B, h, S, d] each
+            gqa = False
+        causal = True if T > 1 else False  # a branch, so a Python bool also under dynamic shapes (a guard)
+        return sdpa(q, k, v, is_causal=causal, enable_gqa=gqa)
+    if isinstance(cached, KVCache):
+        mask = cached.attn_mask(pos)  # [B or 1, T, S] or None
+    else:
+        mask = None if T == 1 else causal_mask(pos, S)[None]  # a single new token sees the whole cache
+    if gqa:  # fold each group's query heads into the query length: K/V are read once per KV head, never copied
+        B, h, _, d = q.shape
+        g = h // k.shape[1]
+        q = q.reshape(B, k.shape[1], g * T, d)  # [B, h_kv, g T, d] (heads of a group are adjacent)
+        mask = None if mask is None else mask.repeat(1, g, 1)  # [B or 1, g T, S]
+    mask = None if mask is None else mask[:, None]  # [B or 1, 1, T', S], broadcast over heads
+    y = sdpa(q, k, v, attn_mask=mask)  # [B, h_kv, g T, d_v] or [B, h, T, d_v]
+    return y.reshape(y.shape[0], -1, T, y.shape[-1])  # [B, h, T, d_v]
+
+
 class Attention(nn.Module):
     """Base class. Subclasses declare `Options`, set up their projections in __init__ and
     implement cache_spec and forward; `init_weights` initializes their own layers."""
@@ -297,6 +371,9 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.opts = cfg.options()  # this mechanism's Options, validated by ModelConfig
+        # A list while a caller wants the attention probabilities (transformers' output_attentions): each forward
+        # appends its [B, h, T, S] (`attend` and `record_attention`); None, the default, computes none.
+        self.recorded: list[torch.Tensor] | None = None
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -321,37 +398,28 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         raise NotImplementedError
 
-    @staticmethod
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, cached) -> torch.Tensor:
-        """Causal softmax attention with SDPA, or FlexAttention in a fixed-shape decode step (the
-        kernels of each phase: see INFERENCE_SDPA_BACKENDS).
-
-        q: [B, h, T, d]; k, v: [B, h_kv, S, d] with h divisible by h_kv. Grouped heads are
-        broadcast by SDPA (enable_gqa) in causal self-attention; against a cache, each group's
-        query heads are folded into the query length instead, so K and V are never expanded.
-        `cached`: the layer's KVCache (its padding mask is honoured), or a bool/None. Returns [B, h, T, d_v].
-        """
-        if isinstance(cached, KVCache) and cached.static_len is not None:
-            return flex_decode(q, k, v, cached.mask_mod(pos), pos[-1])  # [B, h, T, d_v]
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, cached) -> torch.Tensor:
+        """`attend` (the module's function: causal softmax attention, q [B, h, T, d], k, v [B, h_kv, S, d] ->
+        [B, h, T, d_v]); while `recorded` is a list, computed explicitly and its probabilities recorded."""
+        if self.recorded is None:
+            return attend(q, k, v, pos, cached)
         T, S = q.shape[2], k.shape[2]
-        gqa = k.shape[1] != q.shape[1]
-        padded = isinstance(cached, KVCache) and cached.key_mask is not None
-        if not padded and (not cached or T == S):
-            if gqa and not sdpa_broadcasts_groups(q.device.type, q.dtype):
-                g = q.shape[1] // k.shape[1]
-                k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)  # [B, h, S, d] each
-                gqa = False
-            causal = True if T > 1 else False  # a branch, so a Python bool also under dynamic shapes (a guard)
-            return sdpa(q, k, v, is_causal=causal, enable_gqa=gqa)
         if isinstance(cached, KVCache):
             mask = cached.attn_mask(pos)  # [B or 1, T, S] or None
-        else:
-            mask = None if T == 1 else causal_mask(pos, S)[None]  # a single new token sees the whole cache
-        if gqa:  # fold each group's query heads into the query length: K/V are read once per KV head, never copied
-            B, h, _, d = q.shape
-            g = h // k.shape[1]
-            q = q.reshape(B, k.shape[1], g * T, d)  # [B, h_kv, g T, d] (heads of a group are adjacent)
-            mask = None if mask is None else mask.repeat(1, g, 1)  # [B or 1, g T, S]
-        mask = None if mask is None else mask[:, None]  # [B or 1, 1, T', S], broadcast over heads
-        y = sdpa(q, k, v, attn_mask=mask)  # [B, h_kv, g T, d_v] or [B, h, T, d_v]
-        return y.reshape(y.shape[0], -1, T, y.shape[-1])  # [B, h, T, d_v]
+        elif T == S:  # self-attention: causal among the tokens
+            mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril()[None]  # [1, T, S]
+        else:  # new tokens against earlier ones, at positions 0..S-1
+            mask = None if T == 1 else causal_mask(pos, S)[None]  # [1, T, S]
+        return self.record_attention(q, k, v, mask)
+
+    def record_attention(self, q, k, v, mask: torch.Tensor | None, scale: float | None = None) -> torch.Tensor:
+        """Softmax attention written out, its probabilities appended to `recorded`: q [B, h, T, d], k [B, h_kv, S, d],
+        v [B, h_kv, S, d_v] (h divisible by h_kv), mask None or bool [B or 1, T, S] -> [B, h, T, d_v]."""
+        g = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)  # [B, h, S, *]
+        scores = (q @ k.transpose(2, 3)).float() * (scale or q.shape[-1] ** -0.5)  # [B, h, T, S]
+        if mask is not None:
+            scores = scores.masked_fill(~mask[:, None], float("-inf"))  # [B, h, T, S]
+        probs = scores.softmax(dim=-1)  # [B, h, T, S]
+        self.recorded.append(probs)
+        return (probs.to(v.dtype) @ v).to(q.dtype)  # [B, h, T, d_v]

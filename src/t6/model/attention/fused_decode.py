@@ -21,7 +21,10 @@ default ~/.cache/torch_extensions; needs g++, the Python headers and ninja, pinn
 `make install` builds it, otherwise the first decode does. Where it
 cannot be built, the operators run `reference_tpa_decode` / `reference_latent_decode`, the eager
 form, with one warning. On CUDA the Triton kernels of `t6.model.attention.triton_decode`
-implement the same operators.
+implement the same operators (and on the CPU under Triton's interpreter, TRITON_INTERPRET=1, as for
+Liger's kernel: how the tests run them); where a kernel fails at its first launch (out of shared memory
+or registers, a compiler error), the operators run the eager reference from then on (t6.model.fallback
+"triton_decode").
 
 Both operators take optional `lengths` [B] (int32 or int64, on the cache's device): row b attends to
 its first lengths[b] cached tokens only, so a caller with a preallocated cache passes the whole cache
@@ -46,6 +49,8 @@ from pathlib import Path
 
 import torch
 from torch.utils.flop_counter import register_flop_formula
+
+from t6.model.fallback import enabled, fell_back
 
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc" / "fused_decode.cpp"
@@ -149,6 +154,8 @@ def tpa_decode(
     lengths: None or int [B]: row b attends to its first lengths[b] cached tokens only.
     """
     check_lengths(lengths, a_k.shape[0])
+    if triton_interpreted():
+        return triton_or_reference("tpa_decode", q_a, q_b, a_k, b_k, a_v, b_v, key_mask, lengths)
     if lengths is not None:
         n, key_mask = within_lengths(lengths, key_mask, a_k.shape[1])
         a_k, b_k, a_v, b_v = a_k[:, :n], b_k[:, :n], a_v[:, :n], b_v[:, :n]  # [B, n, R, *]
@@ -210,6 +217,8 @@ def latent_decode(
     Returns the attention-weighted latents [B, h, d_c] (W_UV is applied by the caller).
     """
     check_lengths(lengths, c_kv.shape[0])
+    if triton_interpreted():
+        return triton_or_reference("latent_decode", q_lat, q_rope, c_kv, k_rope, key_mask, lengths)
     if lengths is not None:
         n, key_mask = within_lengths(lengths, key_mask, c_kv.shape[1])
         c_kv, k_rope = c_kv[:, :n], k_rope[:, :n]  # [B, n, d_c], [B, n, d_rope]
@@ -259,15 +268,35 @@ def _on(device: torch.device):
     return contextlib.nullcontext() if device.index == torch.cuda.current_device() else torch.cuda.device(device)
 
 
+REFERENCES = {"tpa_decode": reference_tpa_decode, "latent_decode": reference_latent_decode}
+
+
+def triton_interpreted() -> bool:
+    """Whether Triton runs on the CPU here (its interpreter, TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def triton_or_reference(name: str, *args) -> torch.Tensor:
+    """Operator `name` ("tpa_decode" or "latent_decode") through its Triton kernel, on the tensors' device; where
+    the kernel fails (t6.model.fallback "triton_decode": out of shared memory or registers at its first launch, a
+    compiler error), and from then on, through the eager reference."""
+    if enabled("triton_decode"):
+        device = args[1].device  # q_b or q_rope: never None
+        try:
+            with _on(device) if device.type == "cuda" else contextlib.nullcontext():
+                return getattr(_kernels(), name)(*args)
+        except Exception as err:
+            fell_back("triton_decode", err)
+    return REFERENCES[name](*args)
+
+
 @tpa_decode.register_kernel("cuda")
 def _(q_a, q_b, a_k, b_k, a_v, b_v, key_mask, lengths=None):
     check_lengths(lengths, a_k.shape[0])
-    with _on(q_b.device):
-        return _kernels().tpa_decode(q_a, q_b, a_k, b_k, a_v, b_v, key_mask, lengths)
+    return triton_or_reference("tpa_decode", q_a, q_b, a_k, b_k, a_v, b_v, key_mask, lengths)
 
 
 @latent_decode.register_kernel("cuda")
 def _(q_lat, q_rope, c_kv, k_rope, key_mask, lengths=None):
     check_lengths(lengths, c_kv.shape[0])
-    with _on(q_lat.device):
-        return _kernels().latent_decode(q_lat, q_rope, c_kv, k_rope, key_mask, lengths)
+    return triton_or_reference("latent_decode", q_lat, q_rope, c_kv, k_rope, key_mask, lengths)

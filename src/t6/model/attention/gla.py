@@ -22,7 +22,8 @@ kv_norm.0 here) give the same outputs, cached and uncached.
 Decoding with a cache uses MLA's absorbed form per latent head: head i folds its W_UK^(i) into
 its query (a d_c-wide query that scores c_j directly), attention averages c_j, and W_UV^(i)
 expands the result, so per-head keys and values are never materialized. Training (no cache)
-uses the explicit up-projections. Both are the same function (tests/test_model.py checks it).
+uses the explicit up-projections, and so does a prefill into an empty cache (SDPA's flash kernel, no
+[B, h, T, S] scores). Both are the same function (tests/test_model.py checks it).
 
 Initialization: N(0, init_std) on every projection, ones on the norms, zero W_O (`Attention.init_weights`).
 """
@@ -35,7 +36,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from t6.model.attention.base import Attention, KVCache, register
+from t6.model.attention.base import Attention, KVCache, linear_weight, plain_linear, register
 from t6.model.attention.fused_decode import latent_decode
 from t6.model.attention.mla import MLAOptions, explicit_attention
 from t6.model.layers import Rotary
@@ -102,6 +103,9 @@ class GroupedLatentAttention(Attention):
         k_rope = self.rope(k_rope[:, :, None], pos)[:, :, 0]  # [B, T, rope], one key shared by all heads
         if cache is None:
             y = self._explicit(q_nope, q_rope, c_kv, k_rope)  # [B, T, h, d_v]
+        elif T > 1 and cache.from_start(pos):  # a prefill: explicit and causal, SDPA's flash kernel, no [T, S] scores
+            cache.update(pos, c_kv=c_kv, k_rope=k_rope)
+            y = self._explicit(q_nope, q_rope, c_kv, k_rope)  # [B, T, h, d_v]
         else:
             c_kv, k_rope = cache.update(pos, c_kv=c_kv, k_rope=k_rope)  # [B, n, S, d_c], [B, S, rope]
             y = self._absorbed(q_nope, q_rope, c_kv, k_rope, cache.attn_mask(pos), cache.lengths(pos))  # [B, T, h, d_v]
@@ -112,11 +116,17 @@ class GroupedLatentAttention(Attention):
         c_kv: [B, S, n, d_c]."""
         B, S = c_kv.shape[:2]
         h = self.cfg.n_head
-        n, g = self.n_lat, self.group
-        w = self.kv_up.weight.view(n, g * (self.d_nope + self.d_v), self.d_c)  # [n, g*(nope+d_v), d_c]
-        kv = torch.einsum("bsjc,jmc->bsjm", c_kv, w).reshape(B, S, h, self.d_nope + self.d_v)  # [B, S, h, nope+d_v]
+        n, g, m = self.n_lat, self.group, self.d_nope + self.d_v
+        if plain_linear(self.kv_up):
+            w = self.kv_up.weight.view(n, g * m, self.d_c)  # [n, g*(nope+d_v), d_c]
+            kv = torch.einsum("bsjc,jmc->bsjm", c_kv, w)  # [B, S, n, g*(nope+d_v)]
+        else:  # a wrapped projection (a LoRA adapter) called as a module: each latent head through every group's
+            # rows, then each group's rows of its own latent head kept
+            kv = self.kv_up(c_kv).view(B, S, n, n, g * m)  # [B, S, latent head, group, g*(nope+d_v)]
+            kv = kv.diagonal(dim1=2, dim2=3).transpose(2, 3)  # [B, S, n, g*(nope+d_v)]
+        kv = kv.reshape(B, S, h, m)  # [B, S, h, nope+d_v]
         k_nope, v = kv.split([self.d_nope, self.d_v], dim=-1)  # [B, S, h, nope], [B, S, h, d_v]
-        return explicit_attention(q_nope, q_rope, k_nope, v, k_rope, self.scale)  # [B, T, h, d_v]
+        return explicit_attention(self, q_nope, q_rope, k_nope, v, k_rope, self.scale)  # [B, T, h, d_v]
 
     def _absorbed(self, q_nope, q_rope, c_kv, k_rope, mask: torch.Tensor | None, lengths=None) -> torch.Tensor:
         """Decoding path: each group attends over its cached latent head with W_UK and W_UV absorbed.
@@ -124,10 +134,10 @@ class GroupedLatentAttention(Attention):
         lengths: None or int [B], each row's valid cached tokens (KVCache.lengths), for the fused operator."""
         B, T, h = q_nope.shape[:3]
         n, g, S = self.n_lat, self.group, c_kv.shape[2]
-        w = self.kv_up.weight.view(h, self.d_nope + self.d_v, self.d_c)  # [h, nope+d_v, d_c]
+        w = linear_weight(self.kv_up, self.d_c).view(h, self.d_nope + self.d_v, self.d_c)  # [h, nope+d_v, d_c]
         w_uk, w_uv = w.split([self.d_nope, self.d_v], dim=1)  # [h, nope, d_c], [h, d_v, d_c]
         q_lat = torch.einsum("bthn,hnc->bhtc", q_nope, w_uk)  # [B, h, T, d_c]: q_nope^T W_UK, per head
-        if T == 1 and self.fused_decode and S > 1:
+        if T == 1 and self.fused_decode and S > 1 and self.recorded is None:
             key_mask = None if mask is None else mask[:, 0].expand(B, -1)  # [B, S]
             q_lat = (q_lat * self.scale).reshape(B, n, g, self.d_c)  # [B, n, g, d_c]
             q_rope = (q_rope * self.scale).reshape(B, n, g, self.d_rope)  # [B, n, g, rope]
@@ -143,6 +153,9 @@ class GroupedLatentAttention(Attention):
         scores = (scores.view(B, h, T, S) + rope.view(B, h, T, S)) * self.scale  # [B, h, T, S]
         if mask is not None:  # causal among the new tokens, blind to padding
             scores = scores.masked_fill(~mask[:, None], float("-inf"))  # [B, h, T, S]
-        probs = scores.float().softmax(dim=-1).to(c_kv.dtype)  # [B, h, T, S]
+        probs = scores.float().softmax(dim=-1)  # [B, h, T, S]
+        if self.recorded is not None:
+            self.recorded.append(probs)
+        probs = probs.to(c_kv.dtype)
         o = (probs.view(B, n, g * T, S) @ c_kv).view(B, h, T, self.d_c)  # [B, h, T, d_c]: weighted latents
         return torch.einsum("bhtc,hvc->bthv", o, w_uv)  # [B, T, h, d_v]: W_UV applied after attention

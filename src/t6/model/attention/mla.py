@@ -16,7 +16,8 @@ d_c + d_rope numbers (paper Table 1), never per-head K/V. With a cache, decoding
 absorbed form: W_UK is folded into the query (q_nope W_UK gives a d_c-wide query that
 scores c_kv directly) and W_UV into the output (attention averages c_kv, W_UV expands the
 result), so per-head keys and values are never materialized. Training (no cache) uses the
-explicit up-projections. Both are the same function (tests/test_model.py checks it).
+explicit up-projections, and so does a prefill into an empty cache (SDPA's flash kernel: the absorbed form
+would hold [B, h, T, S] scores, 49 GB at 32k tokens). Both are the same function (tests/test_model.py checks it).
 
 Initialization: N(0, init_std) on every projection, zero W_O (`Attention.init_weights`).
 """
@@ -30,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from t6.model.attention.base import Attention, KVCache, Options, register, sdpa
+from t6.model.attention.base import Attention, KVCache, Options, linear_weight, register, sdpa
 from t6.model.attention.fused_decode import latent_decode
 from t6.model.layers import Rotary
 
@@ -38,13 +39,18 @@ if TYPE_CHECKING:  # the model config imports the registry; type hints only
     from t6.model.config import ModelConfig
 
 
-def explicit_attention(q_nope, q_rope, k_nope, v, k_rope, scale: float) -> torch.Tensor:
+def explicit_attention(attn: Attention, q_nope, q_rope, k_nope, v, k_rope, scale: float) -> torch.Tensor:
     """Causal SDPA of per-head queries [q_nope | q_rope] [B, T, h, *] against per-head keys
     [k_nope | k_rope] (k_rope [B, S, d_rope] shared by all heads) and values v [B, S, h, d_v]
-    -> [B, T, h, d_v]: the training path of the latent attentions (MLA, GLA)."""
+    -> [B, T, h, d_v]: the training path of the latent attentions (MLA, GLA), whose attention `attn` is
+    (written out while it records its probabilities)."""
     B, S, h, d_v = v.shape
     q = torch.cat([q_nope, q_rope], dim=-1)  # [B, T, h, nope+rope]
     k = torch.cat([k_nope, k_rope[:, :, None].expand(B, S, h, k_rope.shape[-1])], dim=-1)  # [B, S, h, nope+rope]
+    if attn.recorded is not None:
+        causal = torch.ones(q.shape[1], S, dtype=torch.bool, device=q.device).tril()[None]  # [1, T, S]
+        y = attn.record_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal, scale)
+        return y.transpose(1, 2)  # [B, T, h, d_v]
     if d_v < q.shape[-1]:  # flash kernels need one head width: pad V with zeros, slice the output
         v = F.pad(v, (0, q.shape[-1] - d_v))  # [B, S, h, nope+rope]
     causal = True if q.shape[1] > 1 else False  # a branch, so a Python bool also under dynamic shapes (a guard)
@@ -108,6 +114,9 @@ class MultiHeadLatentAttention(Attention):
         k_rope = self.rope(k_rope[:, :, None], pos)[:, :, 0]  # [B, T, rope], one key shared by all heads
         if cache is None:
             y = self._explicit(q_nope, q_rope, c_kv, k_rope)  # [B, T, h, d_v]
+        elif T > 1 and cache.from_start(pos):  # a prefill: explicit and causal, SDPA's flash kernel, no [T, S] scores
+            cache.update(pos, c_kv=c_kv, k_rope=k_rope)
+            y = self._explicit(q_nope, q_rope, c_kv, k_rope)  # [B, T, h, d_v]
         else:
             c_kv, k_rope = cache.update(pos, c_kv=c_kv, k_rope=k_rope)  # [B, S, d_c], [B, S, rope]
             y = self._absorbed(q_nope, q_rope, c_kv, k_rope, cache.attn_mask(pos), cache.lengths(pos))  # [B, T, h, d_v]
@@ -119,18 +128,18 @@ class MultiHeadLatentAttention(Attention):
         h = self.cfg.n_head
         kv = self.kv_up(c_kv).view(B, S, h, self.d_nope + self.d_v)  # [B, S, h, nope+d_v]
         k_nope, v = kv.split([self.d_nope, self.d_v], dim=-1)  # [B, S, h, nope], [B, S, h, d_v]
-        return explicit_attention(q_nope, q_rope, k_nope, v, k_rope, self.scale)  # [B, T, h, d_v]
+        return explicit_attention(self, q_nope, q_rope, k_nope, v, k_rope, self.scale)  # [B, T, h, d_v]
 
     def _absorbed(self, q_nope, q_rope, c_kv, k_rope, mask: torch.Tensor | None, lengths=None) -> torch.Tensor:
         """Decoding path: attend over the cached latents with W_UK and W_UV absorbed (one shared KV 'head').
         mask: None (every query sees every cached token) or bool [B or 1, T, S] (causal, padding); lengths:
         None or int [B], each row's valid cached tokens (KVCache.lengths), for the fused operator."""
         h, T, S = self.cfg.n_head, q_nope.shape[1], c_kv.shape[1]
-        w = self.kv_up.weight.view(h, self.d_nope + self.d_v, self.d_c)  # [h, nope+d_v, d_c]
+        w = linear_weight(self.kv_up, self.d_c).view(h, self.d_nope + self.d_v, self.d_c)  # [h, nope+d_v, d_c]
         w_uk, w_uv = w.split([self.d_nope, self.d_v], dim=1)  # [h, nope, d_c], [h, d_v, d_c]
         B = q_nope.shape[0]
         q_lat = torch.einsum("bthn,hnc->bhtc", q_nope, w_uk)  # [B, h, T, d_c]: q_nope^T W_UK
-        if T == 1 and self.fused_decode and S > 1:
+        if T == 1 and self.fused_decode and S > 1 and self.recorded is None:
             key_mask = None if mask is None else mask[:, 0].expand(B, -1)  # [B, S]
             o = latent_decode(
                 (q_lat * self.scale).reshape(B, h, self.d_c),
@@ -150,6 +159,9 @@ class MultiHeadLatentAttention(Attention):
         scores = scores.view(B, h, T, S) * self.scale  # [B, h, T, S]
         if mask is not None:  # causal among the new tokens, blind to padding
             scores = scores.masked_fill(~mask[:, None], float("-inf"))  # [B, h, T, S]
-        probs = scores.float().softmax(dim=-1).to(c_kv.dtype)  # [B, h, T, S]
+        probs = scores.float().softmax(dim=-1)  # [B, h, T, S]
+        if self.recorded is not None:
+            self.recorded.append(probs)
+        probs = probs.to(c_kv.dtype)
         o = (probs.view(B, h * T, S) @ c_kv).view(B, h, T, self.d_c)  # [B, h, T, d_c]: attention-weighted latents
         return torch.einsum("bhtc,hvc->bthv", o, w_uv)  # [B, T, h, d_v]: W_UV applied after attention

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from t6.model.attention.base import Attention, KVCache, Options, register
+from t6.model.attention.base import Attention, KVCache, Options, plain_linear, register
 from t6.model.attention.fused_decode import tpa_decode
 from t6.model.layers import Rotary
 
@@ -158,11 +158,14 @@ class TensorProductAttention(Attention):
 
         The factor maps' weights are stacked into one projection, (R_Q + R_K + R_V)(h + d_h) wide
         (1,110 at medium), instead of six narrow matmuls; the outputs RoPE rotates (B_Q or the query,
-        then B_K) are adjacent in it and rotated in one pass."""
+        then B_K) are adjacent in it and rotated in one pass. Only when every map is a plain nn.Linear
+        (`plain_linear`): a wrapped map (a LoRA adapter) is called as a module (`module_factors`)."""
         d = self.cfg.head_dim
         heads = [self.k.a, self.v.a] if self.kv_only else [self.q.a, self.k.a, self.v.a]
         rotated = [self.q if self.kv_only else self.q.b, self.k.b]
         maps = [*heads, *rotated, self.v.b]
+        if not plain_linear(*maps):
+            return self.module_factors(x, pos)
         out = F.linear(x, torch.cat([m.weight for m in maps]))  # [B, T, sum of the maps' widths]
         widths = [m.out_features for m in heads] + [sum(m.out_features for m in rotated), self.v.b.out_features]
         # [B, T, R h] per head factor, [B, T, (R_Q + R_K) d_h] to rotate, [B, T, R_V d_h]
@@ -175,20 +178,23 @@ class TensorProductAttention(Attention):
             q = (self.q.head_factor(a_outs[0]), q)  # ([B, T, R_Q, h], [B, T, R_Q, d_h])
         return q, a_k, b_k, a_v, b_v
 
+    def module_factors(self, x: torch.Tensor, pos: torch.Tensor):
+        """`factors`, each factor map called as a module: the same tuple."""
+        q = self.query_factors(x, pos)  # TPA: ([B, T, R_Q, h], [B, T, R_Q, d_h]); KVonly: [B, T, h, d_h]
+        a_k, b_k = self.k(x)  # [B, T, R_K, h], [B, T, R_K, d_h]
+        a_v, b_v = self.v(x)  # [B, T, R_V, h], [B, T, R_V, d_h]
+        return q, a_k, self.rope(b_k, pos), a_v, b_v  # keys rotated once, before caching
+
     def forward(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         if cache is None:  # whole sequences (training, validation): K and V materialized for SDPA
             y = self.attend_materialized(*self.factors(x, pos), pos, None)  # [B, T, h, d_h]
             return self.out(y.reshape(B, T, -1))  # [B, T, d_model]
-        q = self.query_factors(x, pos)  # TPA: ([B, T, R_Q, h], [B, T, R_Q, d_h]); KVonly: [B, T, h, d_h]
-        a_k, b_k = self.k(x)  # [B, T, R_K, h], [B, T, R_K, d_h]
-        b_k = self.rope(b_k, pos)  # keys rotated once, before caching
-        a_v, b_v = self.v(x)  # [B, T, R_V, h], [B, T, R_V, d_h]
-        if cache is not None:
-            a_k, b_k, a_v, b_v = cache.update(pos, a_k=a_k, b_k=b_k, a_v=a_v, b_v=b_v)  # [B, S, R, *] each
-        if cache is not None and T == 1 and self.fused_decode and b_k.shape[1] > 1:
+        q, a_k, b_k, a_v, b_v = self.module_factors(x, pos)
+        a_k, b_k, a_v, b_v = cache.update(pos, a_k=a_k, b_k=b_k, a_v=a_v, b_v=b_v)  # [B, S, R, *] each
+        if T == 1 and self.fused_decode and b_k.shape[1] > 1 and self.recorded is None:
             y = self.decode_fused(q, a_k, b_k, a_v, b_v, cache.attn_mask(pos), cache.lengths(pos))  # [B, 1, h, d_h]
-        elif cache is not None and T <= self.factor_decode_max_tokens and T < b_k.shape[1]:
+        elif T <= self.factor_decode_max_tokens and T < b_k.shape[1]:
             y = self.attend_factors(q, a_k, b_k, a_v, b_v, pos, cache.attn_mask(pos))  # [B, T, h, d_h]
         else:
             y = self.attend_materialized(q, a_k, b_k, a_v, b_v, pos, cache)  # [B, T, h, d_h]
@@ -251,6 +257,8 @@ class TensorProductAttention(Attention):
             scores.masked_fill_(~mask[..., None], float("-inf"))  # [B, T, S, h]
         scores = scores.sub_(scores.amax(dim=2, keepdim=True)).exp_()  # unnormalized softmax over S: [B, T, S, h]
         denom = scores.sum(dim=2)  # [B, T, h]
+        if self.recorded is not None:
+            self.recorded.append((scores / denom[:, :, None]).permute(0, 3, 1, 2))  # probabilities [B, h, T, S]
         w = scores[:, :, :, None, :] * a_v[:, None]  # P[i, s] A_V[s, r, i]: [B, T, S, R_V, h]
         w = w.reshape(B, T, S * R_V, h).transpose(2, 3).reshape(B, T * h, S * R_V)  # [B, T h, S R_V]
         y = torch.bmm(w, b_v.reshape(B, S * R_V, d)).view(B, T, h, d)  # sum over (s, r): [B, T, h, d_h]

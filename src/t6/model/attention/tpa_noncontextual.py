@@ -56,18 +56,6 @@ class ConstantFactor(nn.Module):
         return self.weight  # [R, n]
 
 
-class ContextualMap(nn.Linear):
-    """x [B, T, d_model] -> a contextual factor [B, T, R, n]."""
-
-    def __init__(self, d_model: int, rank: int, n: int):
-        super().__init__(d_model, rank * n, bias=False)
-        self.rank, self.n = rank, n
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
-        return super().forward(x).view(B, T, self.rank, self.n)  # [B, T, R, n]
-
-
 @register("tpa_nc_a", constant="a")
 @register("tpa_nc_b", constant="b")
 class NonContextualTPA(Attention):
@@ -81,7 +69,8 @@ class NonContextualTPA(Attention):
         self.ranks = {"q": self.opts.q_rank, "k": self.opts.k_rank, "v": self.opts.v_rank}
         const_n, ctx_n = (h, d) if self.const_a else (d, h)
         self.const = nn.ModuleDict({n: ConstantFactor(r, const_n) for n, r in self.ranks.items()})
-        self.ctx = nn.ModuleDict({n: ContextualMap(cfg.d_model, r, ctx_n) for n, r in self.ranks.items()})
+        self.ctx_n = ctx_n  # the contextual factors' width: d_h (nc_a) or h (nc_b)
+        self.ctx = nn.ModuleDict({n: nn.Linear(cfg.d_model, r * ctx_n, bias=False) for n, r in self.ranks.items()})
         self.out = nn.Linear(h * d, cfg.d_model, bias=False)
         self.rope = Rotary(d, cfg.block_size, cfg.rope_theta, cfg.rope_remap)
 
@@ -98,7 +87,7 @@ class NonContextualTPA(Attention):
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
-        ctx = {n: m(x) for n, m in self.ctx.items()}  # [B, T, R, d_h] (nc_a) or [B, T, R, h] (nc_b)
+        ctx = {n: m(x).view(B, T, self.ranks[n], self.ctx_n) for n, m in self.ctx.items()}  # [B, T, R, d_h or h]
         if self.const_a:
             ctx["q"], ctx["k"] = self.rope(ctx["q"], pos), self.rope(ctx["k"], pos)  # rotate B_Q, B_K
         k, v = ctx["k"], ctx["v"]

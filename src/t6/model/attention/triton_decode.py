@@ -18,7 +18,8 @@ A_K[s, r, i]. An optional bool key mask [B, S] hides padding; optional lengths [
 reads only its first lengths[b] cached tokens, so a caller may pass a whole preallocated cache (a fixed
 shape) and the rows' lengths as a device tensor.
 
-The compile-time constants are the model's shapes and the launch's `Tuning`, never the context length,
+The compile-time constants are the model's shapes, the cache's dtype and the launch's `Tuning` (chosen by
+shape class and dtype, `TUNING`), never the context length,
 the number of splits or the lengths, and the integer arguments that follow the context length are
 excluded from Triton's specialization, so one compiled kernel serves a whole generation. Correctness
 is tested on the CPU through Triton's interpreter (TRITON_INTERPRET=1) against the eager reference for
@@ -54,21 +55,31 @@ class Tuning:
     min_tokens: int
 
 
-# By shape class: the kernel, and whether its fp32 accumulator [HP, W] holds more than 64 x 64 values (MLA's
-# d_c = 256: fewer tokens per step and more warps keep the tiles in registers). Speed unmeasured on a GPU
-# so far: `python -m t6.bench.decode_kernels --sweep` times the candidates on one.
+# By the kernel, its shape class (whether the fp32 accumulator [HP, W] holds more than 64 x 64 values: MLA's
+# d_c = 256 and TPA at xl) and the cache's element size (fp32: 4 bytes; bf16, fp16: 2). Each entry fits every
+# shape of its class that a registered mechanism has at any size into an H100's 232,448 B of shared memory
+# without spilling registers, in sm_90 code compiled ahead of time (tests/test_triton_decode.py compiles each
+# for sm_90 with Triton's own ptxas on a machine without a GPU). A tuning chosen by shape alone did not fit: the
+# fp32 TPA kernel at small, medium and large needed 360,448 B, and 4 warps spilled registers in bf16.
+# Speed unmeasured on a GPU so far: `python -m t6.bench.decode_kernels --sweep` times the candidates on one.
 TUNING = {
-    ("tpa", False): Tuning(block_s=64, num_warps=4, num_stages=3, waves=2, min_tokens=256),
-    ("tpa", True): Tuning(block_s=32, num_warps=8, num_stages=2, waves=2, min_tokens=256),
-    ("latent", False): Tuning(block_s=64, num_warps=4, num_stages=3, waves=2, min_tokens=256),
-    ("latent", True): Tuning(block_s=32, num_warps=8, num_stages=2, waves=2, min_tokens=256),
+    ("tpa", False, 4): Tuning(block_s=32, num_warps=8, num_stages=2, waves=2, min_tokens=256),
+    ("tpa", False, 2): Tuning(block_s=32, num_warps=8, num_stages=3, waves=2, min_tokens=256),
+    ("tpa", True, 4): Tuning(block_s=16, num_warps=8, num_stages=2, waves=2, min_tokens=256),
+    ("tpa", True, 2): Tuning(block_s=16, num_warps=8, num_stages=2, waves=2, min_tokens=256),
+    ("latent", False, 4): Tuning(block_s=32, num_warps=8, num_stages=3, waves=2, min_tokens=256),
+    ("latent", False, 2): Tuning(block_s=32, num_warps=8, num_stages=3, waves=2, min_tokens=256),
+    ("latent", True, 4): Tuning(block_s=32, num_warps=8, num_stages=2, waves=2, min_tokens=256),
+    ("latent", True, 2): Tuning(block_s=32, num_warps=8, num_stages=3, waves=2, min_tokens=256),
 }
 COMBINE_CHUNK = 16  # splits merged per step by _combine_kernel
+SHARED_MEMORY_SM90 = 232_448  # bytes of shared memory a block may use on an H100 or H200
 
 
-def tuning_for(kernel: str, HP: int, W: int) -> Tuning:
-    """The table's tuning for `kernel` ("tpa" or "latent") with padded head count HP and value width W."""
-    return TUNING[kernel, HP * W > 64 * 64]
+def tuning_for(kernel: str, HP: int, W: int, dtype: torch.dtype) -> Tuning:
+    """The table's tuning for `kernel` ("tpa" or "latent") with padded head count HP and value width W, over a
+    cache of `dtype` (fp32; bf16 or fp16)."""
+    return TUNING[kernel, HP * W > 64 * 64, 4 if dtype.itemsize >= 4 else 2]
 
 
 # Host arithmetic in plain Python: triton.cdiv and triton.next_power_of_2 are constexpr functions whose
@@ -332,12 +343,36 @@ def _combine_kernel(
     tl.store(out_ptr + b * s_out_b + i * s_out_h + cols, y.to(out_ptr.dtype.element_ty), mask=cols < W)
 
 
-def _launch(kernel, args: tuple, constants: dict, tuning: Tuning, ws, out, n_splits: int, HP: int, WP: int, scale):
-    """The decode kernel on a (B, n_splits) grid, then the combine of its partials into out [B, h, W]."""
-    B, H, W = out.shape
-    kernel[B, n_splits](*args, **constants, num_warps=tuning.num_warps, num_stages=tuning.num_stages)
-    _combine_kernel[B, H](ws, out, n_splits, W, scale, out.stride(0), out.stride(1), HP=HP, WP=WP, CHUNK=COMBINE_CHUNK)
-    return out
+@dataclasses.dataclass
+class Launch:
+    """One call of an operator, planned: the decode kernel on a (B, splits) grid with its arguments, compile-time
+    constants and tuning, then the combine of its partials (the workspace ws) into out [B, h, W]. `run()`
+    launches both; t6.bench.kernel_fit compiles the same kernels ahead of time from a plan."""
+
+    kernel: object
+    args: tuple
+    constants: dict
+    tuning: Tuning
+    ws: torch.Tensor
+    out: torch.Tensor
+    splits: int
+    HP: int
+    WP: int
+    scale: float
+
+    def combine_args(self) -> tuple:
+        W = self.out.shape[2]
+        return (self.ws, self.out, self.splits, W, self.scale, self.out.stride(0), self.out.stride(1))
+
+    def combine_constants(self) -> dict:
+        return dict(HP=self.HP, WP=self.WP, CHUNK=COMBINE_CHUNK)
+
+    def run(self) -> torch.Tensor:
+        B, H, _ = self.out.shape
+        t = self.tuning
+        self.kernel[B, self.splits](*self.args, **self.constants, num_warps=t.num_warps, num_stages=t.num_stages)
+        _combine_kernel[B, H](*self.combine_args(), **self.combine_constants())
+        return self.out
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -356,13 +391,18 @@ def _mask_arg(key_mask: torch.Tensor | None, stand_in: torch.Tensor) -> tuple[to
 
 def tpa_decode(q_a, q_b, a_k, b_k, a_v, b_v, key_mask, lengths=None, tuning: Tuning | None = None) -> torch.Tensor:
     """Same arguments and result as t6::tpa_decode: [B, h, d_h]. tuning: the table's by default."""
+    return tpa_launch(q_a, q_b, a_k, b_k, a_v, b_v, key_mask, lengths, tuning).run()
+
+
+def tpa_launch(q_a, q_b, a_k, b_k, a_v, b_v, key_mask, lengths=None, tuning: Tuning | None = None) -> Launch:
+    """The launch `tpa_decode` makes, planned (its workspace and output allocated), not run."""
     B, S, R_K, H = a_k.shape
     D, R_V = b_k.shape[-1], a_v.shape[2]
     for name, t in (("a_k", a_k), ("b_k", b_k), ("a_v", a_v), ("b_v", b_v)):
         if t.stride(-1) != 1 or t.stride(-2) != t.shape[-1]:
             raise ValueError(f"{name} must be a cache view whose per-token [R, n] block is contiguous")
     HP, DP = _pow2(H), _pow2(D)
-    tuning = tuning or tuning_for("tpa", HP, DP)
+    tuning = tuning or tuning_for("tpa", HP, DP, b_k.dtype)
     n = splits(B, S, tuning, q_b.device)
     ws = q_b.new_empty(B * n * HP * (DP + 2), dtype=torch.float32)  # the partials (m, l, acc) of B x n programs
     mask, s_mask_b = _mask_arg(key_mask, q_b)
@@ -406,17 +446,22 @@ def tpa_decode(q_a, q_b, a_k, b_k, a_v, b_v, key_mask, lengths=None, tuning: Tun
         BLOCK_S=tuning.block_s,
     )
     out = q_b.new_empty(B, H, D)
-    return _launch(_tpa_kernel, args, constants, tuning, ws, out, n, HP, DP, 1.0 / R_V)
+    return Launch(_tpa_kernel, args, constants, tuning, ws, out, n, HP, DP, 1.0 / R_V)
 
 
 def latent_decode(q_lat, q_rope, c_kv, k_rope, key_mask, lengths=None, tuning: Tuning | None = None) -> torch.Tensor:
     """Same arguments and result as t6::latent_decode: [B, h, d_c]. tuning: the table's by default."""
+    return latent_launch(q_lat, q_rope, c_kv, k_rope, key_mask, lengths, tuning).run()
+
+
+def latent_launch(q_lat, q_rope, c_kv, k_rope, key_mask, lengths=None, tuning: Tuning | None = None) -> Launch:
+    """The launch `latent_decode` makes, planned (its workspace and output allocated), not run."""
     B, H, DC = q_lat.shape
     S, DR = c_kv.shape[1], k_rope.shape[-1]
     if c_kv.stride(-1) != 1 or k_rope.stride(-1) != 1:
         raise ValueError("c_kv and k_rope must be contiguous per token")
     HP, DCP, DRP = _pow2(H), _pow2(DC), _pow2(DR)
-    tuning = tuning or tuning_for("latent", HP, DCP)
+    tuning = tuning or tuning_for("latent", HP, DCP, c_kv.dtype)
     n = splits(B, S, tuning, q_lat.device)
     ws = q_lat.new_empty(B * n * HP * (DCP + 2), dtype=torch.float32)  # the partials (m, l, acc) of B x n programs
     mask, s_mask_b = _mask_arg(key_mask, q_lat)
@@ -445,4 +490,4 @@ def latent_decode(q_lat, q_rope, c_kv, k_rope, key_mask, lengths=None, tuning: T
         MASKED=key_mask is not None, LENGTHS=lengths is not None, HP=HP, DCP=DCP, DRP=DRP, BLOCK_S=tuning.block_s
     )
     out = q_lat.new_empty(B, H, DC)
-    return _launch(_latent_kernel, args, constants, tuning, ws, out, n, HP, DCP, 1.0)
+    return Launch(_latent_kernel, args, constants, tuning, ws, out, n, HP, DCP, 1.0)

@@ -1,0 +1,249 @@
+"""transformers' own model tests run against the export, for every registered mechanism: ModelTesterMixin
+and ConfigTester of transformers 5.24.0, vendored from its source distribution under
+tests/third_party/transformers_5_24 (see its README). The classes under test are the export's own, loaded
+from a directory export.py wrote (remote code), on a very small model of each mechanism.
+
+Every test of the mixin that applies runs; the others are skipped, each with its reason (SKIPS).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import sys
+import tempfile
+import types
+import unittest
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from t6.model.attention import available
+
+from conftest import hf_config, tiny_model_config
+
+PACKAGE = "third_party.transformers_5_24"  # README.md there: where the files come from
+VERSION = "5.24.0"
+
+
+def transformers_tests() -> tuple[types.ModuleType, types.ModuleType]:
+    """(test_modeling_common, test_configuration_common) of the vendored transformers tests.
+
+    The source distribution ships the top-level test files only; three modules they import are not in it,
+    so they are given here for the import alone: `exporters.test_export.ExportTesterMixin` (a base class
+    adding the torch.export tests: an empty base, those tests do not run), `generation.test_utils`
+    (GenerationTesterMixin: a name the mixin checks inheritance against; its generation tests are not in
+    the distribution, tests/test_hf_transformers.py checks generation) and `utils.test_configuration_utils`
+    (`config_common_kwargs`, read by ConfigTester.check_config_arguments_init only, which is not run)."""
+    stand_ins = {
+        "exporters": {},
+        "exporters.test_export": {"ExportTesterMixin": type("ExportTesterMixin", (), {})},
+        "generation": {},
+        "generation.test_utils": {"GenerationTesterMixin": type("GenerationTesterMixin", (), {})},
+        "utils": {},
+        "utils.test_configuration_utils": {"config_common_kwargs": {}},
+    }
+    for name, members in stand_ins.items():
+        if f"{PACKAGE}.{name}" not in sys.modules:
+            module = types.ModuleType(f"{PACKAGE}.{name}")
+            module.__path__ = []  # a package, for the submodules below it
+            vars(module).update(members)
+            sys.modules[f"{PACKAGE}.{name}"] = module
+    return (
+        importlib.import_module(f"{PACKAGE}.test_modeling_common"),
+        importlib.import_module(f"{PACKAGE}.test_configuration_common"),
+    )
+
+
+common, configuration_common = transformers_tests()
+
+# The mixin's tests that do not apply to a T6, by reason. Everything else runs and must pass.
+SKIPS = {
+    "needs a GPU, an accelerator library or several devices (this suite runs on the CPU)": [
+        "test_flash_attn_kernels_inference_equivalence",
+        "test_flash_attn_kernels_mps_inference_equivalence",
+        "test_flash_attn_2_inference_equivalence",
+        "test_flash_attn_2_inference_equivalence_right_padding",
+        "test_flash_attn_3_inference_equivalence",
+        "test_flash_attn_3_inference_equivalence_right_padding",
+        "test_flash_attn_4_inference_equivalence",
+        "test_flash_attn_4_inference_equivalence_right_padding",
+        "test_flash_attn_2_can_dispatch_composite_models",
+        "test_flash_attn_3_can_dispatch_composite_models",
+        "test_flash_attn_4_can_dispatch_composite_models",
+        "test_flash_attn_2_fp32_ln",
+        "test_flash_attn_2_can_compile_with_attention_mask_None_without_graph_break",
+        "test_flash_attn_2_from_config",
+        "test_flash_attn_3_from_config",
+        "test_flash_attn_4_from_config",
+        "test_sdpa_can_dispatch_on_flash",
+        "test_disk_offload_bin",
+        "test_disk_offload_safetensors",
+        "test_cpu_offload",
+        "test_model_parallelism",
+        "test_resize_tokens_embeddings_with_deepspeed",
+        "test_resize_tokens_embeddings_with_deepspeed_multi_gpu",
+        "test_resize_embeddings_untied_with_deepspeed",
+        "test_resize_embeddings_untied_with_deepspeed_multi_gpu",
+        "test_kernels_can_load_without_crashing",
+    ],
+    "transformers' attention implementations (eager, sdpa, flash, flex): each T6 mechanism is its own attention, "
+    "not one of transformers' attention functions, so there is nothing to dispatch or compare": [
+        "test_attn_implementation_composite_models",
+        "test_sdpa_can_dispatch_non_composite_models",
+        "test_sdpa_can_dispatch_composite_models",
+        "test_eager_matches_sdpa_inference",
+        "test_eager_matches_batched_and_grouped_inference",
+        "test_sdpa_can_compile_dynamic",
+        "test_config_attn_implementation_setter",
+        "test_can_set_attention_dynamically",
+        "test_can_set_attention_dynamically_composite_model",
+        "test_flex_attention_with_grads",
+        "test_sliding_window_mask",
+    ],
+    "transformers' output capture (capture_outputs, _can_record_outputs): a T6 returns hidden states and "
+    "attentions from its own forward": [
+        "test_capture_outputs_decorator",
+        "test_format_of_can_record_outputs",
+        "test_can_capture_specific_layers_hidden_states",
+    ],
+    "another architecture's feature: a T6 has no mixture of experts, feed-forward chunking, position-embedding "
+    "table, rope scaling, tensor-parallel plan, weight-name conversion, base model class or other modalities": [
+        "test_moe_models_record_router_logits",
+        "test_output_router_logits_from_config",
+        "test_feed_forward_chunking",
+        "test_resize_position_vector_embeddings",
+        "test_model_rope_scaling_from_config",
+        "test_model_rope_scaling_frequencies",
+        "test_vision_axial_rope",
+        "test_model_rope_with_partial_rotation",
+        "test_tp_plan_matches_params",
+        "test_reverse_loading_mapping",
+        "test_can_load_from_already_mapped_keys",
+        "test_base_model_prefix_loads_base_weights",
+        "test_encoder_decoder_loss_no_double_shift",
+        "test_multimodal_outputs_are_returned",
+        "test_get_text_features_output",
+        "test_get_text_features_hidden_states",
+        "test_get_text_features_attentions",
+        "test_get_image_features_output",
+        "test_get_image_features_pooler_output",
+        "test_get_image_features_hidden_states",
+        "test_get_image_features_attentions",
+        "test_get_audio_features_output",
+        "test_get_audio_features_hidden_states",
+        "test_get_audio_features_attentions",
+        "test_get_video_features_output",
+        "test_get_video_features_pooler_output",
+        "test_get_video_features_hidden_states",
+        "test_get_video_features_attentions",
+        "test_problem_types",
+        "test_keep_in_fp32_modules",
+        "test_keep_in_fp32_modules_strict_also_hardcode_fp32",
+    ],
+    "expects transformers' GradientCheckpointingLayer among the modules: T6's blocks checkpoint themselves "
+    "(T6.gradient_checkpointing; the model knows nothing of transformers), tested in tests/test_hf_transformers.py "
+    "(each block runs again in backward, the same gradients)": [
+        "test_gradient_checkpointing_enable_disable",
+        "test_training_gradient_checkpointing",
+        "test_training_gradient_checkpointing_use_reentrant_false",
+        "test_training_gradient_checkpointing_use_reentrant_true",
+    ],
+    "compiles the whole model with inductor (minutes on two CPU cores); T6's own compiled training is tested in "
+    "tests/test_model.py": [
+        "test_torch_compile_for_training",
+    ],
+    "GenerationTesterMixin is not in transformers' source distribution (tests/generation is left out of it); "
+    "generate() is tested in tests/test_hf_transformers.py": [
+        "test_generation_tester_mixin_inheritance",
+    ],
+}
+SKIPPED = {test: reason for reason, tests in SKIPS.items() for test in tests}
+
+
+class T6ModelTester:
+    """What ModelTesterMixin asks of a model tester: a small config of one mechanism and its inputs."""
+
+    batch_size = 2
+    seq_length = 7
+    is_training = True
+    vocab_size = 99
+
+    def __init__(self, parent, config_class, cfg):
+        self.parent, self.config_class, self.cfg = parent, config_class, cfg
+        self.hidden_size, self.num_hidden_layers, self.num_attention_heads = cfg.d_model, cfg.n_layer, cfg.n_head
+
+    def get_config(self):
+        return hf_config(self.config_class, self.cfg)
+
+    def prepare_config_and_inputs_for_common(self):
+        input_ids = common.ids_tensor([self.batch_size, self.seq_length], self.vocab_size - 1)  # below the pad id
+        mask = torch.ones_like(input_ids)
+        mask[0, :2] = 0  # one row left-padded
+        return self.get_config(), {"input_ids": input_ids, "attention_mask": mask}
+
+
+class T6MixinTest(common.ModelTesterMixin):
+    """ModelTesterMixin on the exported T6ForCausalLM of one mechanism (`attention`, set per subclass)."""
+
+    attention = ""
+    test_torch_exportable = False  # ExportTesterMixin's tests are not in the source distribution
+    test_all_params_have_gradient = True
+
+    @pytest.fixture(autouse=True)
+    def exported(self, hf_classes):
+        self.config_class, self.model_class = hf_classes
+        self.model_tester = T6ModelTester(self, self.config_class, model_config(self.attention))
+
+    @property
+    def all_model_classes(self):
+        return (self.model_class,)
+
+    def _prepare_for_class(self, inputs_dict, model_class, return_labels=False):
+        """The mixin's own, with the labels it gives the causal LMs of transformers' Auto classes (a T6 is not one)."""
+        inputs = super()._prepare_for_class(inputs_dict, model_class, return_labels)
+        if return_labels:
+            inputs["labels"] = torch.zeros_like(inputs["input_ids"])
+        return inputs
+
+    def test_config(self):
+        """ConfigTester's common checks (check_config_arguments_init reads config_common_kwargs, which is not in
+        the source distribution)."""
+        cfg = self.model_tester.cfg
+        tester = configuration_common.ConfigTester(self, config_class=self.config_class, **asdict(cfg))
+        tester.create_and_test_config_common_properties()
+        tester.create_and_test_config_to_json_string()
+        tester.create_and_test_config_to_json_file()
+        tester.create_and_test_config_from_and_save_pretrained()
+        tester.create_and_test_config_from_and_save_pretrained_subfolder()
+        tester.create_and_test_config_with_num_labels()
+        tester.check_config_can_be_init_without_params()
+
+
+def test_the_vendored_tests_are_the_pinned_transformers():
+    assert transformers.__version__ == VERSION, "re-vendor tests/third_party/transformers_5_24 for this transformers"
+
+
+@functools.cache
+def model_config(attention: str):
+    return tiny_model_config(Path(tempfile.gettempdir()), attention)  # composes the config, writes nothing
+
+
+def skipped(name: str):
+    return unittest.skip(SKIPPED[name])(getattr(T6MixinTest, name))
+
+
+QUICK = ("mha", "tpa")  # the mechanisms whose mixin runs stay in the quick subset (-m 'not slow'); CI runs all
+
+
+def mixin_test_class(attention: str) -> type:
+    """The mixin's test case for one mechanism, its skips declared (SKIPS)."""
+    members = {"attention": attention, **{test: skipped(test) for test in SKIPPED}}
+    cls = type(f"TestT6Mixin_{attention}", (T6MixinTest, unittest.TestCase), members)
+    return cls if attention in QUICK else pytest.mark.slow(cls)  # ~15 s each on two cores
+
+
+globals().update({f"TestT6Mixin_{name}": mixin_test_class(name) for name in available()})

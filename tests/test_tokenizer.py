@@ -1,5 +1,5 @@
 """The tokenizer travels with the model: shards in any tokenizer (uint32 past 65,536 tokens), data preparation,
-evaluation and generation in the imported model's own tokenizer, equal to transformers' and lm-eval's `hf`."""
+evaluation, generation and export in the imported model's own tokenizer, equal to transformers' and lm-eval's `hf`."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from t6.data.datamodule import TokenDataModule
 from t6.data.shards import HEADER_BYTES, Manifest, read_shard, write_shard
 from t6.data.tokenizer import PretrainedTokenizer, from_spec, gpt2, load_tokenizer
 
-from tiny_llama import save_llama_directory, tiny_tokenizer
+from tiny_llama import BOS, EOS, save_llama_directory, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -128,3 +128,71 @@ def test_generation_in_the_models_tokenizer_equals_transformers(llama_dir):
     ids = torch.tensor([tok.encode(prompt).ids])
     want = hf.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert run(cfg) == [tok.decode(want[0].tolist(), skip_special_tokens=False)]
+
+
+@pytest.fixture(scope="module")
+def converted_export(llama_dir, tmp_path_factory):
+    """The tiny Llama imported, converted into MQA (its KV heads pooled) and exported -> (the T6, the directory)."""
+    from t6.hf.export import write_export
+    from t6.uptrain.convert import convert_checkpoint
+
+    root = tmp_path_factory.mktemp("converted")
+    convert_checkpoint(llama_dir[0], "mqa", out=root / "mqa.ckpt")
+    return write_export(root / "mqa.ckpt", root / "t6-mqa")
+
+
+def test_a_converted_pretrained_model_exports_with_its_own_tokenizer(llama_dir, converted_export):
+    """The directory carries the Llama's tokenizer (its special tokens, chat template, end of text as pad), which
+    transformers and the project read back, and records its token ids in config.json."""
+    from transformers import AutoTokenizer
+
+    from t6.hf.export import check_export, sample_tokens
+
+    (path, _), (model, out) = llama_dir, converted_export
+    source, tok = AutoTokenizer.from_pretrained(path), load_tokenizer(path)
+    assert load_tokenizer(out) == tok and load_tokenizer(out).spec() == tok.spec()  # the project reads it back
+    exported = AutoTokenizer.from_pretrained(out, trust_remote_code=True)
+    text = TINY_SHAKESPEARE.read_text()[:5000] + f"{EOS}{BOS}"
+    assert exported(text)["input_ids"] == source(text)["input_ids"] == tok.encode(text)
+    chat = [{"role": "user", "content": "Speak."}, {"role": "assistant", "content": "Speak, I say."}]
+    assert exported.apply_chat_template(chat, tokenize=False) == source.apply_chat_template(chat, tokenize=False)
+    ids = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 1}  # no pad token of its own: the end of text
+    assert (exported.bos_token_id, exported.eos_token_id, exported.pad_token_id) == tuple(ids.values())
+    config = json.loads((out / "config.json").read_text())
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert {k: config[k] for k in ids} == {k: generation[k] for k in ids} == ids
+    assert config["t6_tokenizer"]["id"] == tok.id and "json" not in config["t6_tokenizer"]
+    assert "the pretrained model's own" in (out / "README.md").read_text()
+    assert check_export(out, model, sample_tokens(model.cfg, tok)) <= 1e-5  # Llama 3's RoPE remap too
+
+
+@pytest.mark.slow  # eval.py and lm-eval's hf model on the export, 0- and 2-shot (~25 s on two shared cores)
+def test_lm_eval_hf_scores_a_converted_pretrained_export_as_the_t6_adapter(converted_export, make_cfg):
+    """lm-eval's `hf` model gives the export the accuracies eval.py's `t6` adapter gives it on the local tasks."""
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+
+    from t6.evaluation.callback import build_eval_callback
+    from t6.evaluation.checkpoint import evaluate_checkpoint
+    from t6.evaluation.harness import flat_metrics
+
+    _, out = converted_export
+    tasks = [
+        f"eval.local_tasks.{t}.{k}={v}"
+        for t in ("t6_next_line", "t6_cloze")
+        for k, v in (("n_test", 8), ("n_fewshot", 4))
+    ]
+    ecfg = make_cfg(*tasks, f"ckpt_path={out}", "eval.limit=8", config_name="evaluate", small=False)
+    ours, _ = evaluate_checkpoint(ecfg)  # eval.py: the t6 adapter, in the tokenizer it reads back from the directory
+    callback = build_eval_callback(ecfg.eval)
+    spec = callback.spec
+    hf = HFLM(pretrained=str(out), trust_remote_code=True, logits_cache=False, batch_size=4, device="cpu")
+    results = {
+        n: simple_evaluate(model=hf, tasks=spec.tasks, num_fewshot=n, limit=spec.limit, fewshot_random_seed=1234,
+                           task_manager=callback.task_manager, random_seed=None, numpy_random_seed=None,
+                           torch_random_seed=None)
+        for n in spec.num_fewshot
+    }  # fmt: skip
+    theirs = flat_metrics(results, spec)
+    assert set(theirs) == set(ours) and len(ours) >= 8
+    assert all(theirs[k] == pytest.approx(ours[k], abs=1e-9) for k in ours), (ours, theirs)

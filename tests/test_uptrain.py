@@ -191,6 +191,16 @@ def test_converted_model_is_close_to_its_source_and_uptrains(make_cfg, tmp_path)
     assert math.isfinite(metrics["val/loss"]) and metrics["val/loss"] < rand_loss - 2.0
 
 
+def test_a_warm_starts_block_size_is_the_datas_sequence_length_unless_set(make_cfg, tmp_path):
+    out = tmp_path / "mqa.ckpt"
+    convert_checkpoint(save_training_checkpoint(random_mha(), tmp_path / "mha.ckpt"), "mqa", out=out)
+    plan = plan_run(make_cfg(f"init_from={out}"))  # the config's size.block_size is 64, the model's 32
+    assert plan.batch.seq_len == SMALL["block_size"] == plan.model.block_size
+    assert plan.cfg.size.block_size == plan.cfg.data.seq_len == 64  # the config as given, nothing written back
+    assert plan.logged_config().data.seq_len == SMALL["block_size"]  # what MLflow records is what runs
+    assert plan_run(make_cfg(f"init_from={out}", "data.seq_len=16")).batch.seq_len == 16  # set: kept
+
+
 def test_train_tells_warm_start_from_resume(make_cfg, tmp_path):
     ckpt = save_training_checkpoint(random_mha(), tmp_path / "mha.ckpt")
     out = tmp_path / "mqa.ckpt"

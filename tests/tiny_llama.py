@@ -16,6 +16,7 @@ from t6.data.corpus import TINY_SHAKESPEARE
 VOCAB = 384  # the tokenizer's tokens (the model's embedding has a few more rows, as real models pad)
 MODEL_VOCAB = 400
 EOS, BOS = "</s>", "<s>"
+CHAT_TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"  # no pad token
 
 
 @functools.cache
@@ -95,7 +96,9 @@ def save_llama_directory(out: Path, seed: int = 0, **overrides):
 
     model = random_llama(seed, **overrides)
     model.save_pretrained(out)
-    PreTrainedTokenizerFast(tokenizer_object=tiny_tokenizer(), bos_token=BOS, eos_token=EOS).save_pretrained(out)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tiny_tokenizer(), bos_token=BOS, eos_token=EOS, chat_template=CHAT_TEMPLATE
+    ).save_pretrained(out)
     return model
 
 

@@ -177,8 +177,9 @@ def main() -> None:
     study = Study(args)
     gguf = smollm2_gguf()
     work = study.work
+    from importlib.metadata import version
+
     import torch
-    import transformers
 
     study.data["benchmark"] = "pretrained"  # t6.report.experiments' layout
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
@@ -187,10 +188,15 @@ def main() -> None:
         "machine": f"{os.cpu_count()} cores of an {cpu} (shared with other jobs; this study at nice 19)",
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "transformers": transformers.__version__,
+        **{name: version(name) for name in ("transformers", "tokenizers", "lm_eval", "gguf")},
+        "commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip(),
         "date": date.today().isoformat(),
     }
-    study.data["settings"] = {**vars(args), "data": DATA, "targets": {k: TARGETS[k] for k in args.targets.split(",")}}
+    done = (study.data.get("settings") or {}).get("targets", {})  # a run of some targets keeps the others' rows
+    targets = {**done, **{k: TARGETS[k] for k in args.targets.split(",")}}
+    study.data["settings"] = {**vars(args), "data": DATA, "targets": targets}
     source = work / "smollm2.ckpt"
     study.step("import", lambda: study.convert(gguf, "gqa", [], 0, source, kv="3"))
     study.step("source/facts", lambda: study.facts(source))
@@ -237,7 +243,8 @@ def uptrain(study: Study, target: str, init: Path, teacher: Path) -> dict:
     import torch
 
     steps = int(torch.load(uptrained(study, target), weights_only=True, mmap=True)["global_step"])
-    return {"steps": steps, "tokens": steps * 4 * 256, "minutes": wall}
+    settings = {"max_minutes": minutes, "schedule_steps": a.uptrain_steps, "lr": a.lr}  # as run (a rerun may differ)
+    return {"steps": steps, "tokens": steps * 4 * 256, "minutes": wall, **settings}
 
 
 def val_loss(ckpt: Path, work: Path) -> float:

@@ -130,14 +130,25 @@ class GPT2Tokenizer(Tokenizer):
 
 
 class PretrainedTokenizer(Tokenizer):
-    """A Hugging Face `tokenizers` Tokenizer (a pretrained model's), kept as its JSON."""
+    """A Hugging Face `tokenizers` Tokenizer (a pretrained model's), kept as its JSON, with what transformers'
+    tokenizer adds around it: the special tokens by role (`special_tokens`: bos_token, eos_token, unk_token,
+    pad_token as text) and the chat template, which an export writes back (t6.hf.tokenizer)."""
 
-    def __init__(self, json: str, name: str, eot: int, bos: int | None = None):
+    def __init__(
+        self,
+        json: str,
+        name: str,
+        eot: int,
+        bos: int | None = None,
+        special_tokens: dict[str, str] | None = None,
+        chat_template: str | None = None,
+    ):
         from tokenizers import Tokenizer as Backend
 
         self.backend = Backend.from_str(json)
         self.json = self.backend.to_str()  # one form, so equal tokenizers have equal ids
         self.name, self.eot, self.bos = name, int(eot), bos
+        self.special_tokens, self.chat_template = dict(special_tokens or {}), chat_template
         self.n_vocab = max(self.backend.get_vocab(with_added_tokens=True).values()) + 1  # ids may have gaps
         self.id = f"hf-tokenizer:{hashlib.sha256(self.json.encode()).hexdigest()[:16]}"
 
@@ -161,6 +172,8 @@ class PretrainedTokenizer(Tokenizer):
             "json": self.json,
             "eot": self.eot,
             "bos": self.bos,
+            "special_tokens": self.special_tokens,
+            "chat_template": self.chat_template,
         }
 
 
@@ -175,13 +188,30 @@ def from_spec(spec: dict[str, Any] | None) -> Tokenizer:
     if spec is None or spec.get("kind") == GPT2:
         return gpt2()
     if spec.get("kind") == "tokenizers":
-        return _from_json(spec["json"], spec["name"], int(spec["eot"]), spec.get("bos"))
+        special = tuple(sorted((spec.get("special_tokens") or {}).items()))  # checkpoints before it: none
+        template = spec.get("chat_template")
+        return _from_json(spec["json"], spec["name"], int(spec["eot"]), spec.get("bos"), special, template)
     raise ValueError(f"unknown tokenizer kind {spec.get('kind')!r} in a checkpoint (known: gpt2, tokenizers)")
 
 
 @functools.lru_cache(maxsize=8)
-def _from_json(json: str, name: str, eot: int, bos: int | None) -> PretrainedTokenizer:
-    return PretrainedTokenizer(json, name, eot, bos)
+def _from_json(
+    json: str, name: str, eot: int, bos: int | None, special: tuple = (), chat_template: str | None = None
+) -> PretrainedTokenizer:
+    return PretrainedTokenizer(json, name, eot, bos, dict(special), chat_template)
+
+
+def exported_tokenizer(directory: str | Path, record: dict[str, Any]) -> Tokenizer:
+    """The tokenizer of a T6 export (t6.hf.export): what its config.json records (`Tokenizer.spec` without the
+    JSON), with the directory's tokenizer.json; GPT-2 where it records GPT-2."""
+    if record.get("kind") != "tokenizers":
+        return from_spec(record)
+    path = Path(directory) / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{directory}: config.json records the tokenizer {record.get('name')} but the directory has no {path.name}"
+        )
+    return from_spec({**record, "json": path.read_text(encoding="utf-8")})
 
 
 def checkpoint_tokenizer(ckpt: dict) -> Tokenizer:
@@ -189,6 +219,10 @@ def checkpoint_tokenizer(ckpt: dict) -> Tokenizer:
     model's own, read from where it came from (t6.model.pretrained); else GPT-2 (every checkpoint from before
     tokenizers were recorded)."""
     source = ckpt.get("source") or {}
+    from t6.model.load import HF_FORMAT
+
+    if ckpt.get("format") == HF_FORMAT and source.get("hf_dir"):  # a T6 export: what its config.json records
+        return exported_tokenizer(source["hf_dir"], ckpt.get("tokenizer") or {"kind": GPT2})
     if ckpt.get("tokenizer") is None and source.get("model_type") and source.get("path"):
         tokenizer = pretrained_tokenizer(source["path"])
         if tokenizer is None:
@@ -227,7 +261,8 @@ def pretrained_tokenizer(path: str | Path) -> PretrainedTokenizer | None:
     eot = hf.eos_token_id if hf.eos_token_id is not None else hf.bos_token_id
     if eot is None:
         raise ValueError(f"the tokenizer of {path} names no end-of-text (eos) token to separate documents with")
-    return _from_json(hf.backend_tokenizer.to_str(), str(path), int(eot), hf.bos_token_id)
+    special = tuple(sorted((k, v) for k, v in hf.special_tokens_map.items() if isinstance(v, str)))
+    return _from_json(hf.backend_tokenizer.to_str(), str(path), int(eot), hf.bos_token_id, special, hf.chat_template)
 
 
 def load_tokenizer(setting: str | Path | None) -> Tokenizer:

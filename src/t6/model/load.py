@@ -36,6 +36,7 @@ HF_WEIGHTS = "model.safetensors"
 HF_WEIGHTS_INDEX = "model.safetensors.index.json"  # transformers' sharded weights
 HF_PREFIX = "model."  # T6ForCausalLM holds its T6 as `model`, as the Lightning module does
 HF_SOURCE = "t6_source"  # config.json: where the exported weights came from (MLflow run, steps, tokens)
+HF_TOKENIZER = "t6_tokenizer"  # config.json: the tokenizer's record (t6.data.tokenizer's spec without its JSON)
 
 
 def read_checkpoint(path, what: str = "ckpt_path", map_location: Any = "cpu", mmap: bool = False) -> dict:
@@ -74,9 +75,10 @@ def read_checkpoint(path, what: str = "ckpt_path", map_location: Any = "cpu", mm
 
 
 def read_hf_directory(path: Path, what: str = "ckpt_path") -> dict:
-    """A Hugging Face directory of a T6 -> {format: HF_FORMAT, model_config, state_dict, source}: the
+    """A Hugging Face directory of a T6 -> {format: HF_FORMAT, model_config, state_dict, source, tokenizer}: the
     ModelConfig fields of config.json (checked), the T6 state dict from safetensors (the tied LM head
-    filled in from the embedding) and the provenance export.py recorded."""
+    filled in from the embedding), the provenance export.py recorded and its tokenizer's record (None before
+    exports recorded one: GPT-2; read with the directory's tokenizer.json by t6.data.tokenizer)."""
     from safetensors.torch import load_file
 
     config_file = path / HF_CONFIG
@@ -126,6 +128,7 @@ def read_hf_directory(path: Path, what: str = "ckpt_path") -> dict:
         "source": source,
         "mlflow_run_id": source.get("mlflow_run_id"),
         "global_step": source.get("steps") or 0,
+        "tokenizer": config.get(HF_TOKENIZER),
     }
 
 

@@ -208,8 +208,11 @@ def pretrained_table(payload: dict) -> str:
     distillation, after uptraining): KV cache, validation loss, the local tasks' averages and the share of the
     source's accuracy above chance they keep, tokens and minutes spent."""
     env, steps = payload["environment"], payload["steps"]
-    caption_ = f"*{env['machine']}; Python {env['python']}, torch {env['torch']}, transformers {env['transformers']}"
-    caption_ += f"; {env['date']}.*"
+    versions = [
+        f"{name} {env[name]}" for name in ("torch", "transformers", "tokenizers", "lm_eval", "gguf") if name in env
+    ]
+    caption_ = f"*{env['machine']}; Python {env['python']}, {', '.join(versions)}"
+    caption_ += (f"; commit {env['commit']}" if env.get("commit") else "") + f"; {env['date']}.*"
     source_kv = steps["source/facts"]["kv_bytes_per_token"]
     src = steps["source/eval"]["metrics"]
 
@@ -233,6 +236,11 @@ def pretrained_table(payload: dict) -> str:
 
     imported = steps["import"]
     rows = [row("SmolLM2-135M (GQA)", "imported", source_kv, imported["source_val_loss"], src, "-", "-")]
+    if "source/lm_eval_hf" in steps:  # the same items scored by lm-eval's own hf model on the GGUF file
+        hf = steps["source/lm_eval_hf"]
+        rows.append(
+            row("SmolLM2-135M (GQA)", "lm-eval `hf`", source_kv, None, hf["metrics"], "-", f"{hf['minutes']:.1f}")
+        )
     for target in payload["settings"]["targets"]:
         if f"{target}/facts" not in steps:
             continue

@@ -48,7 +48,7 @@ def execute(plan: RunPlan) -> tuple[dict[str, float], dict[str, Any]]:
 
 def fit(plan: RunPlan) -> tuple[dict[str, float], dict[str, Any]]:
     datamodule: L.LightningDataModule = instantiate(
-        plan.cfg.data, batch_size=plan.batch.micro_batch, tokenizer=plan.tokenizer
+        plan.cfg.data, batch_size=plan.batch.micro_batch, seq_len=plan.batch.seq_len, tokenizer=plan.tokenizer
     )
     datamodule.prepare_data()
     datamodule.setup("fit")
@@ -119,7 +119,7 @@ def build_module(plan: RunPlan) -> T6LitModule:
     model = T6LitModule(
         model_config=asdict(plan.model),
         optimizer=instantiate(cfg.optimizer),
-        scheduler=instantiate(cfg.lr_ablation.scheduler) if plan.schedule is not None else None,
+        scheduler=schedule(plan),
         compile=plan.hardware.compile,
         run_config=OmegaConf.to_container(plan.logged_config(), resolve=True),
         nonfinite_loss=plan.training.nonfinite_loss,
@@ -135,6 +135,16 @@ def build_module(plan: RunPlan) -> T6LitModule:
 
         model.model.load_state_dict(load_warm_start(plan.warm_start.path)["state_dict"])  # a resume overrides these
     return model
+
+
+def schedule(plan: RunPlan):
+    """The learning-rate schedule the plan decided (its steps follow a warm start's data.seq_len), or None."""
+    if plan.schedule is None:
+        return None
+    s = plan.schedule
+    return instantiate(
+        plan.cfg.lr_ablation.scheduler, warmup_steps=s.warmup, total_steps=s.total, max_lr=s.max_lr, min_lr=s.min_lr
+    )
 
 
 def failure_note(trainer: L.Trainer, plan: RunPlan, err: BaseException) -> str:
@@ -199,6 +209,7 @@ def build_trainer(plan: RunPlan, eval_callback: L.Callback | None) -> L.Trainer:
         logger=instantiate_dict(cfg.get("logger"), loggers) or False,
         accumulate_grad_batches=plan.batch.accumulation,
         val_check_interval=plan.training.val_check_interval,
+        max_steps=plan.training.max_steps,
     )
 
 

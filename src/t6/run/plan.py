@@ -302,8 +302,11 @@ class RunPlan:
 
 def plan_run(cfg: DictConfig) -> RunPlan:
     """Every decision a training run makes before the Trainer exists, and every check (see the module docstring)."""
-    cfg = copy.deepcopy(cfg)  # resolvers and the checks read it; nothing writes into it
-    warm = plan_warm_start(cfg)
+    given = copy.deepcopy(cfg)  # resolvers and the checks read it; nothing writes into it
+    warm = plan_warm_start(given)
+    # A warm start's model shape is the run's: what follows size.* (data.seq_len's ${size.block_size}, the uptrain
+    # recipe's step count) follows it; the decisions below read this copy, the plan keeps the config as given.
+    cfg = recipe.with_model_config(given, asdict(warm.model)) if warm is not None else given
     tokenizer = plan_tokenizer(cfg)  # tokenizer=null: init_from's own, else GPT-2
     mcfg, problems = checks.config_problems(cfg)
     if problems:
@@ -324,7 +327,7 @@ def plan_run(cfg: DictConfig) -> RunPlan:
     warnings += tuple(w for w in [schedule.warning() if schedule else None] if w)
     warnings += (tracking.offline_note(),) if tracking is not None and tracking.unreachable else ()
     return RunPlan(
-        cfg,
+        given,
         mcfg,
         hardware,
         parallel,

@@ -1,27 +1,27 @@
-"""Convert an MHA checkpoint into GQA or MQA for uptraining:
-`python convert.py ckpt_path=MHA.ckpt target=gqa target_kv_heads=2 out=gqa2.ckpt` (see conf/convert.yaml)."""
+"""Convert a model's attention into any registered mechanism for uptraining (conf/convert.yaml):
+`python convert.py ckpt_path=SOURCE target=mla +options.kv_lora_rank=96 distill_steps=200 out=ckpt/mla.ckpt`."""
 
-import hydra
-from omegaconf import DictConfig
+import os
+from pathlib import Path
 
-from t6.run.cli import entry, register, user_errors
+os.environ.setdefault("T6_ROOT", str(Path(__file__).resolve().parent))
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from t6.run.cli import entry, register, user_errors  # noqa: E402
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="convert")
 def main(cfg: DictConfig) -> None:
-    from t6.uptrain.convert import convert_checkpoint
+    from t6.uptrain.cli import run
 
-    with user_errors():  # a missing or damaged checkpoint, a target it cannot become, an out= that cannot be written
-        ckpt = convert_checkpoint(cfg.ckpt_path, cfg.target, cfg.target_kv_heads, cfg.method, cfg.out)
-    conv, src = ckpt["conversion"], ckpt["source"]
-    print(
-        f"wrote {cfg.out}: {src['attention']} (h={src['n_head']}) -> {conv['target']} "
-        f"with {conv['kv_heads']} KV head{'s' if conv['kv_heads'] > 1 else ''} "
-        f"({conv['method']}); source run {src['mlflow_run_id']}, {src['tokens']} tokens in {src['steps']} steps\n"
-        f"uptrain with: python train.py experiment=uptrain init_from={cfg.out} uptrain_fraction=0.05"
-    )
+    with user_errors():  # a setting or a source to fix: said without a traceback
+        lines = run(cfg)
+    for line in lines:
+        print(line)
 
 
 if __name__ == "__main__":
     register()  # t6's resolvers and each mechanism's options, before Hydra composes
-    entry(main)  # a mistake in the config, on the command line or in a file: one message, exit 2
+    entry(main)  # a mistake in the config or on the command line: one message, exit 2

@@ -14,10 +14,10 @@ def main(cfg: DictConfig) -> None:
     from t6.inference.generate import generate_text, load_for_generation
 
     with user_errors():  # a setting out of range, a missing or damaged checkpoint, a prompt too long
-        model, prompts = load_for_generation(cfg)
+        model, tokenizer, prompts = load_for_generation(cfg)
     torch.manual_seed(cfg.seed)
     texts = generate_text(
-        model, prompts, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, cfg.stop_at_eot, cfg.seed
+        model, prompts, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, cfg.stop_at_eot, cfg.seed, tokenizer
     )
     for text in texts:
         print(text)

@@ -14,6 +14,7 @@ from t6.run.cli import entry, register, user_errors  # noqa: E402
 @hydra.main(version_base="1.3", config_path="conf", config_name="prepare")
 def main(cfg: DictConfig) -> None:
     from t6.data.prepare import prepare_dataset
+    from t6.data.tokenizer import load_tokenizer
 
     d = cfg.dataset
     with user_errors():  # missing files, a field the rows do not have, another data set in out_dir
@@ -27,10 +28,12 @@ def main(cfg: DictConfig) -> None:
             shard_tokens=d.shard_tokens,
             max_tokens=d.max_tokens,
             num_proc=d.num_proc,
+            tokenizer=load_tokenizer(cfg.tokenizer),
         )
     tokens = sum(s["tokens"] for s in manifest.shards)
     print(f"{d.out_dir}: {len(manifest.shards)} shards, {tokens:,} tokens (shard 0 is validation)")
-    print(f"train on it with: python train.py data={d.data_config} data.data_dir={d.out_dir}")
+    with_tokenizer = "" if cfg.tokenizer in (None, "gpt2") else f" tokenizer={cfg.tokenizer}"
+    print(f"train on it with: python train.py data={d.data_config} data.data_dir={d.out_dir}{with_tokenizer}")
 
 
 if __name__ == "__main__":

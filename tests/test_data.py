@@ -10,7 +10,7 @@ from t6.data.batching import sequences_per_step, world_size
 from t6.data.corpus import TINY_SHAKESPEARE, prepare_text_corpus
 from t6.data.datamodule import TokenDataModule, TrainStream, Windows
 from t6.data.shards import Manifest, ShardError, read_shard, write_shard
-from t6.data.tokenizer import EOT, GPT2_RANKS_SHA256, gpt2_encoding, sha256_file
+from t6.data.tokenizer import EOT, GPT2_RANKS_SHA256, gpt2, gpt2_encoding, sha256_file
 
 
 def test_shipped_assets_are_the_expected_files():
@@ -46,14 +46,21 @@ def test_corpus_cache_is_reused_and_rebuilt_when_the_source_changes(tmp_path):
     text.write_text("Now is the winter of our discontent.\n" * 300)
     m2 = prepare_text_corpus(text, out)
     assert m2.source["sha256"] != m1.source["sha256"]
-    train = Manifest.load(out).open(out, "train", m2.tokenizer)[0]
+    train = Manifest.load(out).open(out, "train", gpt2())[0]
     assert train[0] == EOT and gpt2_encoding().decode(train[1:9].tolist()).startswith("Now is the winter")
 
 
-def test_tokenizer_mismatch_is_rejected(tmp_path):
+def test_tokenizer_mismatch_is_rejected_naming_both(tmp_path):
+    from t6.data.tokenizer import PretrainedTokenizer
+
+    from tiny_llama import tiny_tokenizer
+
     prepare_text_corpus(TINY_SHAKESPEARE, tmp_path)
-    with pytest.raises(ShardError, match="made with tokenizer"):
-        Manifest.load(tmp_path).open(tmp_path, "train", "another-tokenizer")
+    other = PretrainedTokenizer(tiny_tokenizer().to_str(), "tiny-bpe", eot=1)
+    with pytest.raises(
+        ShardError, match=rf"made with tokenizer gpt2 \(gpt2-bpe:.*uses tokenizer tiny-bpe \({other.id}"
+    ):
+        Manifest.load(tmp_path).open(tmp_path, "train", other)
 
 
 def test_stream_is_deterministic_disjoint_across_ranks_and_resumable():

@@ -75,7 +75,7 @@ def test_loglikelihood_equals_model_logprob_including_long_contexts():
     # through the string interface: the continuation is the text after the context
     instances = [SimpleNamespace(args=("To be, or not", " to be")), SimpleNamespace(args=("", "Hello world"))]
     lp_str = lm.loglikelihood(instances, disable_tqdm=True)
-    enc = lm.enc
+    enc = lm.tokenizer
     ctx, whole = enc.encode("To be, or not"), enc.encode("To be, or not to be")
     with torch.no_grad():
         assert lp_str[0][0] == pytest.approx(direct_logprob(model, ctx, whole[len(ctx) :])[0], abs=1e-3)

@@ -13,7 +13,7 @@ import pytest
 import t6.data.prepare as prepare
 from t6.data.corpus import TINY_SHAKESPEARE
 from t6.data.shards import Manifest, ShardError, read_shard
-from t6.data.tokenizer import EOT, gpt2_encoding, tokenizer_id
+from t6.data.tokenizer import EOT, gpt2, gpt2_encoding
 
 SHARD = 1000
 
@@ -52,7 +52,7 @@ def run(corpus_path, out_dir, **kw):
 def test_prepare_writes_eot_prefixed_shards_of_fixed_size(corpus, tmp_path):
     path, expected = corpus
     manifest = run(path, tmp_path / "out")
-    assert manifest.tokenizer == tokenizer_id()
+    assert manifest.tokenizer == gpt2().id
     assert [s["tokens"] for s in manifest.shards[:-1]] == [SHARD] * (len(manifest.shards) - 1)
     assert np.array_equal(tokens_of(tmp_path / "out"), expected)  # every document, in order, each after <|endoftext|>
     assert run(path, tmp_path / "out") == manifest  # already prepared: nothing redone

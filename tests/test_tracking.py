@@ -8,7 +8,7 @@ import mlflow
 import pytest
 import torch
 
-from t6.inference.generate import load_model
+from t6.model.load import load_model
 from t6.run.process import MLFLOW_HTTP, environment
 from t6.run.train import train
 from t6.tracking.mlflow import log_model_choice

@@ -1,4 +1,5 @@
-"""Uptraining: MHA -> GQA/MQA conversion by mean-pooling K/V heads, and warm starts through train(cfg)."""
+"""Uptraining: MHA -> GQA/MQA conversion by mean-pooling K/V heads, and warm starts through train(cfg)
+(conversion into other mechanisms and from pretrained models: tests/test_convert.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from t6.model import T6, ModelConfig
 from t6.model.loss import mean_loss
 from t6.run.plan import plan_run
 from t6.run.train import train
-from t6.uptrain.convert import convert_checkpoint, convert_state_dict, load_warm_start, pool_heads, target_config
+from t6.uptrain.closed_form import pool_heads
+from t6.uptrain.convert import convert_checkpoint, convert_model, load_warm_start, target_config
 from t6.uptrain.recipe import adopt_model_config, source_lr, uptrain_steps
 
 from conftest import TEST_RUN
@@ -33,10 +35,7 @@ def random_mha(seed: int = 0) -> T6:
 
 
 def converted(model: T6, target: str, kv_heads: int | None, method: str = "mean") -> T6:
-    cfg = target_config(model.cfg, target, kv_heads)
-    out = T6(cfg).eval()
-    out.load_state_dict(convert_state_dict(model.state_dict(), model.cfg, cfg, method))
-    return out
+    return convert_model(model, target_config(model.cfg, target, kv_heads), method)[0]
 
 
 def save_training_checkpoint(model: T6, path: Path, **extra) -> Path:
@@ -102,13 +101,17 @@ def test_clear_errors(tmp_path):
         convert_checkpoint(ckpt, "gqa", 3)
     with pytest.raises(ValueError, match="target=gqa needs target_kv_heads"):
         convert_checkpoint(ckpt, "gqa", None)
-    with pytest.raises(ValueError, match="target='mla'"):
+    with pytest.raises(ValueError, match="target=mla takes no target_kv_heads"):
         convert_checkpoint(ckpt, "mla", 2)
+    with pytest.raises(ValueError, match="target='nope': attention='nope' is not a known mechanism"):
+        convert_checkpoint(ckpt, "nope")
 
     torch.manual_seed(0)
     tpa = save_training_checkpoint(T6(ModelConfig(attention="tpa", **SMALL)), tmp_path / "tpa.ckpt")
-    with pytest.raises(ValueError, match="source checkpoint's attention is 'tpa'.*converts an 'mha'"):
-        convert_checkpoint(tpa, "gqa", 2)
+    with pytest.raises(ValueError, match="method=mean pools KV heads: it converts a grouped-query source"):
+        convert_checkpoint(tpa, "gqa", 2, method="mean")
+    with pytest.raises(ValueError, match="method=closed: there is no closed form from tpa into gqa"):
+        convert_checkpoint(tpa, "gqa", 2, method="closed")
 
     torch.manual_seed(0)
     gqa_weights = T6(ModelConfig(attention="gqa", attention_options={"n_kv_head": 2}, **SMALL))
@@ -129,8 +132,6 @@ def test_clear_errors(tmp_path):
 
     out = tmp_path / "gqa.ckpt"
     convert_checkpoint(ckpt, "gqa", 2, out=out)
-    with pytest.raises(ValueError, match="already a converted"):
-        convert_checkpoint(out, "mqa")
     with pytest.raises(ValueError, match="is not a warm-start checkpoint"):
         load_warm_start(ckpt)
     broken = torch.load(out, weights_only=True)
@@ -188,6 +189,16 @@ def test_converted_model_is_close_to_its_source_and_uptrains(make_cfg, tmp_path)
     first = client.get_metric_history(run.info.run_id, "train/loss")[0]
     assert first.step == 0 and first.value < rand_loss - 1.0  # the first batch already sees trained weights
     assert math.isfinite(metrics["val/loss"]) and metrics["val/loss"] < rand_loss - 2.0
+
+
+def test_a_warm_starts_block_size_is_the_datas_sequence_length_unless_set(make_cfg, tmp_path):
+    out = tmp_path / "mqa.ckpt"
+    convert_checkpoint(save_training_checkpoint(random_mha(), tmp_path / "mha.ckpt"), "mqa", out=out)
+    plan = plan_run(make_cfg(f"init_from={out}"))  # the config's size.block_size is 64, the model's 32
+    assert plan.batch.seq_len == SMALL["block_size"] == plan.model.block_size
+    assert plan.cfg.size.block_size == plan.cfg.data.seq_len == 64  # the config as given, nothing written back
+    assert plan.logged_config().data.seq_len == SMALL["block_size"]  # what MLflow records is what runs
+    assert plan_run(make_cfg(f"init_from={out}", "data.seq_len=16")).batch.seq_len == 16  # set: kept
 
 
 def test_train_tells_warm_start_from_resume(make_cfg, tmp_path):

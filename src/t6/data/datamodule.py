@@ -9,7 +9,9 @@ last padded with rows no loss counts). With
 `num_workers` > 0, worker k of K builds the rank's batches k, k + K, ... and the DataLoader
 hands them out round-robin, so the stream's order is the same for every worker count; batches
 are pinned for the host-to-device copy on CUDA. Shards are prepared under a file lock, so the
-ranks of a torchrun / SLURM job that all start on fresh data make them once.
+ranks of a torchrun / SLURM job that all start on fresh data make them once. The run's tokenizer
+(`tokenizer`, t6.data.tokenizer) must be the shards'; a text corpus is tokenized into a folder of
+each tokenizer's own (`data_dir` for GPT-2, `data_dir-<tokenizer id>` for another).
 """
 
 from __future__ import annotations
@@ -29,11 +31,10 @@ from t6.data.corpus import (
     check_text,
     current_manifest,
     prepare_text_corpus,
-    text_tokens,
-    validation_start,
+    split_tokens,
 )
 from t6.data.shards import Manifest, ShardError
-from t6.data.tokenizer import tokenizer_id
+from t6.data.tokenizer import Tokenizer, gpt2, load_tokenizer
 from t6.model.loss import IGNORE_INDEX
 
 SPLITS = ("train", "val")
@@ -132,12 +133,18 @@ class TokenDataModule(L.LightningDataModule):
         seed: int = 0,
         prepare_command: str | None = None,
         num_workers: int = 0,
+        tokenizer: Tokenizer | str | None = None,
     ):
+        """tokenizer: the run's tokenizer, or its setting (`tokenizer=`: gpt2, a pretrained model's directory
+        or GGUF file, a checkpoint that records one; t6.data.tokenizer.load_tokenizer); None: GPT-2."""
         super().__init__()
         check_batch_settings(batch_size, global_batch_size, seq_len)
+        self.tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
         self.data_dir = Path(data_dir)
         self.seq_len, self.batch_size, self.global_batch_size = seq_len, batch_size, global_batch_size
         self.text_file = Path(text_file) if text_file else (TINY_SHAKESPEARE if embedded else None)
+        if self.text_file is not None and self.tokenizer != gpt2():  # a text corpus: tokenized per tokenizer
+            self.data_dir = self.data_dir.with_name(f"{self.data_dir.name}-{self.tokenizer.id.replace(':', '-')}")
         self.val_fraction, self.val_windows = val_fraction, val_windows
         self.shuffle, self.seed = shuffle, seed
         self.prepare_command = prepare_command  # how to make the shards, named when they are missing
@@ -161,7 +168,7 @@ class TokenDataModule(L.LightningDataModule):
             self.data_dir.mkdir(parents=True, exist_ok=True)
             with open(self.data_dir / ".prepare.lock", "a") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)  # the first process makes the shards; the others find them current
-                prepare_text_corpus(self.text_file, self.data_dir, self.val_fraction)
+                prepare_text_corpus(self.text_file, self.data_dir, self.val_fraction, self.tokenizer)
 
     def check(self) -> None:
         """Before anything is built, reading only: the text the shards are made from (it exists, is UTF-8 text, and
@@ -173,14 +180,13 @@ class TokenDataModule(L.LightningDataModule):
                 tokens = [s["tokens"] for s in Manifest.load(self.data_dir).shards if s["split"] == split]
                 self.check_split(split, tokens, f"the shards in {self.data_dir}")
             return
-        manifest = current_manifest(self.text_file, self.data_dir, self.val_fraction)
+        manifest = current_manifest(self.text_file, self.data_dir, self.val_fraction, self.tokenizer)
         if manifest is None:
             if not self.text_file.is_file():
                 raise FileNotFoundError(f"data.text_file={str(self.text_file)!r} does not exist")
             check_text(self.text_file)
-            tokens = len(text_tokens(self.text_file))
-            start = validation_start(tokens, self.val_fraction)
-            splits = {"train": [start], "val": [tokens - start]}
+            parts = split_tokens(self.text_file, self.val_fraction, self.tokenizer)
+            splits = {split: [len(part)] for split, part in zip(SPLITS, parts)}
             if not writable(self.data_dir):
                 raise PermissionError(
                     f"data.data_dir={self.data_dir}: the shards of {self.text_file.name} are made there on first use, "
@@ -210,9 +216,9 @@ class TokenDataModule(L.LightningDataModule):
                 if self.prepare_command is None or (self.data_dir / "manifest.json").exists():
                     raise
                 raise ShardError(f"{err}; prepare it with: {self.prepare_command}") from err
-            self.train_windows = Windows(manifest.open(self.data_dir, "train", tokenizer_id()), self.seq_len)
+            self.train_windows = Windows(manifest.open(self.data_dir, "train", self.tokenizer), self.seq_len)
             self.val_set = ValWindows(
-                Windows(manifest.open(self.data_dir, "val", tokenizer_id()), self.seq_len), self.val_windows
+                Windows(manifest.open(self.data_dir, "val", self.tokenizer), self.seq_len), self.val_windows
             )
 
     def samples_seen(self) -> int:

@@ -1,12 +1,13 @@
 """Tokenize a Hugging Face text data set (FineWeb-Edu, or local JSONL / parquet) into token shards.
 
 `python prepare.py dataset=fineweb_edu` streams `HuggingFaceFW/fineweb-edu` (sample-10BT) through
-`datasets` (nothing is downloaded up front), tokenizes the documents with GPT-2 BPE in a process
-pool, each prefixed with <|endoftext|>, and writes shards of `shard_tokens` tokens with
-t6.data.shards (header, atomic rename). Shard 0 is the validation split. Progress (shards
-finished, and the document/offset where the next shard starts) is saved after every shard, so an
-interrupted run continues where it stopped: finished shards are checked and skipped, a partial
-shard (a *.tmp file) is never taken as complete. The manifest, written last, marks the data set done.
+`datasets` (nothing is downloaded up front), tokenizes the documents in a process pool with GPT-2
+BPE or the `tokenizer` given (t6.data.tokenizer), each prefixed with its end-of-text token, and
+writes shards of `shard_tokens` tokens with t6.data.shards (header, atomic rename). Shard 0 is the
+validation split. Progress (shards finished, and the document/offset where the next shard starts)
+is saved after every shard, so an interrupted run continues where it stopped: finished shards are
+checked and skipped, a partial shard (a *.tmp file) is never taken as complete. The manifest,
+written last, marks the data set done.
 """
 
 from __future__ import annotations
@@ -22,21 +23,22 @@ from pathlib import Path
 import numpy as np
 
 from t6.data.shards import Manifest, ShardError, read_shard, write_shard
-from t6.data.tokenizer import EOT, gpt2_encoding, tokenizer_id
+from t6.data.tokenizer import Tokenizer, from_spec, gpt2
 
 log = logging.getLogger(__name__)
 PROGRESS = "progress.json"
-_ENCODING = None
+_TOKENIZER: Tokenizer | None = None
 
 
-def _init_worker() -> None:
-    global _ENCODING
-    _ENCODING = gpt2_encoding()
+def _init_worker(spec: dict) -> None:
+    global _TOKENIZER
+    _TOKENIZER = from_spec(spec)
 
 
 def _tokenize(texts: list[str]) -> list[np.ndarray]:
-    """[<|endoftext|>, *tokens] per document, as uint16."""
-    return [np.array([EOT, *ids], dtype=np.uint16) for ids in _ENCODING.encode_ordinary_batch(texts, num_threads=1)]
+    """[end of text, *tokens] per document, in the tokenizer's dtype."""
+    tok = _TOKENIZER
+    return [np.array([tok.eot, *ids], dtype=tok.dtype) for ids in tok.encode_batch(texts)]
 
 
 def _batches(texts: Iterator[str], size: int) -> Iterator[list[str]]:
@@ -88,10 +90,10 @@ def check_builder(path: str, data_files: str | list[str] | None) -> None:
             )
 
 
-def _restartable(saved: dict, source: dict) -> bool:
+def _restartable(saved: dict, source: dict, tokenizer: Tokenizer) -> bool:
     """A progress file of the same data and tokenizer whose only difference is the shard size or token limit."""
     same = ("path", "config", "split", "data_files", "text_field")
-    return saved.get("tokenizer") == tokenizer_id() and all(saved.get("source", {}).get(k) == source[k] for k in same)
+    return saved.get("tokenizer") == tokenizer.id and all(saved.get("source", {}).get(k) == source[k] for k in same)
 
 
 def _discard(out_dir: Path, progress_file: Path) -> None:
@@ -131,11 +133,14 @@ def prepare_dataset(
     num_proc: int | None = 8,
     docs_per_task: int = 64,
     progress_bar: bool = True,
+    tokenizer: Tokenizer | None = None,
 ) -> Manifest:
-    """Write token shards of the data set to out_dir and return its manifest (see module doc)."""
+    """Write token shards of the data set to out_dir and return its manifest (see module doc);
+    tokenizer: GPT-2 BPE when None."""
     import datasets
     from tqdm import tqdm
 
+    tokenizer = tokenizer or gpt2()
     check_builder(path, data_files)
     out_dir = Path(out_dir)
     source = {
@@ -158,24 +163,25 @@ def prepare_dataset(
     except ShardError:
         manifest = None
     if manifest is not None:
-        if manifest.source != source or manifest.tokenizer != tokenizer_id():
+        if manifest.source != source or manifest.tokenizer != tokenizer.id:
             raise ShardError(
-                f"{out_dir} already holds a different data set ({manifest.source}); choose another dataset.out_dir"
+                f"{out_dir} already holds a different data set ({manifest.source}, tokenizer "
+                f"{manifest.tokenizer_name or 'gpt2'}); choose another dataset.out_dir"
             )
         log.info("%s is already prepared", out_dir)
         return manifest
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    state = {"source": source, "tokenizer": tokenizer_id(), "shards": [], "next_doc": 0, "next_offset": 0}
+    state = {"source": source, "tokenizer": tokenizer.id, "shards": [], "next_doc": 0, "next_offset": 0}
     progress_file = out_dir / PROGRESS
     if progress_file.is_file():
         saved = json.loads(progress_file.read_text())
-        if saved.get("source") == source and saved.get("tokenizer") == tokenizer_id():
+        if saved.get("source") == source and saved.get("tokenizer") == tokenizer.id:
             for s in saved["shards"]:
                 read_shard(out_dir / s["file"], s["tokens"])  # a finished shard must still be whole
             state = saved
             log.info("resuming: %d shards already finished in %s", len(state["shards"]), out_dir)
-        elif _restartable(saved, source):  # the same data, re-run with another shard size or token limit
+        elif _restartable(saved, source, tokenizer):  # the same data, re-run with another shard size or token limit
             log.warning(
                 "%s: an unfinished run with shard_tokens=%s, max_tokens=%s; starting over with shard_tokens=%s, "
                 "max_tokens=%s",
@@ -228,7 +234,7 @@ def prepare_dataset(
 
     limit = None if max_tokens is None else max_tokens - done_tokens
     batches = _batches(texts, docs_per_task)
-    with mp.get_context("fork").Pool(num_proc, initializer=_init_worker) as pool:
+    with mp.get_context("fork").Pool(num_proc, initializer=_init_worker, initargs=(tokenizer.spec(),)) as pool:
         # The main thread reads a bounded group of batches, then the pool tokenizes them: the pool's
         # own threads never pull from the data set, so an interrupt terminates idle workers cleanly.
         while limit is None or limit > 0:
@@ -276,7 +282,7 @@ def prepare_dataset(
         raise ValueError(
             f"{path} ({data_files or config}) gave {total} tokens: too few for a validation and a training shard"
         )
-    manifest = Manifest(tokenizer=tokenizer_id(), source=source, shards=state["shards"])
+    manifest = Manifest(tokenizer=tokenizer.id, source=source, shards=state["shards"], tokenizer_name=tokenizer.name)
     manifest.save(out_dir)
     progress_file.unlink(missing_ok=True)  # the manifest marks the data set done
     log.info(

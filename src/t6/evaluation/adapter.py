@@ -1,7 +1,7 @@
 """The lm-evaluation-harness model `t6`: scores requests with an in-memory T6 (no conversion).
 
-    lm = T6LM(model=t6)                      # a live model (the training callback)
-    lm = T6LM(checkpoint="last.ckpt")        # a Lightning checkpoint (eval.py, the lm_eval CLI)
+    lm = T6LM(model=t6, tokenizer=tok)       # a live model and its tokenizer (the training callback)
+    lm = T6LM(checkpoint="last.ckpt")        # a checkpoint, with the tokenizer it records (the lm_eval CLI)
 
 Log-likelihood requests are left-truncated to the model's block size and split into the
 prefix the model reads before the continuation and the continuation's own positions. Requests
@@ -24,9 +24,8 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
-from t6.data.tokenizer import EOT, gpt2_encoding
+from t6.data.tokenizer import Tokenizer, gpt2, load_with_tokenizer
 from t6.model import T6, fallback
-from t6.model.load import load_model
 
 AUTO_CPU_ROWS = 16  # batch_size=auto on the CPU, and on CUDA where the memory probe fails (t6.model.fallback)
 AUTO_MEMORY_SHARE = 0.8  # of the memory left, for an evaluation's batch on CUDA
@@ -49,9 +48,11 @@ class T6LM(TemplateLM):
         device: str | None = None,
         max_gen_toks: int = 64,
         share_prefix: bool = True,
+        tokenizer: Tokenizer | None = None,
         **kwargs,
     ):
-        """model: a T6 to evaluate as it is, or checkpoint: a training checkpoint to load.
+        """model: a T6 to evaluate as it is (with its tokenizer, default GPT-2), or checkpoint: a checkpoint to
+        load (with the tokenizer it records).
         batch_size: sequences per forward pass: requests, or with share_prefix the continuations that run
         together on their prefilled contexts; "auto" (and None, and lm-eval's auto:N) picks it from the
         device's memory (`auto_batch_size`).
@@ -64,10 +65,12 @@ class T6LM(TemplateLM):
                 "give the t6 model exactly one of model= or checkpoint= (e.g. --model_args checkpoint=PATH)"
             )
         if model is None:
-            model = load_model(
+            model, tokenizer = load_with_tokenizer(
                 checkpoint, what="checkpoint", device=device or ("cuda" if torch.cuda.is_available() else "cpu")
             )
         self.model = model
+        self.tokenizer = tokenizer or gpt2()
+        self.eot = self.tokenizer.eot
         self._device = next(model.parameters()).device if device is None else torch.device(device)
         self.model.to(self._device)
         self.block_size = model.cfg.block_size
@@ -82,7 +85,6 @@ class T6LM(TemplateLM):
         self.batch_size = (
             self.auto_batch_size() if batch_size is None or str(batch_size).startswith("auto") else int(batch_size)
         )
-        self.enc = gpt2_encoding()
 
     def auto_batch_size(self) -> int:
         """batch_size=auto. On CUDA: the rows that AUTO_MEMORY_SHARE of the memory left (free, plus what the
@@ -106,8 +108,8 @@ class T6LM(TemplateLM):
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-        prefix = [EOT] * (self.block_size - AUTO_PROBE_TOKENS)
-        probe = [[(None, prefix, [EOT] * AUTO_PROBE_TOKENS)] for _ in range(AUTO_PROBE_ROWS)]  # one group each
+        prefix = [self.eot] * (self.block_size - AUTO_PROBE_TOKENS)
+        probe = [[(None, prefix, [self.eot] * AUTO_PROBE_TOKENS)] for _ in range(AUTO_PROBE_ROWS)]  # one group each
         with torch.no_grad():
             self._score_shared(probe)
         torch.cuda.synchronize(device)
@@ -119,17 +121,24 @@ class T6LM(TemplateLM):
     # -- tokenizer ------------------------------------------------------------------
     @property
     def eot_token_id(self) -> int:
-        return EOT
+        return self.eot
+
+    @property
+    def prefix_token_id(self) -> int:
+        """What an empty context starts from: the tokenizer's BOS where it has one, else end-of-text (as
+        lm-eval's `hf` model does)."""
+        bos = getattr(self.tokenizer, "bos", None)
+        return self.eot if bos is None else bos
 
     @property
     def tokenizer_name(self) -> str:
-        return "gpt2"
+        return self.tokenizer.id
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-        return self.enc.encode(string, allowed_special={"<|endoftext|>"})
+        return self.tokenizer.encode_special(string)
 
     def tok_decode(self, tokens: list[int]) -> str:
-        return self.enc.decode(tokens)
+        return self.tokenizer.decode(tokens)
 
     # -- scoring --------------------------------------------------------------------
     def _hidden(self, idx: torch.Tensor, start_pos: int = 0, caches: list | None = None) -> torch.Tensor:
@@ -217,7 +226,9 @@ class T6LM(TemplateLM):
         requests = [request for (request,) in batch]
         inputs = [list(prefix) + tail for prefix, tail in (self._split(ctx, cont) for _, ctx, cont in requests)]
         conts = [cont for _, _, cont in requests]
-        idx = torch.full((len(inputs), max(map(len, inputs))), EOT, dtype=torch.long, device=self._device)  # [B, T]
+        idx = torch.full(
+            (len(inputs), max(map(len, inputs))), self.eot, dtype=torch.long, device=self._device
+        )  # [B, T]
         for i, x in enumerate(inputs):
             idx[i, : len(x)] = torch.tensor(x, dtype=torch.long)
         return self._scores(self._hidden(idx), [len(x) - len(c) for x, c in zip(inputs, conts)], conts)
@@ -271,13 +282,13 @@ class T6LM(TemplateLM):
             for cache in caches:
                 cache.key_mask = key_mask
         if P > 0:
-            idx = torch.full((len(batch), P), EOT, dtype=torch.long, device=self._device)  # [G, P], left-padded
+            idx = torch.full((len(batch), P), self.eot, dtype=torch.long, device=self._device)  # [G, P], left-padded
             for i, prefix in enumerate(prefixes):
                 idx[i, P - len(prefix) :] = torch.tensor(prefix, dtype=torch.long)
             self._prefill(idx, caches)
         owner = torch.tensor([g for g, group in enumerate(batch) for _ in group], device=self._device)  # [R]
         caches = [cache.select(owner) for cache in caches]  # each prefix's rows once per continuation
-        idx = torch.full((len(tails), T), EOT, dtype=torch.long, device=self._device)  # [R, T], right-padded
+        idx = torch.full((len(tails), T), self.eot, dtype=torch.long, device=self._device)  # [R, T], right-padded
         for i, tail in enumerate(tails):
             idx[i, : len(tail)] = torch.tensor(tail, dtype=torch.long)
         return self._scores(self._hidden(idx, P, caches), [0] * len(tails), conts)
@@ -312,13 +323,13 @@ class T6LM(TemplateLM):
             until = [until] if isinstance(until, str) else list(until)
             max_new = min(int(gen_kwargs.pop("max_gen_toks", self.max_gen_toks)), self.block_size - 1)
             # Stop strings that are one token stop decoding early; all of them cut the text below.
-            stop_tokens = {EOT} | {t[0] for t in map(self.tok_encode, until) if len(t) == 1}
-            ctx = self.tok_encode(context)[-(self.block_size - max_new) :] or [EOT]
+            stop_tokens = {self.eot} | {t[0] for t in map(self.tok_encode, until) if len(t) == 1}
+            ctx = self.tok_encode(context)[-(self.block_size - max_new) :] or [self.prefix_token_id]
             idx = torch.tensor([ctx], dtype=torch.long, device=self._device)  # [1, T0]
             out = self.model.generate(idx, max_new, temperature=0.0, stop_tokens=tuple(sorted(stop_tokens)))
             new = out[0, len(ctx) :].tolist()
-            if EOT in new:
-                new = new[: new.index(EOT)]
+            if self.eot in new:
+                new = new[: new.index(self.eot)]
             text = self.tok_decode(new)
             for stop in until:
                 if stop and stop in text:

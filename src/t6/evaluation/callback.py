@@ -34,11 +34,15 @@ log = logging.getLogger(__name__)
 
 
 class DownstreamEval(L.Callback):
-    def __init__(self, spec: EvalSpec, task_manager, every_n_steps: int | None = None, at_end: bool = True):
+    def __init__(
+        self, spec: EvalSpec, task_manager, every_n_steps: int | None = None, at_end: bool = True, tokenizer=None
+    ):
+        """tokenizer: the run's (t6.data.tokenizer.Tokenizer; None: GPT-2)."""
         if every_n_steps is not None and every_n_steps <= 0:
             raise ValueError(f"eval.every_n_steps={every_n_steps} must be a positive number of steps or null")
         self.spec, self.task_manager = spec, task_manager
         self.every_n_steps, self.at_end = every_n_steps, at_end
+        self.tokenizer = tokenizer
         self.last_step: int | None = None
         self.history: list[tuple[int, dict[str, float]]] = []  # (step, metrics) of every evaluation
         self.seconds: list[float] = []  # how long each evaluation took (rank 0), also logged as perf/eval_s
@@ -58,7 +62,9 @@ class DownstreamEval(L.Callback):
         wrapped = trainer.strategy.model
         model = full_model(wrapped, lambda: T6(pl_module.model.cfg)) if isinstance(wrapped, FSDP) else pl_module.model
         with trainer.precision_plugin.forward_context():
-            results = run_harness(model, self.spec, self.task_manager, data_parallel=trainer.world_size > 1)
+            results = run_harness(
+                model, self.spec, self.task_manager, data_parallel=trainer.world_size > 1, tokenizer=self.tokenizer
+            )
         del model
         if trainer.is_global_zero:
             evaluated = time.perf_counter()
@@ -101,9 +107,9 @@ def check_eval_tasks(eval_cfg: DictConfig | dict | None) -> None:
         resolve_tasks(spec_from_config({**cfg, "tasks": others}))
 
 
-def build_eval_callback(eval_cfg: DictConfig | dict | None) -> DownstreamEval | None:
-    """The callback of the `eval` group, with its local tasks written and every task checked; None for
-    `eval=none`."""
+def build_eval_callback(eval_cfg: DictConfig | dict | None, tokenizer=None) -> DownstreamEval | None:
+    """The callback of the `eval` group, with its local tasks written and every task checked, evaluating in
+    `tokenizer` (the run's; None: GPT-2); None for `eval=none`."""
     if not eval_cfg:
         return None
     cfg = OmegaConf.to_container(eval_cfg, resolve=True) if isinstance(eval_cfg, DictConfig) else dict(eval_cfg)
@@ -113,4 +119,6 @@ def build_eval_callback(eval_cfg: DictConfig | dict | None) -> DownstreamEval | 
             include.append(instantiate(builder))
     spec = spec_from_config(cfg, include)
     tm = resolve_tasks(spec)
-    return DownstreamEval(spec, tm, every_n_steps=cfg.get("every_n_steps"), at_end=bool(cfg.get("at_end", True)))
+    return DownstreamEval(
+        spec, tm, every_n_steps=cfg.get("every_n_steps"), at_end=bool(cfg.get("at_end", True)), tokenizer=tokenizer
+    )

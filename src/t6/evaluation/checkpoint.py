@@ -9,6 +9,7 @@ import mlflow
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from t6.data.tokenizer import Tokenizer, checkpoint_tokenizer
 from t6.evaluation.callback import build_eval_callback
 from t6.evaluation.harness import log_results, run_harness
 from t6.model.load import build_model, read_checkpoint
@@ -26,6 +27,7 @@ class Evaluation:
     run_id: str
     new_run: bool
     step: int
+    tokenizer: Tokenizer  # the checkpoint's (t6.data.tokenizer.checkpoint_tokenizer)
 
 
 def prepare_evaluation(cfg: DictConfig) -> Evaluation:
@@ -41,6 +43,7 @@ def prepare_evaluation(cfg: DictConfig) -> Evaluation:
     if callback is None:
         raise ValueError("eval=none: choose an eval group to run (eval=local, eval=paper)")
     ckpt = read_checkpoint(path, "ckpt_path", mmap=True)  # a corrupted file fails here, naming it
+    tokenizer = checkpoint_tokenizer(ckpt)
     run_config, step = ckpt.get("run_config") or {}, int(ckpt.get("global_step", 0))
     run_id = ckpt.get("mlflow_run_id") if cfg.run_id == "train" else cfg.run_id
     if cfg.run_id == "train" and not run_id:
@@ -60,21 +63,24 @@ def prepare_evaluation(cfg: DictConfig) -> Evaluation:
                 "checkpoint": str(path.resolve()),
                 "source_run_id": str(ckpt.get("mlflow_run_id")),
                 "global_step": str(step),
+                "tokenizer": tokenizer.id,
             },
         )
-        return Evaluation(path, model, callback, client, run.info.run_id, True, step)
+        return Evaluation(path, model, callback, client, run.info.run_id, True, step, tokenizer)
     try:
         client.get_run(run_id)
     except mlflow.exceptions.MlflowException as err:
         raise ValueError(f"run_id={run_id!r} is not a run of {cfg.tracking_uri}: {err.message}") from None
-    return Evaluation(path, model, callback, client, run_id, False, step)
+    return Evaluation(path, model, callback, client, run_id, False, step, tokenizer)
 
 
 def evaluate(prepared: Evaluation, eval_cfg: DictConfig) -> tuple[dict[str, float], str]:
     """Run the harness and log the results into the run. Returns (metrics, MLflow run id)."""
     client, run_id, step = prepared.client, prepared.run_id, prepared.step
     run_name = client.get_run(run_id).info.run_name
-    results = run_harness(prepared.model, prepared.callback.spec, prepared.callback.task_manager)
+    results = run_harness(
+        prepared.model, prepared.callback.spec, prepared.callback.task_manager, tokenizer=prepared.tokenizer
+    )
     metrics = log_results(client, run_id, results, prepared.callback.spec, step, run_name)
     client.log_text(run_id, OmegaConf.to_yaml(eval_cfg, resolve=True), f"eval/step{step:06d}/eval_config.yaml")
     if prepared.new_run:

@@ -126,8 +126,11 @@ def eval_mode(model: torch.nn.Module):
             m.training = training
 
 
-def run_harness(model: torch.nn.Module, spec: EvalSpec, tm, data_parallel: bool = False) -> dict[int, dict | None]:
-    """{num_fewshot: lm-eval results} for the T6 `model`, evaluated as it is (no copy, no conversion).
+def run_harness(
+    model: torch.nn.Module, spec: EvalSpec, tm, data_parallel: bool = False, tokenizer=None
+) -> dict[int, dict | None]:
+    """{num_fewshot: lm-eval results} for the T6 `model`, evaluated as it is (no copy, no conversion), its text
+    encoded by `tokenizer` (a t6.data.tokenizer.Tokenizer: the model's; None: GPT-2).
     data_parallel: every rank of the process group calls this with its own whole model and scores
     its share of the requests (t6.evaluation.parallel); the results are rank 0's, None elsewhere."""
     from lm_eval import evaluator
@@ -142,7 +145,7 @@ def run_harness(model: torch.nn.Module, spec: EvalSpec, tm, data_parallel: bool 
         lm_eval_log.setLevel(logging.WARNING)
     out = {}
     with eval_mode(model), preserved_rng():
-        lm = (DataParallelT6LM if data_parallel else T6LM)(model=model, batch_size=spec.batch_size)
+        lm = (DataParallelT6LM if data_parallel else T6LM)(model=model, batch_size=spec.batch_size, tokenizer=tokenizer)
         for n in spec.num_fewshot:
             out[int(n)] = evaluator.simple_evaluate(
                 model=lm,

@@ -7,7 +7,8 @@ The directory holds everything the standard tools need, and nothing from this pr
                                ids, auto_map to the two code files, and where the weights came from
     modeling_t6.py, configuration_t6.py   T6ForCausalLM and T6Config (t6.hf.modeling, t6.hf.configuration)
     t6.py, attention_tpa.py, ...          the model's own modules they import (copied: t6.hf.source)
-    tokenizer.json, tokenizer_config.json   the GPT-2 BPE (t6.hf.tokenizer)
+    tokenizer.json, tokenizer_config.json   the model's tokenizer: GPT-2's BPE, or a pretrained model's own with its
+                               special tokens and chat template (t6.hf.tokenizer)
     generation_config.json     token ids, greedy by default, at most block_size tokens
     README.md                  a model card: the model, its cost, the run's metrics from MLflow
 
@@ -28,7 +29,7 @@ from typing import Any
 
 import torch
 
-from t6.data.tokenizer import EOT
+from t6.data.tokenizer import GPT2Tokenizer, Tokenizer, checkpoint_tokenizer, load_tokenizer
 from t6.hf.source import export_sources
 from t6.hf.tokenizer import write_tokenizer
 from t6.model.config import ModelConfig
@@ -38,6 +39,7 @@ from t6.model.load import (
     HF_MODEL_TYPE,
     HF_PREFIX,
     HF_SOURCE,
+    HF_TOKENIZER,
     HF_WEIGHTS,
     HF_WEIGHTS_INDEX,
     model_state,
@@ -61,26 +63,41 @@ def export_weights(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str
     }
 
 
-def hf_config(cfg: ModelConfig, dtype: torch.dtype, source: dict[str, Any]):
-    """config.json's content as a T6Config: every ModelConfig field, the token ids, auto_map and the source."""
+def hf_config(cfg: ModelConfig, dtype: torch.dtype, source: dict[str, Any], ids: dict[str, int], tokenizer: Tokenizer):
+    """config.json's content as a T6Config: every ModelConfig field, the token ids (ids: the written tokenizer's),
+    auto_map, the source and the tokenizer's record (its spec without the JSON, which is tokenizer.json)."""
     from t6.hf.configuration import T6Config
 
+    record = {k: v for k, v in tokenizer.spec().items() if k != "json"}
     return T6Config(
         **asdict(cfg),
         architectures=[ARCHITECTURE],
         auto_map=AUTO_MAP,
-        bos_token_id=EOT,
-        eos_token_id=EOT,
-        pad_token_id=EOT,
+        **ids,
         dtype=str(dtype).removeprefix("torch."),
-        **{HF_SOURCE: source},
+        **{HF_SOURCE: source, HF_TOKENIZER: record},
+    )
+
+
+def token_ids(hf_tokenizer) -> dict[str, int]:
+    """bos_token_id, eos_token_id and pad_token_id of a transformers tokenizer (those it has)."""
+    ids = {f"{role}_token_id": getattr(hf_tokenizer, f"{role}_token_id") for role in ("bos", "eos", "pad")}
+    return {k: v for k, v in ids.items() if v is not None}
+
+
+def tokenizer_line(tokenizer: Tokenizer, vocab_size: int) -> str:
+    """The model card's sentence on the tokenizer."""
+    what = "GPT-2 BPE" if isinstance(tokenizer, GPT2Tokenizer) else f"the pretrained model's own (`{tokenizer.name}`)"
+    return (
+        f"Tokenizer: {what}, {tokenizer.n_vocab:,} tokens (end of text: {tokenizer.eot}; the embedding has "
+        f"{vocab_size} rows)."
     )
 
 
 def provenance(ckpt: dict) -> dict[str, Any]:
     """Where the weights came from: the MLflow run, optimizer steps and training tokens the checkpoint records."""
     if "source" in ckpt:  # a warm-start checkpoint or an export: its own record
-        keep = ("mlflow_run_id", "steps", "samples", "seq_len", "tokens")
+        keep = ("mlflow_run_id", "steps", "samples", "seq_len", "tokens", "pretrained")
         return {k: ckpt["source"].get(k) for k in keep if ckpt["source"].get(k) is not None}
     from t6.uptrain.convert import source_tokens
 
@@ -124,7 +141,9 @@ def metrics_table(metrics: dict[str, float]) -> str:
     return "| what | metric | value |\n|---|---|---|\n" + "\n".join(rows)
 
 
-def model_card(cfg: ModelConfig, source: dict[str, Any], metrics: dict[str, float], origin: str) -> str:
+def model_card(
+    cfg: ModelConfig, source: dict[str, Any], metrics: dict[str, float], origin: str, tokenizer: Tokenizer
+) -> str:
     """README.md: what the model is, what it costs, how it was trained and evaluated, how to use it."""
     model = meta_model(cfg)
     options = ", ".join(f"{k}={v}" for k, v in cfg.attention_options.items()) or "none"
@@ -133,6 +152,7 @@ def model_card(cfg: ModelConfig, source: dict[str, Any], metrics: dict[str, floa
         "Trained with T6 Lab"
         + (f": {steps} optimizer steps" if steps else "")
         + (f", {tokens:,} tokens" if tokens else "")
+        + (f", from the pretrained `{source['pretrained']}`" if source.get("pretrained") else "")
     )
     return f"""---
 library_name: transformers
@@ -144,8 +164,7 @@ tags: [t6, tensor-product-attention, {cfg.attention}]
 
 A decoder-only language model of the T6 family (Tensor Product Attention Is All You Need,
 arXiv 2501.06425): LLaMA-style blocks (RMSNorm, SwiGLU, RoPE, tied embedding) whose attention is
-`{cfg.attention}` (options: {options}). {trained}. Tokenizer: GPT-2 BPE, 50,257 tokens (end of text:
-{EOT}; the embedding has {cfg.vocab_size} rows).
+`{cfg.attention}` (options: {options}). {trained}. {tokenizer_line(tokenizer, cfg.vocab_size)}
 
 | | |
 |---|---|
@@ -190,6 +209,7 @@ def write_export(
     path = Path(ckpt_path).expanduser()
     ckpt = read_checkpoint(path, what, mmap=True)
     cfg, state = model_state(ckpt, what, path)
+    tokenizer = checkpoint_tokenizer(ckpt)  # the model's own: GPT-2, or a pretrained model's
     code = export_sources()  # every registered mechanism; one that cannot be carried is an error naming it
     model = T6(cfg)
     model.load_state_dict(state)
@@ -206,16 +226,16 @@ def write_export(
 
     source = provenance(ckpt)
     save_file(export_weights(model.state_dict(), cfg), out / HF_WEIGHTS, metadata={"format": "pt"})
-    config = hf_config(cfg, model.embed.weight.dtype, source)
+    ids = token_ids(write_tokenizer(out, cfg.block_size, tokenizer))
+    config = hf_config(cfg, model.embed.weight.dtype, source, ids, tokenizer)
     config.save_pretrained(out)
     if json.loads((out / HF_CONFIG).read_text())["model_type"] != HF_MODEL_TYPE:
         raise RuntimeError(f"{out / HF_CONFIG} was written without model_type {HF_MODEL_TYPE!r}")
     for name, text in code.items():
         (out / name).write_text(text, encoding="utf-8")
-    write_tokenizer(out, cfg.block_size)
-    GenerationConfig(bos_token_id=EOT, eos_token_id=EOT, pad_token_id=EOT, do_sample=False).save_pretrained(out)
+    GenerationConfig(**ids, do_sample=False).save_pretrained(out)
     metrics, origin = run_record(source.get("mlflow_run_id"), tracking_uri)
-    (out / "README.md").write_text(model_card(cfg, source, metrics, origin), encoding="utf-8")
+    (out / "README.md").write_text(model_card(cfg, source, metrics, origin, tokenizer), encoding="utf-8")
     return model, out
 
 
@@ -237,13 +257,14 @@ def check_export(out: str | Path, model: T6, tokens: torch.Tensor) -> float:
     return diff
 
 
-def sample_tokens(cfg: ModelConfig, n: int = 64) -> torch.Tensor:
-    """The first min(n, block_size) tokens of the shipped corpus [1, T], for check_export."""
+def sample_tokens(cfg: ModelConfig, tokenizer: Tokenizer | None = None, n: int = 64) -> torch.Tensor:
+    """The first min(n, block_size) tokens of the shipped corpus in the model's tokenizer (None: GPT-2) [1, T],
+    for check_export."""
     from t6.data.corpus import TINY_SHAKESPEARE
-    from t6.data.tokenizer import gpt2_encoding
+    from t6.data.tokenizer import gpt2
 
     text = TINY_SHAKESPEARE.read_text(encoding="utf-8")[: 8 * n]
-    tokens = gpt2_encoding().encode_ordinary(text)[: min(n, cfg.block_size)]
+    tokens = (tokenizer or gpt2()).encode(text)[: min(n, cfg.block_size)]
     return torch.tensor([tokens]) % cfg.vocab_size  # [1, T]
 
 
@@ -273,8 +294,10 @@ def run(cfg) -> list[str]:
             raise ValueError(f"{name} is required: python export.py ckpt_path=PATH/last.ckpt out=DIR")
     model, out = write_export(cfg.ckpt_path, cfg.out, cfg.get("tracking_uri"))
     lines = [f"wrote {out}: T6 ({model.cfg.attention}), {len(list(out.iterdir()))} files"]
+    tokenizer = load_tokenizer(out)  # as the project reads the directory back
     if cfg.get("check", True):
-        diff = check_export(out, model, sample_tokens(model.cfg))
+        diff = check_export(out, model, sample_tokens(model.cfg, tokenizer))
         lines.append(f"checked: transformers' logits are the T6's to {diff:.1e} (AutoModelForCausalLM, remote code)")
+    lines.append(f"tokenizer: {tokenizer.name} ({tokenizer.n_vocab:,} tokens, {tokenizer.id})")
     lines.append(f"load it with AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)")
     return lines

@@ -171,7 +171,7 @@ class T6ForCausalLM(PreTrainedModel, GenerationMixin):
         elif isinstance(module, nn.RMSNorm):
             nn.init.ones_(module.weight)
         elif isinstance(module, Rotary):
-            table = Rotary(module.dim, module.max_len, module.theta)
+            table = Rotary(module.dim, module.max_len, module.theta, module.scaling)  # Llama 3's remap too
             module.cos.copy_(table.cos)  # [max_len, dim/2]
             module.sin.copy_(table.sin)  # [max_len, dim/2]
 

@@ -1,15 +1,15 @@
-"""Text generation from a training checkpoint: load the model, encode prompts with GPT-2 BPE,
-decode with the KV caches, return the texts. `generate.py` at the repo root is the Hydra entry."""
+"""Text generation from a checkpoint: load the model and the tokenizer it records (GPT-2 BPE unless it
+records another), encode the prompts, decode with the KV caches, return the texts. `generate.py` at
+the repo root is the Hydra entry."""
 
 from __future__ import annotations
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from t6.data.tokenizer import EOT, gpt2_encoding
+from t6.data.tokenizer import Tokenizer, gpt2, load_with_tokenizer
 from t6.hardware.device import choose_device
 from t6.model import T6
-from t6.model.load import load_model
 from t6.model.t6 import check_sampling, left_pad
 
 
@@ -22,12 +22,15 @@ def generate_text(
     top_p: float | None = None,
     stop_at_eot: bool = True,
     seed: int | None = None,
+    tokenizer: Tokenizer | None = None,
 ) -> list[str]:
-    """Each prompt followed by its continuation (up to <|endoftext|> when stop_at_eot); prompts
-    of different lengths go in one left-padded batch. An empty prompt starts from <|endoftext|>."""
-    enc = gpt2_encoding()
-    tokens = [enc.encode(p, allowed_special={"<|endoftext|>"}) or [EOT] for p in prompts]
-    idx, mask = left_pad(tokens, pad_id=EOT)
+    """Each prompt followed by its continuation (up to the tokenizer's end of text when stop_at_eot);
+    prompts of different lengths go in one left-padded batch. An empty prompt starts from end of text.
+    tokenizer: the model's (default GPT-2 BPE)."""
+    enc = tokenizer or gpt2()
+    eot = enc.eot
+    tokens = [enc.encode_special(p) or [eot] for p in prompts]
+    idx, mask = left_pad(tokens, pad_id=eot)
     device = model.embed.weight.device
     generator = None if seed is None else torch.Generator(device).manual_seed(seed)
     out = model.generate(
@@ -36,14 +39,14 @@ def generate_text(
         temperature,
         top_k,
         top_p,
-        stop_tokens=(EOT,) if stop_at_eot else (),
+        stop_tokens=(eot,) if stop_at_eot else (),
         generator=generator,
         prompt_mask=mask.to(device),
     )
     texts = []
     for row, prompt in zip(out[:, idx.shape[1] :].tolist(), tokens):
-        if stop_at_eot and EOT in row:
-            row = row[: row.index(EOT)]
+        if stop_at_eot and eot in row:
+            row = row[: row.index(eot)]
         texts.append(enc.decode(prompt + row))
     return texts
 
@@ -56,10 +59,11 @@ def generation_device(device: str) -> str:
     return chosen
 
 
-def load_for_generation(cfg: DictConfig) -> tuple[T6, list[str]]:
+def load_for_generation(cfg: DictConfig) -> tuple[T6, Tokenizer, list[str]]:
     """The checks of the `generate` config (conf/generate.yaml) and the model it names: the settings' signs and
     ranges, the checkpoint (read, damaged or missing: named), the prompts against the model's context; every
-    problem an error naming its field and the fix, before anything is generated."""
+    problem an error naming its field and the fix, before anything is generated. Returns (model, its tokenizer,
+    prompts)."""
     if OmegaConf.is_missing(cfg, "ckpt_path") or not cfg.ckpt_path:
         raise ValueError("ckpt_path is required: python generate.py ckpt_path=/path/to/last.ckpt prompt='ROMEO:'")
     new = cfg.max_new_tokens
@@ -67,21 +71,29 @@ def load_for_generation(cfg: DictConfig) -> tuple[T6, list[str]]:
         raise ValueError(f"max_new_tokens={new!r} must be a positive number of tokens, e.g. max_new_tokens=100")
     check_sampling(cfg.temperature, cfg.top_k, cfg.top_p)
     prompts = [str(p) for p in (cfg.prompt if OmegaConf.is_list(cfg.prompt) else [cfg.prompt])]
-    model = load_model(cfg.ckpt_path, device=generation_device(cfg.device))
-    enc, block = gpt2_encoding(), model.cfg.block_size
-    longest = max(len(enc.encode(p, allowed_special={"<|endoftext|>"}) or [EOT]) for p in prompts)
+    model, tokenizer = load_with_tokenizer(cfg.ckpt_path, device=generation_device(cfg.device))
+    block = model.cfg.block_size
+    longest = max(len(tokenizer.encode_special(p) or [tokenizer.eot]) for p in prompts)
     if longest + new > block:
         raise ValueError(
             f"prompt ({longest} tokens) + max_new_tokens={new} exceeds the model's context of {block} tokens "
             f"(size.block_size); set max_new_tokens<={block - longest} or shorten the prompt"
         )
-    return model, prompts
+    return model, tokenizer, prompts
 
 
 def run(cfg: DictConfig) -> list[str]:
     """Generate from the `generate` config (conf/generate.yaml); returns the texts."""
-    model, prompts = load_for_generation(cfg)
+    model, tokenizer, prompts = load_for_generation(cfg)
     torch.manual_seed(cfg.seed)
     return generate_text(
-        model, prompts, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, cfg.stop_at_eot, cfg.seed
+        model,
+        prompts,
+        cfg.max_new_tokens,
+        cfg.temperature,
+        cfg.top_k,
+        cfg.top_p,
+        cfg.stop_at_eot,
+        cfg.seed,
+        tokenizer,
     )

@@ -22,6 +22,28 @@ class ConfigError(ValueError):
         super().__init__(f"{what}:\n  - " + "\n  - ".join(self.problems))
 
 
+ROPE_REMAP_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def rope_remap_problems(scaling: Any) -> list[str]:
+    """What is wrong with a size.rope_remap setting (None, or Llama 3's remap with its four numbers)."""
+    if scaling is None:
+        return []
+    if not isinstance(scaling, dict):
+        return [f"size.rope_remap={scaling!r} must be null or a mapping with rope_type: llama3"]
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind != "llama3":
+        return [f"size.rope_remap.rope_type={kind!r}: T6 applies Llama 3's frequency remap (rope_type: llama3) only"]
+    problems = [
+        f"size.rope_remap.{k}={scaling.get(k)!r} must be a positive number"
+        for k in ROPE_REMAP_KEYS
+        if not isinstance(scaling.get(k), (int, float)) or isinstance(scaling.get(k), bool) or scaling.get(k) <= 0
+    ]
+    if not problems and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+        problems.append("size.rope_remap.high_freq_factor must be larger than low_freq_factor")
+    return problems
+
+
 @dataclass
 class ModelConfig:
     vocab_size: int = 50304  # GPT-2's 50257 tokens padded to a multiple of 64
@@ -37,12 +59,21 @@ class ModelConfig:
     # complete: every option with its value, defaults and the name's preset filled in.
     attention_options: dict[str, Any] = field(default_factory=dict)
     rope_theta: float = 10000.0
+    # None: plain RoPE; or Llama 3's fixed frequency remap (its config.json's rope_scaling):
+    # {rope_type: llama3, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings}
+    # (t6.model.layers.rope_frequencies applies it to every rotary table). Not named rope_scaling:
+    # transformers' configs (an export's T6Config) reserve that name.
+    rope_remap: dict[str, Any] | None = None
     norm_eps: float = 1e-6
     init_std: float = 0.02
     tie_embeddings: bool = True
 
     def __post_init__(self) -> None:
         self.attention_options = dict(self.attention_options or {})
+        if isinstance(self.rope_remap, dict):  # one spelling, stored as plain data
+            self.rope_remap = {"rope_type": self.rope_remap.get("rope_type", self.rope_remap.get("type"))} | {
+                k: self.rope_remap[k] for k in ROPE_REMAP_KEYS if k in self.rope_remap
+            }
         if self.ffn_hidden is None:
             self.ffn_hidden = int(8 * self.d_model / 3)
         problems = []  # named as the config names them: size.<field>, attention.options.<option>
@@ -54,6 +85,7 @@ class ModelConfig:
             problems.append(f"size.head_dim={self.head_dim} must be even (RoPE rotates pairs of dimensions)")
         if not isinstance(self.rope_theta, (int, float)) or self.rope_theta <= 0:
             problems.append(f"size.rope_theta={self.rope_theta!r} must be positive")
+        problems += rope_remap_problems(self.rope_remap)
         try:
             mechanism = get_mechanism(self.attention)
         except KeyError as err:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,19 +23,39 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
+def rope_frequencies(dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
+    """The inverse frequencies theta^(-2i/dim) of the dim/2 rotated pairs [dim/2], fp32; with scaling
+    (ModelConfig.rope_remap, rope_type llama3), Llama 3's remap as transformers computes it: wavelengths
+    longer than original_max_position_embeddings / low_freq_factor are stretched by `factor`, shorter than
+    original / high_freq_factor kept, those between interpolated smoothly."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim))  # [dim/2]
+    if not scaling:
+        return inv_freq
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    context = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq  # [dim/2]
+    scaled = torch.where(wavelen > context / low, inv_freq / factor, inv_freq)  # [dim/2]
+    smooth = (context / wavelen - low) / (high - low)  # [dim/2]
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled  # [dim/2]
+    medium = ~(wavelen < context / high) * ~(wavelen > context / low)  # [dim/2]
+    return torch.where(medium, smoothed, scaled)  # [dim/2]
+
+
 class Rotary(nn.Module):
     """Rotary position embedding (RoPE) over the last dimension of a tensor.
 
-    Rotates pairs (x_i, x_{i+dim/2}) by the angle pos * theta^(-2i/dim), so that the dot
-    product of two rotated vectors depends only on their position difference.
+    Rotates pairs (x_i, x_{i+dim/2}) by the angle pos * inv_freq_i (`rope_frequencies`: theta^(-2i/dim),
+    remapped by Llama 3's scaling when given), so that the dot product of two rotated vectors depends only
+    on their position difference. The pairs are halves, as in Hugging Face's Llama (`rotate_half`), so its
+    query and key projections load unpermuted.
     """
 
-    def __init__(self, dim: int, max_len: int, theta: float = 10000.0):
+    def __init__(self, dim: int, max_len: int, theta: float = 10000.0, scaling: dict | None = None):
         super().__init__()
         if dim % 2:
             raise ValueError(f"RoPE dimension must be even, got {dim}")
-        self.dim, self.max_len, self.theta = dim, max_len, theta
-        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))  # [dim/2]
+        self.dim, self.max_len, self.theta, self.scaling = dim, max_len, theta, scaling
+        inv_freq = rope_frequencies(dim, theta, scaling)  # [dim/2]
         angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # [max_len, dim/2]
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)

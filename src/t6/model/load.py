@@ -1,10 +1,13 @@
 """Reading checkpoints into a T6: the one loader every script calls.
 
-Three things hold a T6: a Lightning training checkpoint (`hyper_parameters.model_config`,
+Four things hold a T6: a Lightning training checkpoint (`hyper_parameters.model_config`,
 `state_dict` with `model.` keys) written by train.py, a converted warm-start checkpoint
 (`format`, `model_config`, `state_dict`) written by convert.py, and a Hugging Face directory
 written by export.py (or saved again by transformers): `config.json` with `model_type: t6` and
-ModelConfig's fields, the weights in safetensors under the same `model.` keys. Files are read with
+ModelConfig's fields, the weights in safetensors under the same `model.` keys; and a pretrained
+Llama-architecture model, as a Hugging Face directory, a GGUF file or a Hub id (t6.model.pretrained),
+read as a T6 with grouped-query attention. Each carries or names its tokenizer (read by
+t6.data.tokenizer.checkpoint_tokenizer). Files are read with
 `torch.load(weights_only=True)`, directories with safetensors: pickled code is never run. Every
 problem (missing, damaged, not a T6, weights that do not fit the config) is an error naming the
 config field, the file and the fix.
@@ -33,19 +36,24 @@ HF_WEIGHTS = "model.safetensors"
 HF_WEIGHTS_INDEX = "model.safetensors.index.json"  # transformers' sharded weights
 HF_PREFIX = "model."  # T6ForCausalLM holds its T6 as `model`, as the Lightning module does
 HF_SOURCE = "t6_source"  # config.json: where the exported weights came from (MLflow run, steps, tokens)
+HF_TOKENIZER = "t6_tokenizer"  # config.json: the tokenizer's record (t6.data.tokenizer's spec without its JSON)
 
 
 def read_checkpoint(path, what: str = "ckpt_path", map_location: Any = "cpu", mmap: bool = False) -> dict:
     """torch.load(weights_only=True) of a checkpoint named by the config field `what`, or a Hugging Face
     directory (`read_hf_directory`); a missing, truncated or corrupted file is an error naming the field,
-    the file and the fix."""
-    path = Path(path).expanduser()
+    the file and the fix. A pretrained Llama (directory, GGUF file, Hub id) is read by t6.model.pretrained."""
+    from t6.model.pretrained import is_hub_id, is_pretrained, read_pretrained
+
+    spec, path = str(path), Path(path).expanduser()
+    if is_pretrained(path) or (not path.exists() and is_hub_id(spec)):
+        return {"format": HF_FORMAT, **read_pretrained(spec, what)}
     if path.is_dir():
         return read_hf_directory(path, what)
     if not path.is_file():
         raise FileNotFoundError(
-            f"{what}={str(path)!r} does not exist (e.g. logs/train/runs/<time>/checkpoints/last.ckpt, or a "
-            "directory written by export.py)"
+            f"{what}={str(path)!r} does not exist (e.g. logs/train/runs/<time>/checkpoints/last.ckpt, a "
+            "directory written by export.py, a Llama's Hugging Face directory or GGUF file)"
         )
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
@@ -67,9 +75,10 @@ def read_checkpoint(path, what: str = "ckpt_path", map_location: Any = "cpu", mm
 
 
 def read_hf_directory(path: Path, what: str = "ckpt_path") -> dict:
-    """A Hugging Face directory of a T6 -> {format: HF_FORMAT, model_config, state_dict, source}: the
+    """A Hugging Face directory of a T6 -> {format: HF_FORMAT, model_config, state_dict, source, tokenizer}: the
     ModelConfig fields of config.json (checked), the T6 state dict from safetensors (the tied LM head
-    filled in from the embedding) and the provenance export.py recorded."""
+    filled in from the embedding), the provenance export.py recorded and its tokenizer's record (None before
+    exports recorded one: GPT-2; read with the directory's tokenizer.json by t6.data.tokenizer)."""
     from safetensors.torch import load_file
 
     config_file = path / HF_CONFIG
@@ -119,6 +128,7 @@ def read_hf_directory(path: Path, what: str = "ckpt_path") -> dict:
         "source": source,
         "mlflow_run_id": source.get("mlflow_run_id"),
         "global_step": source.get("steps") or 0,
+        "tokenizer": config.get(HF_TOKENIZER),
     }
 
 

@@ -199,6 +199,72 @@ def export_table(payload: dict) -> str:
     return f"{caption_}.*\n\n{markdown(header, rows)}"
 
 
+PRETRAINED_POINTS = (("start", "as converted"), ("distilled", "distilled"), ("uptrained", "uptrained"))
+CHANCE = 0.25  # the local tasks' four choices
+
+
+def pretrained_table(payload: dict) -> str:
+    """experiments/pretrained: the imported source, then each conversion at three points (as converted, after
+    distillation, after uptraining): KV cache, validation loss, the local tasks' averages and the share of the
+    source's accuracy above chance they keep, tokens and minutes spent."""
+    env, steps = payload["environment"], payload["steps"]
+    versions = [
+        f"{name} {env[name]}" for name in ("torch", "transformers", "tokenizers", "lm_eval", "gguf") if name in env
+    ]
+    caption_ = f"*{env['machine']}; Python {env['python']}, {', '.join(versions)}"
+    caption_ += (f"; commit {env['commit']}" if env.get("commit") else "") + f"; {env['date']}.*"
+    source_kv = steps["source/facts"]["kv_bytes_per_token"]
+    src = steps["source/eval"]["metrics"]
+
+    def recovered(metrics: dict, shots: int) -> str:
+        got, want = metrics.get(f"eval/{shots}shot/avg"), src.get(f"eval/{shots}shot/avg")
+        return "-" if got is None else f"{(got - CHANCE) / (want - CHANCE):.0%}"
+
+    def row(name: str, point: str, kv: int, loss, metrics: dict, tokens: str, minutes: str) -> list[str]:
+        avgs = [metrics.get(f"eval/{n}shot/avg") for n in (0, 2)]
+        return [
+            name,
+            point,
+            f"{kv:,} ({kv / source_kv:.2f})",
+            "-" if loss is None else f"{loss:.3f}",
+            *("-" if a is None else f"{a:.3f}" for a in avgs),
+            recovered(metrics, 0),
+            recovered(metrics, 2),
+            tokens,
+            minutes,
+        ]
+
+    imported = steps["import"]
+    rows = [row("SmolLM2-135M (GQA)", "imported", source_kv, imported["source_val_loss"], src, "-", "-")]
+    if "source/lm_eval_hf" in steps:  # the same items scored by lm-eval's own hf model on the GGUF file
+        hf = steps["source/lm_eval_hf"]
+        rows.append(
+            row("SmolLM2-135M (GQA)", "lm-eval `hf`", source_kv, None, hf["metrics"], "-", f"{hf['minutes']:.1f}")
+        )
+    for target in payload["settings"]["targets"]:
+        if f"{target}/facts" not in steps:
+            continue
+        kv = steps[f"{target}/facts"]["kv_bytes_per_token"]
+        for point, label in PRETRAINED_POINTS:
+            evaluated = steps.get(f"{target}/{point}/eval", {"metrics": {}})  # as converted: the tasks are optional
+            if point == "uptrained" and f"{target}/uptrained/val" not in steps:
+                continue
+            if point == "distilled" and f"{target}/distill" not in steps:
+                continue
+            if point == "uptrained":
+                up = steps[f"{target}/uptrain"]
+                loss, tokens, minutes = steps[f"{target}/uptrained/val"]["val_loss"], up["tokens"], up["minutes"]
+                spent = (f"{tokens:,}", f"{minutes:.1f}")
+            else:
+                conv = steps[f"{target}/convert" if point == "start" else f"{target}/distill"]
+                loss = conv["val_loss"]
+                spent = (f"{conv['calibration_tokens']:,}", f"{conv['minutes']:.1f}")
+            rows.append(row(target, label, kv, loss, evaluated["metrics"], *spent))
+    header = ["model", "point", "KV B/token (x source)", "val loss", "0-shot avg", "2-shot avg"]
+    header += ["0-shot kept", "2-shot kept", "tokens", "minutes"]
+    return f"{caption_}\n\n{markdown(header, rows)}"
+
+
 def cell(value) -> str:
     """A fault record's value as a table cell."""
     if value is None:
@@ -408,6 +474,7 @@ RENDERERS: dict[str, Callable[[dict], str]] = {
     "train_step": train_step_table,
     "memory": memory_table,
     "export": export_table,
+    "pretrained": pretrained_table,
     "faults": faults_table,
     "faults_sigterm": faults_sigterm_table,
 }

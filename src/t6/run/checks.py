@@ -1,9 +1,9 @@
 """The problems of a training config itself, every one at once, each naming the field and the fix.
 
-`config_problems(cfg)` runs every check that needs nothing but the config (no data, checkpoint, store or
-device): the model and its vocabulary against the tokenizer, every number's sign and range, the learning rate,
-the batch and sequence settings, the samples, the loss, the Trainer's settings, the evaluation and the
-directories the run writes. `t6.run.plan.plan_run` raises them together as one ConfigError.
+`config_problems(cfg, tokenizer)` runs every check that needs nothing but the config and the run's tokenizer (no
+data, checkpoint, store or device): the model and its vocabulary against the tokenizer, every number's sign and
+range, the learning rate, the batch and sequence settings, the samples, the loss, the Trainer's settings, the
+evaluation and the directories the run writes. `t6.run.plan.plan_run` raises them together as one ConfigError.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 
 from t6.config import model_config
 from t6.data.batching import batch_problems
+from t6.data.tokenizer import Tokenizer, gpt2
 from t6.model.config import ConfigError, ModelConfig
 from t6.model.loss import IMPLS
 from t6.run.samples import check_samples
@@ -26,15 +27,16 @@ from t6.tracking.mlflow import log_model_choice, mlflow_config
 NONFINITE = ("stop", "skip")
 
 
-def config_problems(cfg: DictConfig) -> tuple[ModelConfig | None, list[str]]:
-    """(the model config, or None when it has problems; every problem of the config)."""
+def config_problems(cfg: DictConfig, tokenizer: Tokenizer | None = None) -> tuple[ModelConfig | None, list[str]]:
+    """(the model config, or None when it has problems; every problem of the config). tokenizer: the run's
+    (t6.run.plan.plan_tokenizer; None: GPT-2 BPE), whose ids the model's vocabulary must hold."""
     problems: list[str] = []
     mcfg = None
     try:
         mcfg = model_config(cfg)
     except ConfigError as err:
         problems += err.problems
-    problems += vocabulary_problems(cfg)
+    problems += vocabulary_problems(cfg, tokenizer)
     problems += number_problems(cfg)
     problems += learning_rate_problems(cfg)
     problems += dataset_problems(cfg)
@@ -67,21 +69,16 @@ def is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def tokenizer_vocabulary(cfg: DictConfig) -> tuple[int, str]:
-    """(tokens, name) of the tokenizer the run's data is made with: GPT-2 BPE (t6.data.tokenizer)."""
-    from t6.data.tokenizer import gpt2_encoding
-
-    return gpt2_encoding().n_vocab, "GPT-2 BPE"
-
-
-def vocabulary_problems(cfg: DictConfig) -> list[str]:
-    """The model's embedding holds every token id the tokenizer makes (else an index error at the first step)."""
+def vocabulary_problems(cfg: DictConfig, tokenizer: Tokenizer | None = None) -> list[str]:
+    """The model's embedding holds every token id the tokenizer (None: GPT-2 BPE) makes (else an index error at the
+    first step)."""
     vocab = cfg.size.get("vocab_size")
-    tokens, name = tokenizer_vocabulary(cfg)
+    tokenizer = tokenizer or gpt2()
+    tokens = tokenizer.n_vocab
     if is_int(vocab) and vocab < tokens:
         return [
-            f"size.vocab_size={vocab} is smaller than the tokenizer's {tokens:,} tokens ({name}): its ids up to "
-            f"{tokens - 1} would index past the embedding; set size.vocab_size>={tokens} (e.g. "
+            f"size.vocab_size={vocab} is smaller than the tokenizer's {tokens:,} tokens ({tokenizer.name}): its ids "
+            f"up to {tokens - 1} would index past the embedding; set size.vocab_size>={tokens} (e.g. "
             f"size.vocab_size={-(-tokens // 64) * 64}, a multiple of 64)"
         ]
     return []

@@ -29,6 +29,7 @@ from t6.config import flatten
 from t6.evaluation.callback import build_eval_callback
 from t6.hardware.probes import env_rank
 from t6.model.facts import model_facts
+from t6.model.load import load_model
 from t6.run.plan import RunPlan
 from t6.run.process import destroy_process_group, run_directory, run_settings
 from t6.run.samples import log_samples
@@ -54,14 +55,16 @@ def execute(plan: RunPlan) -> tuple[dict[str, float], dict[str, Any]]:
 
 
 def fit(plan: RunPlan) -> tuple[dict[str, float], dict[str, Any]]:
-    datamodule: L.LightningDataModule = instantiate(plan.cfg.data, batch_size=plan.batch.micro_batch)
+    datamodule: L.LightningDataModule = instantiate(
+        plan.cfg.data, batch_size=plan.batch.micro_batch, seq_len=plan.batch.seq_len, tokenizer=plan.tokenizer
+    )
     datamodule.prepare_data()
     datamodule.setup("fit")
     if plan.tracking is not None:
         open_tracking_store(plan.tracking.uri)
     L.seed_everything(plan.training.seed, workers=True)
     model = build_module(plan)
-    eval_callback = build_eval_callback(plan.evaluation)
+    eval_callback = build_eval_callback(plan.evaluation, plan.tokenizer)
     trainer = build_trainer(plan, eval_callback)
     if trainer.world_size != plan.parallel.world_size:
         raise RuntimeError(
@@ -100,7 +103,7 @@ def fit(plan: RunPlan) -> tuple[dict[str, float], dict[str, Any]]:
             mlflow.experiment.set_tag(mlflow.run_id, "last_step", str(trainer.global_step))  # for report.py
         if plan.tracking is not None:
             uploaded = save_and_upload_model(trainer, mlflow, plan.checkpoint_dir, plan.tracking.upload)
-        samples = log_samples(plan.samples, trainer, model.model, mlflow)
+        samples = log_samples(plan.samples, trainer, model.model, mlflow, plan.tokenizer)
     finally:
         destroy_process_group()  # a sweep's next job in this process starts its own group
         if mlflow is not None:
@@ -136,19 +139,32 @@ def build_module(plan: RunPlan) -> T6LitModule:
     model = T6LitModule(
         model_config=asdict(plan.model),
         optimizer=instantiate(cfg.optimizer, **plan.training.optimizer_args),
-        scheduler=instantiate(cfg.lr_ablation.scheduler) if plan.schedule is not None else None,
+        scheduler=schedule(plan),
         compile=plan.hardware.compile,
         run_config=OmegaConf.to_container(plan.logged_config(), resolve=True),
         nonfinite_loss=plan.training.nonfinite_loss,
         loss_chunk_tokens=plan.training.loss_chunk_tokens,
         loss_impl=plan.training.loss_impl,
         gradient_checkpointing=plan.training.gradient_checkpointing,
+        tokenizer=plan.tokenizer.spec() if plan.tokenizer is not None else None,
+        teacher=load_model(plan.training.teacher, what="teacher") if plan.training.teacher else None,
+        teacher_kl_weight=plan.training.teacher_kl_weight,
     )
     if plan.warm_start is not None:
         from t6.uptrain.convert import load_warm_start
 
         model.model.load_state_dict(load_warm_start(plan.warm_start.path)["state_dict"])  # a resume overrides these
     return model
+
+
+def schedule(plan: RunPlan):
+    """The learning-rate schedule the plan decided (its steps follow a warm start's data.seq_len), or None."""
+    if plan.schedule is None:
+        return None
+    s = plan.schedule
+    return instantiate(
+        plan.cfg.lr_ablation.scheduler, warmup_steps=s.warmup, total_steps=s.total, max_lr=s.max_lr, min_lr=s.min_lr
+    )
 
 
 def failure_note(trainer: L.Trainer, plan: RunPlan, err: BaseException) -> str:
@@ -214,6 +230,7 @@ def build_trainer(plan: RunPlan, eval_callback: L.Callback | None) -> L.Trainer:
         logger=instantiate_dict(cfg.get("logger"), loggers) or False,
         accumulate_grad_batches=plan.batch.accumulation,
         val_check_interval=plan.training.val_check_interval,
+        max_steps=plan.training.max_steps,
     )
 
 

@@ -30,6 +30,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from t6.data.batching import sequences_per_device, sequences_per_step, world_size
+from t6.data.tokenizer import Tokenizer, checkpoint_tokenizer, load_tokenizer, mismatch, run_tokenizer
 from t6.evaluation.callback import check_eval_tasks
 from t6.hardware import device as hw_device
 from t6.hardware import probes
@@ -222,6 +223,8 @@ class Training:
     val_check_interval: int | float | None  # in micro-batches (the config counts optimizer steps)
     optimizer_args: dict = field(default_factory=dict)  # beside the optimizer group's: AdamW fused on CUDA
     gradient_checkpointing: bool = False  # every block recomputed in backward (T6.gradient_checkpointing)
+    teacher: str | None = None  # a model whose logits the loss also follows (KL), e.g. a conversion's source
+    teacher_kl_weight: float = 0.5  # w in (1 - w) CE + w KL(teacher || model)
 
 
 @dataclass(frozen=True)
@@ -242,6 +245,7 @@ class RunPlan:
     evaluation: DictConfig | None = None  # the eval group, checked (None: eval=none)
     samples: DictConfig | None = None  # the greedy samples after training, checked (None: samples=null)
     warnings: tuple[str, ...] = field(default=())
+    tokenizer: Tokenizer | None = None  # the run's (cfg.tokenizer, resolved): data, evaluation, samples, checkpoints
 
     def logged_config(self) -> DictConfig:
         """The config MLflow and the checkpoints record: the one given, with a warm start's model shape."""
@@ -269,6 +273,9 @@ class RunPlan:
             lines.append(f"resume          {self.resume.describe()}")
         if self.warm_start is not None:
             lines.append(f"warm start      {self.warm_start.describe()}")
+        if self.tokenizer is not None:
+            tok = self.tokenizer
+            lines.append(f"tokenizer       {tok.name} ({tok.n_vocab:,} tokens, {tok.id})")
         if self.tracking is not None:
             lines.append(f"tracking        {self.tracking.describe()}")
         return "\n".join(lines)
@@ -293,14 +300,21 @@ class RunPlan:
             out["plan/checkpoint_background"] = self.checkpoints.background
         if self.hardware.peak_flops:
             out["plan/peak_tflops"] = round(self.hardware.peak_flops / 1e12, 4)
+        if self.tokenizer is not None:
+            out.update({"tokenizer/id": self.tokenizer.id, "tokenizer/name": self.tokenizer.name})
+            out["tokenizer/n_vocab"] = self.tokenizer.n_vocab
         return out
 
 
 def plan_run(cfg: DictConfig) -> RunPlan:
     """Every decision a training run makes before the Trainer exists, and every check (see the module docstring)."""
-    cfg = copy.deepcopy(cfg)  # resolvers and the checks read it; nothing writes into it
-    warm = plan_warm_start(cfg)
-    mcfg, problems = checks.config_problems(cfg)
+    given = copy.deepcopy(cfg)  # resolvers and the checks read it; nothing writes into it
+    warm = plan_warm_start(given)
+    # A warm start's model shape is the run's: what follows size.* (data.seq_len's ${size.block_size}, the uptrain
+    # recipe's step count) follows it; the decisions below read this copy, the plan keeps the config as given.
+    cfg = recipe.with_model_config(given, asdict(warm.model)) if warm is not None else given
+    tokenizer = plan_tokenizer(cfg)  # tokenizer=null: init_from's own, else GPT-2
+    mcfg, problems = checks.config_problems(cfg, tokenizer)
     if problems:
         raise ConfigError("Invalid run config", problems)
     if warm is not None:
@@ -308,9 +322,9 @@ def plan_run(cfg: DictConfig) -> RunPlan:
     hardware = choose_hardware(cfg)
     parallel = plan_parallel(cfg, hardware)
     schedule = plan_schedule(cfg)
-    resume = plan_resume(cfg, mcfg)
+    resume = plan_resume(cfg, mcfg, tokenizer)
     tracking = plan_tracking(cfg, resume, warm)
-    instantiate_data(cfg).check()  # the shards exist and are whole (or the text they are made from does)
+    instantiate_data(cfg, tokenizer).check()  # the shards exist and are whole (or the text they are made from does)
     check_eval_tasks(cfg.get("eval"))  # unknown tasks, missing datasets
     batch = plan_batch(cfg, mcfg, hardware, parallel)
     training = plan_training(cfg, hardware, parallel, batch)
@@ -320,7 +334,7 @@ def plan_run(cfg: DictConfig) -> RunPlan:
     warnings += (tracking.offline_note(),) if tracking is not None and tracking.unreachable else ()
     warnings += tuple(f"resume: passed over {name}" for name in (resume.passed_over if resume else ()))
     return RunPlan(
-        cfg,
+        given,
         mcfg,
         hardware,
         parallel,
@@ -336,6 +350,7 @@ def plan_run(cfg: DictConfig) -> RunPlan:
         cfg.get("eval") or None,
         cfg.get("samples"),
         warnings,
+        tokenizer,
     )
 
 
@@ -437,10 +452,10 @@ def plan_schedule(cfg: DictConfig) -> Schedule | None:
     )
 
 
-def plan_resume(cfg: DictConfig, mcfg: ModelConfig) -> Resume | None:
+def plan_resume(cfg: DictConfig, mcfg: ModelConfig, tokenizer: Tokenizer | None = None) -> Resume | None:
     """The checkpoint to continue from (t6.run.resume: ckpt_path, or the run directory's newest whole checkpoint),
-    read (mapped, not loaded): a missing or damaged file, or one whose model this config does not build, fails here
-    naming both."""
+    read (mapped, not loaded): a missing or damaged file, one whose model this config does not build, or one
+    trained with another tokenizer than the run's, fails here naming both."""
     found = find_resume(cfg)
     if found.path is None:
         return None
@@ -448,6 +463,8 @@ def plan_resume(cfg: DictConfig, mcfg: ModelConfig) -> Resume | None:
     if ckpt.get("format") in (WARM_START_FORMAT, HF_FORMAT):
         kind = "a Hugging Face directory" if ckpt["format"] == HF_FORMAT else "a converted (warm-start) checkpoint"
         raise ValueError(f"ckpt_path={found.path!r} is {kind}: start from it with init_from=")
+    if tokenizer is not None and checkpoint_tokenizer(ckpt) != tokenizer:
+        raise ValueError(mismatch(f"ckpt_path={found.path}", checkpoint_tokenizer(ckpt), "this run", tokenizer))
     check_resume_model(found.path, ckpt, mcfg)
     return Resume(found.path, int(ckpt.get("global_step", 0)), ckpt.get("mlflow_run_id"), found.how, found.passed_over)
 
@@ -483,9 +500,25 @@ def plan_warm_start(cfg: DictConfig) -> WarmStart | None:
     init = load_warm_start(cfg.init_from)
     changes = tuple(recipe.model_changes(cfg, init["model_config"]))
     conv = init.get("conversion")  # a converted checkpoint's; a Hugging Face directory has none
-    how = f"{conv['target']} kv_heads={conv['kv_heads']} {conv['method']}" if conv else "a Hugging Face directory"
+    how = "a Hugging Face directory or pretrained model"
+    if conv:
+        distilled = f", distilled {conv['distill']['steps']} steps" if conv.get("distill") else ""
+        heads = f" kv_heads={conv['kv_heads']}" if conv.get("kv_heads") else ""
+        how = f"{conv['target']}{heads} {conv['method']}{distilled}"
     source = (init.get("source") or {}).get("mlflow_run_id") or ""
     return WarmStart(str(cfg.init_from), source, how, changes, ModelConfig(**init["model_config"]))
+
+
+def plan_tokenizer(cfg: DictConfig) -> Tokenizer:
+    """The run's tokenizer (t6.data.tokenizer.run_tokenizer: tokenizer=null is init_from's own, else GPT-2), which
+    execute hands to the data, the evaluation, the samples and the checkpoints. A warm start or a teacher of
+    another tokenizer than the one set is an error naming both."""
+    setting, init_from = cfg.get("tokenizer"), cfg.get("init_from")
+    tokenizer = run_tokenizer(setting, init_from)
+    for what, path in ((f"init_from={init_from}", init_from), (f"teacher={cfg.get('teacher')}", cfg.get("teacher"))):
+        if path and load_tokenizer(path) != tokenizer:
+            raise ValueError(mismatch(what, load_tokenizer(path), f"this run (tokenizer={setting})", tokenizer))
+    return tokenizer
 
 
 def plan_tracking(cfg: DictConfig, resume: Resume | None, warm: WarmStart | None) -> Tracking | None:
@@ -535,11 +568,11 @@ def plan_tracking(cfg: DictConfig, resume: Resume | None, warm: WarmStart | None
     )
 
 
-def instantiate_data(cfg: DictConfig):
+def instantiate_data(cfg: DictConfig, tokenizer: Tokenizer | None = None):
     """The datamodule object (cheap: it opens nothing until `check`, `prepare_data` or `setup`)."""
     from hydra.utils import instantiate
 
-    return instantiate(cfg.data)
+    return instantiate(cfg.data, tokenizer=tokenizer) if tokenizer is not None else instantiate(cfg.data)
 
 
 def plan_training(cfg: DictConfig, hardware: Hardware, parallel: Parallel, batch: BatchPlan) -> Training:
@@ -556,6 +589,8 @@ def plan_training(cfg: DictConfig, hardware: Hardware, parallel: Parallel, batch
         every * batch.accumulation if isinstance(every, int) else every,  # Lightning counts micro-batches
         plan_optimizer(cfg, hardware, parallel),
         bool(cfg.get("gradient_checkpointing", False)),
+        cfg.get("teacher") or None,
+        float(cfg.get("teacher_kl_weight", 0.5)),
     )
 
 

@@ -11,7 +11,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.strategies import FSDPStrategy
 from omegaconf import DictConfig, OmegaConf
 
-from t6.data.tokenizer import gpt2_encoding
+from t6.data.tokenizer import Tokenizer, gpt2, run_tokenizer
 from t6.inference.generate import generate_text
 
 log = logging.getLogger(__name__)
@@ -32,8 +32,8 @@ def check_samples(cfg: DictConfig) -> None:
         )
     if not isinstance(new, int) or isinstance(new, bool) or new < 1:
         raise ValueError(f"samples.max_new_tokens={new} must be a positive integer")
-    enc = gpt2_encoding()
-    longest = max(len(enc.encode_ordinary(p)) for p in prompts)
+    enc = run_tokenizer(cfg.get("tokenizer"), cfg.get("init_from"))  # the run's
+    longest = max(len(enc.encode(p)) for p in prompts)
     if longest >= cfg.size.block_size:
         raise ValueError(
             f"samples: a prompt of {longest} tokens leaves no room in size.block_size={cfg.size.block_size}; "
@@ -41,16 +41,18 @@ def check_samples(cfg: DictConfig) -> None:
         )
 
 
-def greedy_samples(model: torch.nn.Module, samples: DictConfig) -> list[str]:
+def greedy_samples(model: torch.nn.Module, samples: DictConfig, tokenizer: Tokenizer | None = None) -> list[str]:
     """Each of samples.prompts continued greedily (temperature 0) by samples.max_new_tokens tokens at most
-    (fewer where the prompt and they would pass the model's block size). One prompt at a time: no
-    padding, so every attention option can generate them."""
+    (fewer where the prompt and they would pass the model's block size), in the run's tokenizer (default
+    GPT-2). One prompt at a time: no padding, so every attention option can generate them."""
     was_training = model.training
     model.eval()
-    enc, block = gpt2_encoding(), model.cfg.block_size
+    enc, block = tokenizer or gpt2(), model.cfg.block_size
     try:
         return [
-            generate_text(model, [p], min(int(samples.max_new_tokens), block - len(enc.encode_ordinary(p))), 0.0)[0]
+            generate_text(model, [p], min(int(samples.max_new_tokens), block - len(enc.encode(p))), 0.0, tokenizer=enc)[
+                0
+            ]
             for p in samples.prompts
         ]
     finally:
@@ -64,9 +66,14 @@ def samples_text(texts: list[str], step: int) -> str:
 
 
 def log_samples(
-    samples: DictConfig | None, trainer: L.Trainer, model: torch.nn.Module, mlflow: MLFlowLogger | None
+    samples: DictConfig | None,
+    trainer: L.Trainer,
+    model: torch.nn.Module,
+    mlflow: MLFlowLogger | None,
+    tokenizer: Tokenizer | None = None,
 ) -> list[str]:
-    """Rank 0, after training: the greedy samples, logged as samples.txt in the MLflow run (when there is one)."""
+    """Rank 0, after training: the greedy samples in the run's tokenizer (default GPT-2), logged as samples.txt in
+    the MLflow run (when there is one)."""
     if samples is None or not trainer.is_global_zero:
         return []
     if isinstance(trainer.strategy, FSDPStrategy):
@@ -75,7 +82,7 @@ def log_samples(
             "with python generate.py ckpt_path=... temperature=0"
         )
         return []
-    texts = greedy_samples(model, samples)
+    texts = greedy_samples(model, samples, tokenizer)
     if mlflow is not None:
         mlflow.experiment.log_text(mlflow.run_id, samples_text(texts, trainer.global_step), SAMPLES_ARTIFACT)
     return texts

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import lightning as L
 import torch
+import torch.nn.functional as F
 from lightning.pytorch.loggers import MLFlowLogger
 from torchmetrics import MeanMetric
 
@@ -31,6 +32,9 @@ class T6LitModule(L.LightningModule):
         loss_chunk_tokens: int | None = None,
         loss_impl: str = "auto",
         gradient_checkpointing: bool = False,
+        tokenizer: dict | None = None,
+        teacher: T6 | None = None,
+        teacher_kl_weight: float = 0.5,
     ):
         """model_config: ModelConfig fields as a plain dict (checkpoints stay loadable with
         weights_only=True); optimizer / scheduler: partials from Hydra, bound in configure_optimizers;
@@ -46,7 +50,13 @@ class T6LitModule(L.LightningModule):
         loss_chunk_tokens: tokens per chunk of the LM head + cross-entropy (None: all logits at once);
         loss_impl: "auto" (Liger-Kernel's fused kernel on CUDA, t6.model.loss's chunks elsewhere), "chunked",
         "liger".
-        gradient_checkpointing: every block recomputed in backward (T6.gradient_checkpointing)."""
+        gradient_checkpointing: every block recomputed in backward (T6.gradient_checkpointing).
+        tokenizer: the run's tokenizer as plain data (t6.data.tokenizer.Tokenizer.spec), recorded in every
+        checkpoint (`tokenizer`), so evaluation, generation and export read text as the model was trained.
+        teacher: a model whose next-token distributions the training loss also follows (uptraining a converted
+        model with its source as teacher): loss = (1 - w) cross-entropy + w KL(teacher || model) over the
+        positions with a target, w = teacher_kl_weight; validation stays the cross-entropy alone. The teacher
+        is frozen, kept out of the checkpoint and the optimizer."""
         super().__init__()
         if nonfinite_loss not in ("stop", "skip"):
             raise ValueError(f"nonfinite_loss={nonfinite_loss!r} must be 'stop' or 'skip'")
@@ -60,6 +70,11 @@ class T6LitModule(L.LightningModule):
         self.param_kinds = param_kinds(self.model)  # before any wrapping shards the parameters into 1-D views
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.run_config = run_config
+        self.tokenizer = tokenizer
+        if teacher is not None:
+            teacher.requires_grad_(False).eval()
+        self.teacher = (teacher,) if teacher is not None else ()  # a tuple: not a submodule (no state, no grads)
+        self.teacher_kl_weight = float(teacher_kl_weight)
         self.val_loss = MeanMetric()
         if compile:
             self.model.compile_blocks()  # checkpoints keep the plain `model.` parameter names
@@ -73,8 +88,24 @@ class T6LitModule(L.LightningModule):
             x, targets=y, loss_chunk_tokens=self.loss_chunk_tokens, loss_impl=self.loss_impl
         )  # [] mean over B*T tokens
 
+    def distilled_loss(self, batch) -> torch.Tensor:
+        """(1 - w) cross-entropy + w KL(teacher || model), each a mean over the positions with a target."""
+        x, y = batch  # [B, T], [B, T]
+        (teacher,) = self.teacher
+        if next(teacher.parameters()).device != x.device:
+            teacher.to(x.device)
+        logits = self.model(x).float()  # [B, T, V]
+        with torch.no_grad():
+            want = F.log_softmax(teacher(x).float(), dim=-1)  # [B, T, V]
+        valid = y != IGNORE_INDEX  # [B, T]
+        ce = F.cross_entropy(logits[valid], y[valid])  # []
+        got = F.log_softmax(logits, dim=-1)  # [B, T, V]
+        kl = F.kl_div(got[valid], want[valid], log_target=True, reduction="batchmean")  # [] mean over positions
+        w = self.teacher_kl_weight
+        return (1 - w) * ce + w * kl
+
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-        loss = self.loss(batch)
+        loss = self.distilled_loss(batch) if self.teacher else self.loss(batch)
         self.log("train/loss", loss, prog_bar=True, batch_size=batch[0].shape[0])  # a tensor: read when logged
         return loss
 
@@ -139,6 +170,8 @@ class T6LitModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if self.run_config is not None:
             checkpoint["run_config"] = self.run_config
+        if self.tokenizer is not None:
+            checkpoint["tokenizer"] = self.tokenizer  # t6.data.tokenizer.checkpoint_tokenizer reads it back
         for logger in self.loggers:
             if isinstance(logger, MLFlowLogger):
                 checkpoint["mlflow_run_id"] = logger.run_id  # a resumed run continues this MLflow run

@@ -1,26 +1,29 @@
-"""Conversion for uptraining (Ainslie et al. 2023, "GQA", §2.1): turn a multi-head checkpoint
-into a grouped-query or multi-query one, written as a warm-start checkpoint.
+"""Conversion of a model's attention into any registered mechanism, written as a warm-start checkpoint
+(python convert.py; conf/convert.yaml).
 
-Conversion keeps every weight except the key and value projections: the embedding, the
-norms, the SwiGLU, the query and output projections are copied; the h K (and V) heads of
-each layer are split into G contiguous groups of h/G heads (query head i reads KV head
-i // (h/G), as SDPA's `enable_gqa` broadcasts them) and each group becomes one head:
+The source is anything the one loader reads (t6.model.load): a T6 training or converted checkpoint, a T6
+export, a pretrained Llama's Hugging Face directory or GGUF file. The target is the source's shape
+with another attention (`target`, `target_kv_heads` for GQA, `options` for the mechanism's own). Every
+weight but the attention's is copied; each layer's new attention then starts
 
-    W_K [h * d_h, d_model] -> view [G, h/G, d_h, d_model] -> mean over h/G -> [G * d_h, d_model]
+1. from a closed form where one exists from the source's attention (t6.uptrain.closed_form: GQA/MQA by
+   pooling KV heads, MLA by partial RoPE and a joint low-rank factorization, TPA by fitted factors),
+   else from the mechanism's own initialization (`method`);
+2. and, for `distill_steps` > 0, is trained to reproduce the source layer's attention output on
+   calibration text from the run's data, everything else frozen (t6.uptrain.distill): any mechanism,
+   present or future, with no code of its own.
 
-(`method="first"` keeps the first head of each group instead, the paper's comparison).
-G = h reproduces the MHA exactly; G = 1 is MQA. RoPE acts on each head after the linear
-map, identically for every head, so pooling the weights pools the rotated keys.
-
-A converted checkpoint is a warm-start checkpoint: plain tensors and data only, loaded
-with `torch.load(weights_only=True)`, holding the T6 state dict, the target ModelConfig
-as a dict, and where it came from (the source's MLflow run id, checkpoint and the tokens
-it was trained on). `python train.py init_from=PATH` trains from it with a fresh
-optimizer, schedule, step count and MLflow run (the recipe side: t6.uptrain.recipe).
+A converted checkpoint holds plain tensors and data only (`torch.load(weights_only=True)`): the T6 state
+dict, the target ModelConfig, the tokenizer (the source's), the conversion (target, options, method,
+calibration tokens, each layer's attention-output error at the start and after distillation) and its
+source (path, MLflow run, training tokens). `python train.py init_from=PATH` uptrains it (with a fresh
+optimizer, schedule and MLflow run; the recipe: t6.uptrain.recipe; optionally with the source as
+teacher).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -28,41 +31,44 @@ from typing import Any
 import torch
 
 from t6.data.batching import sequences_per_step, world_size
+from t6.data.tokenizer import checkpoint_tokenizer
 from t6.model import ModelConfig
+from t6.model.attention import get_mechanism
+from t6.model.attention.gqa import GroupedQueryAttention
 from t6.model.facts import meta_model
-from t6.model.load import HF_FORMAT, WARM_START_FORMAT, check_weights, read_checkpoint
+from t6.model.load import HF_FORMAT, WARM_START_FORMAT, check_weights, model_state, read_checkpoint
+from t6.model.t6 import T6
+from t6.uptrain.closed_form import POOLING, closed_form
+from t6.uptrain.distill import attention_errors, calibration_batches, distill, input_statistics
 
-TARGETS = ("gqa", "mqa")
-METHODS = ("mean", "first")
+log = logging.getLogger(__name__)
+
+GQA_FAMILY = ("mha", "gqa", "mqa")
+METHODS = ("auto", "closed", *POOLING, "init")  # auto: the closed form where one exists, else init
+# Conversion's own defaults for options the closed forms need (those given win): MLA's query path exact
+# (q_lora_rank = d_model) and its head widths the source's; TPA's query factored one rank per head.
+CLOSED_FORM_DEFAULTS = {
+    "mla": lambda cfg, opts: {
+        "q_lora_rank": cfg.d_model,
+        "nope_dim": cfg.head_dim - opts.get("rope_dim", get_mechanism("mla").default_options()["rope_dim"]),
+        "v_dim": cfg.head_dim,
+    },
+    "tpa": lambda cfg, opts: {"q_rank": cfg.n_head},
+}
 
 
-def pool_heads(weight: torch.Tensor, n_head: int, groups: int, method: str = "mean") -> torch.Tensor:
-    """A K or V projection weight [n_head * d_h, d_model] -> [groups * d_h, d_model], one head per group."""
-    if method not in METHODS:
-        raise ValueError(f"method={method!r}: choose one of {list(METHODS)}")
-    if n_head % groups:
-        raise ValueError(f"target_kv_heads={groups} does not divide the source's {n_head} heads")
-    rows, d_model = weight.shape
-    heads = weight.view(groups, n_head // groups, rows // n_head, d_model)  # [G, h/G, d_h, d_model]
-    pooled = heads.mean(dim=1) if method == "mean" else heads[:, 0]  # [G, d_h, d_model]
-    return pooled.reshape(groups * (rows // n_head), d_model)  # [G * d_h, d_model]
-
-
-def target_config(source: ModelConfig, target: str, kv_heads: int | None) -> ModelConfig:
-    """The converted model's config: the source's shape with `target` attention and kv_heads KV heads."""
-    if source.attention != "mha":
-        raise ValueError(
-            f"the source checkpoint's attention is {source.attention!r}; uptraining converts an 'mha' checkpoint "
-            "(train one with attention=mha)"
-        )
-    if target not in TARGETS:
-        raise ValueError(f"target={target!r}: choose one of {list(TARGETS)}")
-    if target == "mqa":
-        if kv_heads not in (None, 1):
-            raise ValueError(f"target=mqa has one KV head; drop target_kv_heads={kv_heads} or use target=gqa")
-        options: dict[str, Any] = {}
-    else:
-        if not isinstance(kv_heads, int) or kv_heads <= 0:
+def target_config(
+    source: ModelConfig, target: str, kv_heads: int | None = None, options: dict[str, Any] | None = None
+) -> ModelConfig:
+    """The converted model's config: the source's shape with `target` attention, kv_heads KV heads (gqa)
+    and the mechanism's options (`options`; for the closed forms' sake, some defaults of their own)."""
+    try:
+        mechanism = get_mechanism(target)
+    except KeyError as err:
+        raise ValueError(f"target={target!r}: {err.args[0]}") from None
+    options = dict(options or {})
+    if target == "gqa":
+        if not isinstance(kv_heads, int) or isinstance(kv_heads, bool) or kv_heads <= 0:
             raise ValueError(f"target=gqa needs target_kv_heads=G, a positive integer (got {kv_heads!r})")
         if source.n_head % kv_heads:
             divisors = [g for g in range(1, source.n_head + 1) if source.n_head % g == 0]
@@ -70,46 +76,32 @@ def target_config(source: ModelConfig, target: str, kv_heads: int | None) -> Mod
                 f"target_kv_heads={kv_heads} does not divide the source's n_head={source.n_head}; "
                 f"choose one of {divisors}"
             )
-        options = {"n_kv_head": kv_heads}
+        options["n_kv_head"] = kv_heads
+    elif kv_heads is not None and not (target == "mqa" and kv_heads == 1):
+        raise ValueError(
+            f"target={target} takes no target_kv_heads (got {kv_heads}); use target=gqa for a number of KV heads"
+        )
+    if target in CLOSED_FORM_DEFAULTS:
+        options = {**CLOSED_FORM_DEFAULTS[target](source, options), **options}
     fields = asdict(source)
-    fields.update(attention=target, attention_options=options)
+    fields.update(attention=mechanism.name, attention_options=options)
     return ModelConfig(**fields)
 
 
-def kv_head_count(cfg: ModelConfig) -> int:
-    """KV heads of the model cfg builds (its attention decides; read off the meta-device model)."""
-    return meta_model(cfg).blocks[0].attn.n_kv
-
-
-def convert_state_dict(
-    state: dict[str, torch.Tensor], source: ModelConfig, target: ModelConfig, method: str = "mean"
-) -> dict[str, torch.Tensor]:
-    """Map a T6 state dict from the source (MHA) config to the target (GQA/MQA) config."""
-    groups = kv_head_count(target)
-    out = {}
-    for name, tensor in state.items():
-        if name.endswith((".attn.k.weight", ".attn.v.weight")):
-            out[name] = pool_heads(tensor, source.n_head, groups, method).clone()
-        else:
-            out[name] = tensor.clone()
-    return out
-
-
-def load_training_checkpoint(path: str | Path) -> dict:
-    """A Lightning checkpoint written by train.py, read with weights_only=True."""
-    path = Path(path)
-    ckpt = read_checkpoint(path, "ckpt_path")  # missing or corrupted: an error naming the file
-    if ckpt.get("format") == WARM_START_FORMAT:
-        raise ValueError(f"{path} is already a converted (warm-start) checkpoint; convert the MHA training checkpoint")
-    if "model_config" not in ckpt.get("hyper_parameters", {}) or "state_dict" not in ckpt:
-        raise ValueError(f"{path} is not a T6 training checkpoint (no hyper_parameters.model_config / state_dict)")
-    return ckpt
+def kv_head_count(cfg: ModelConfig) -> int | None:
+    """KV heads of a grouped-query model (read off the meta-device model); None for other mechanisms."""
+    attn = meta_model(cfg).blocks[0].attn
+    return attn.n_kv if isinstance(attn, GroupedQueryAttention) else None
 
 
 def source_tokens(ckpt: dict) -> dict[str, int | None]:
     """Training tokens behind a Lightning checkpoint: samples seen x seq_len. Samples: the data module's
     position, else optimizer steps x the run config's global batch (t6.data.batching); None where the
-    checkpoint records neither (or its run's device count was not a number)."""
+    checkpoint records neither (or its run's device count was not a number). A converted checkpoint or
+    an export: what its own source record says."""
+    if "source" in ckpt:
+        keep = ("steps", "samples", "seq_len", "tokens")
+        return {k: ckpt["source"].get(k) for k in keep}
     run = ckpt.get("run_config") or {}
     data, trainer = run.get("data", {}), run.get("trainer", {})
     seq_len = int(data.get("seq_len") or ckpt["hyper_parameters"]["model_config"]["block_size"])
@@ -126,35 +118,115 @@ def source_tokens(ckpt: dict) -> dict[str, int | None]:
     }
 
 
+def start_method(method: str, source: T6, target: T6) -> str:
+    """What the attention starts from: `method`, with auto resolved (the closed form where one exists from
+    the source's attention, else the mechanism's own initialization); a method that cannot apply is an error."""
+    if method not in METHODS:
+        raise ValueError(f"method={method!r}: choose one of {list(METHODS)}")
+    src, dst = source.blocks[0].attn, target.blocks[0].attn
+    exists = isinstance(src, GroupedQueryAttention) and closed_form(type(dst)) is not None
+    pools = isinstance(dst, GroupedQueryAttention)
+    if method == "auto":
+        return ("mean" if pools else "closed") if exists else "init"
+    if method in POOLING and not (exists and pools):
+        raise ValueError(
+            f"method={method} pools KV heads: it converts a grouped-query source (mha/gqa/mqa, here "
+            f"{source.cfg.attention}) into gqa/mqa/mha (here {target.cfg.attention})"
+        )
+    if method == "closed" and not exists:
+        raise ValueError(
+            f"method=closed: there is no closed form from {source.cfg.attention} into {target.cfg.attention}; "
+            "use method=init with distill_steps (layer-wise distillation starts any mechanism)"
+        )
+    return method
+
+
+def build_target(source: T6, cfg: ModelConfig) -> T6:
+    """The target model: every weight but the attention's copied from the source, the attention initialized
+    by its mechanism."""
+    target = T6(cfg)
+    state = {k: v for k, v in source.state_dict().items() if ".attn." not in k}
+    missing, unexpected = target.load_state_dict(state, strict=False)
+    if unexpected or any(".attn." not in k for k in missing):
+        raise RuntimeError(f"the target's non-attention weights differ from the source's: {missing} {unexpected}")
+    return target.eval()
+
+
+def convert_model(
+    source: T6,
+    cfg: ModelConfig,
+    method: str = "auto",
+    calibration: list[torch.Tensor] | None = None,
+    held_out: list[torch.Tensor] | None = None,
+    distill_steps: int = 0,
+    distill_lr: float = 1e-3,
+) -> tuple[T6, dict[str, Any]]:
+    """(the converted model, what the conversion did). calibration: token windows [B, T] from the run's data,
+    for the closed forms' statistics and the distillation; held_out: windows the errors are measured on."""
+    target = build_target(source, cfg)
+    method = start_method(method, source, target)
+    batches = calibration_batches(source, calibration) if calibration else []
+    held = calibration_batches(source, held_out) if held_out else batches
+    if (distill_steps or (method == "closed" and cfg.attention not in GQA_FAMILY)) and not batches:
+        raise ValueError("this conversion needs calibration text (its statistics or distillation); give calibration")
+    if method != "init":
+        form = closed_form(type(target.blocks[0].attn))
+        stats = input_statistics(batches) if batches else [None] * cfg.n_layer
+        for i, (src, dst) in enumerate(zip(source.blocks, target.blocks)):
+            extra = {"method": method} if method in POOLING else {}
+            form(src.attn, dst.attn, stats[i], src.attn_norm.weight, **extra)
+    record: dict[str, Any] = {"target": cfg.attention, "options": dict(cfg.attention_options), "method": method}
+    record["kv_heads"] = kv_head_count(cfg)
+    if held:
+        record["errors_start"] = attention_errors(target, held)
+    record["calibration_tokens"] = sum(b.tokens for b in batches)
+    if distill_steps:
+        history = distill(target, batches, distill_steps, distill_lr, log_every=max(1, distill_steps // 10))
+        record["distill"] = {"steps": distill_steps, "lr": distill_lr, "history": history}
+        record["errors_distilled"] = attention_errors(target, held)
+    return target, record
+
+
 def convert_checkpoint(
     ckpt_path: str | Path,
     target: str,
     target_kv_heads: int | None = None,
-    method: str = "mean",
+    method: str = "auto",
     out: str | Path | None = None,
+    options: dict[str, Any] | None = None,
+    calibration: list[torch.Tensor] | None = None,
+    held_out: list[torch.Tensor] | None = None,
+    distill_steps: int = 0,
+    distill_lr: float = 1e-3,
+    ckpt: dict | None = None,
 ) -> dict:
-    """Convert an MHA training checkpoint; returns the warm-start checkpoint and writes it to `out` when given."""
-    ckpt = load_training_checkpoint(ckpt_path)
-    source_cfg = ModelConfig(**ckpt["hyper_parameters"]["model_config"])
-    prefix = "model."
-    state = {k[len(prefix) :]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
-    check_weights(state, source_cfg, f"source checkpoint {ckpt_path}")
-    cfg = target_config(source_cfg, target, target_kv_heads)
-    new_state = convert_state_dict(state, source_cfg, cfg, method)
+    """Convert what ckpt_path holds (ckpt: it, already read by t6.model.load.read_checkpoint); returns the
+    warm-start checkpoint and writes it to `out` when given."""
+    ckpt = read_checkpoint(ckpt_path, "ckpt_path") if ckpt is None else ckpt
+    source_cfg, state = model_state(ckpt, "ckpt_path", ckpt_path)
+    source = T6(source_cfg)
+    source.load_state_dict(state)
+    cfg = target_config(source_cfg, target, target_kv_heads, options)
+    model, conversion = convert_model(source.eval(), cfg, method, calibration, held_out, distill_steps, distill_lr)
+    new_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     check_weights(new_state, cfg, "converted model")
+    origin = ckpt.get("source") or {}
     result = {
         "format": WARM_START_FORMAT,
         "state_dict": new_state,
         "model_config": asdict(cfg),
-        "conversion": {"target": target, "kv_heads": kv_head_count(cfg), "method": method},
+        "conversion": conversion,
         "source": {
-            "ckpt_path": str(Path(ckpt_path).resolve()),
-            "mlflow_run_id": ckpt.get("mlflow_run_id"),
+            "ckpt_path": str(Path(ckpt_path).resolve()) if Path(ckpt_path).exists() else str(ckpt_path),
+            "mlflow_run_id": ckpt.get("mlflow_run_id") or origin.get("mlflow_run_id"),
             "attention": source_cfg.attention,
             "n_head": source_cfg.n_head,
+            "kv_heads": kv_head_count(source_cfg),
+            "pretrained": origin.get("pretrained"),
             **source_tokens(ckpt),
         },
-        "source_run_config": ckpt.get("run_config") or {},
+        "source_run_config": ckpt.get("run_config") or ckpt.get("source_run_config") or {},
+        "tokenizer": checkpoint_tokenizer(ckpt).spec(),
     }
     if out is not None:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -163,14 +235,15 @@ def convert_checkpoint(
 
 
 def load_warm_start(path: str | Path) -> dict:
-    """A converted checkpoint or a Hugging Face directory for `init_from`, checked: the format, and weights
-    that fit its model config."""
+    """A converted checkpoint, a Hugging Face directory (a T6 export or a pretrained Llama) or a GGUF file for
+    `init_from`, checked: the format, and weights that fit its model config."""
     path = Path(path)
     ckpt = read_checkpoint(path, "init_from")
     if ckpt.get("format") not in (WARM_START_FORMAT, HF_FORMAT):
         raise ValueError(
             f"init_from={str(path)!r} is not a warm-start checkpoint (write one with `python convert.py`, or give "
-            "a Hugging Face directory written by `python export.py`); to resume a training checkpoint use ckpt_path="
+            "a Hugging Face directory written by `python export.py`, a pretrained Llama's directory or GGUF file); "
+            "to resume a training checkpoint use ckpt_path="
         )
     cfg = ModelConfig(**ckpt["model_config"])
     check_weights(ckpt["state_dict"], cfg, f"init_from={path}")

@@ -85,7 +85,7 @@ class GroupedLatentAttention(Attention):
         # W_UK and W_UV of every head, each reading d_c numbers: rows of head i apply to latent head i // g.
         self.kv_up = nn.Linear(self.d_c, h * (self.d_nope + self.d_v), bias=False)
         self.out = nn.Linear(h * self.d_v, cfg.d_model, bias=False)
-        self.rope = Rotary(self.d_rope, cfg.block_size, cfg.rope_theta)
+        self.rope = Rotary(self.d_rope, cfg.block_size, cfg.rope_theta, cfg.rope_remap)
         self.scale = (self.d_nope + self.d_rope) ** -0.5
 
     def cache_spec(self) -> dict[str, tuple[int, ...]]:

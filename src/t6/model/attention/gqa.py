@@ -54,7 +54,7 @@ class GroupedQueryAttention(Attention):
         self.k = nn.Linear(cfg.d_model, self.n_kv * d, bias=False)
         self.v = nn.Linear(cfg.d_model, self.n_kv * d, bias=False)
         self.out = nn.Linear(h * d, cfg.d_model, bias=False)
-        self.rope = Rotary(d, cfg.block_size, cfg.rope_theta)
+        self.rope = Rotary(d, cfg.block_size, cfg.rope_theta, cfg.rope_remap)
 
     def cache_spec(self) -> dict[str, tuple[int, ...]]:
         return {"k": (self.n_kv, self.cfg.head_dim), "v": (self.n_kv, self.cfg.head_dim)}

@@ -69,7 +69,7 @@ class GroupedTiedAttention(Attention):
         self.kv = nn.Linear(cfg.d_model, self.n_kv * d, bias=False)  # W_KV, the tied state
         self.k_rope = nn.Linear(cfg.d_model, self.d_rope, bias=False)  # W_KR, one head
         self.out = nn.Linear(h * d, cfg.d_model, bias=False)
-        self.rope = Rotary(self.d_rope, cfg.block_size, cfg.rope_theta)
+        self.rope = Rotary(self.d_rope, cfg.block_size, cfg.rope_theta, cfg.rope_remap)
 
     def cache_spec(self) -> dict[str, tuple[int, ...]]:
         return {"kv": (self.n_kv, self.cfg.head_dim), "k_rope": (self.d_rope,)}

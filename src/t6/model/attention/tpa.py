@@ -119,7 +119,7 @@ class TensorProductAttention(Attention):
         self.k = self.factor(cfg.d_model, self.k_rank, h, d)
         self.v = self.factor(cfg.d_model, self.v_rank, h, d)
         self.out = nn.Linear(h * d, cfg.d_model, bias=False)
-        self.rope = Rotary(d, cfg.block_size, cfg.rope_theta)
+        self.rope = Rotary(d, cfg.block_size, cfg.rope_theta, cfg.rope_remap)
 
     def factor(self, d_model: int, rank: int, n_head: int, head_dim: int) -> Factor:
         """The map from x to one of Q, K, V's factors (variants return their own kind)."""

@@ -72,7 +72,7 @@ class NonContextualTPA(Attention):
         self.ctx_n = ctx_n  # the contextual factors' width: d_h (nc_a) or h (nc_b)
         self.ctx = nn.ModuleDict({n: nn.Linear(cfg.d_model, r * ctx_n, bias=False) for n, r in self.ranks.items()})
         self.out = nn.Linear(h * d, cfg.d_model, bias=False)
-        self.rope = Rotary(d, cfg.block_size, cfg.rope_theta)
+        self.rope = Rotary(d, cfg.block_size, cfg.rope_theta, cfg.rope_remap)
 
     @torch.no_grad()
     def init_weights(self) -> None:

@@ -49,7 +49,7 @@ class SharedBTPA(Attention):
         self.a_v = nn.Linear(cfg.d_model, self.rank * h, bias=False)
         self.b = nn.Linear(cfg.d_model, self.rank * d, bias=False)
         self.out = nn.Linear(h * d, cfg.d_model, bias=False)
-        self.rope = Rotary(d, cfg.block_size, cfg.rope_theta)
+        self.rope = Rotary(d, cfg.block_size, cfg.rope_theta, cfg.rope_remap)
 
     @torch.no_grad()
     def init_weights(self) -> None:

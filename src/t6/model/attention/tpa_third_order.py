@@ -82,7 +82,7 @@ class ThirdOrderTPA(Attention):
         self.k = Factor3(cfg.d_model, self.ranks["k"], (h, self.d_b, self.d_c))
         self.v = Factor3(cfg.d_model, self.ranks["v"], (h, self.d_b, self.d_c))
         self.out = nn.Linear(h * cfg.head_dim, cfg.d_model, bias=False)
-        self.rope = Rotary(self.d_b, cfg.block_size, cfg.rope_theta)
+        self.rope = Rotary(self.d_b, cfg.block_size, cfg.rope_theta, cfg.rope_remap)
 
     @torch.no_grad()
     def init_weights(self) -> None:

@@ -409,6 +409,21 @@ def test_every_number_is_checked_for_its_sign_and_range(override, field, says, m
     assert "lr_ablation.max_lr=-" not in problem.partition("must be")[2]  # no advice to set a negative rate
 
 
+def test_the_vocabulary_is_checked_against_the_runs_own_tokenizer(make_cfg, tmp_path):
+    from t6.data.tokenizer import load_tokenizer
+    from t6.run.checks import vocabulary_problems
+
+    from tiny_llama import VOCAB, save_llama_directory
+
+    save_llama_directory(tmp_path / "llama")  # a pretrained model's tokenizer of VOCAB tokens, not GPT-2's 50,257
+    with pytest.raises(ConfigError) as err:
+        plan_run(make_cfg(f"tokenizer={tmp_path / 'llama'}", f"size.vocab_size={VOCAB - 1}"))
+    (problem,) = [p for p in err.value.problems if p.startswith("size.vocab_size")]
+    assert f"smaller than the tokenizer's {VOCAB} tokens" in problem and f"size.vocab_size>={VOCAB}" in problem
+    cfg = make_cfg(f"tokenizer={tmp_path / 'llama'}", f"size.vocab_size={VOCAB}")
+    assert vocabulary_problems(cfg, load_tokenizer(cfg.tokenizer)) == []  # its ids fit
+
+
 def test_a_corpus_that_is_not_text_or_too_short_is_named(make_cfg, tmp_path):
     binary = tmp_path / "model.bin"
     binary.write_bytes(bytes(range(256)) * 8)

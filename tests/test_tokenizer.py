@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from t6.data.corpus import TINY_SHAKESPEARE, prepare_text_corpus, split_text
+from t6.data.corpus import TINY_SHAKESPEARE, current_manifest, prepare_text_corpus, split_text
 from t6.data.datamodule import TokenDataModule
 from t6.data.shards import HEADER_BYTES, Manifest, read_shard, write_shard
 from t6.data.tokenizer import PretrainedTokenizer, from_spec, gpt2, load_tokenizer
@@ -67,6 +67,9 @@ def test_the_corpus_splits_at_one_place_for_every_tokenizer(llama_dir, tmp_path)
     dm.prepare_data()
     assert dm.data_dir.name == f"tinyshakespeare-{tok.id.replace(':', '-')}"
     manifest = Manifest.load(dm.data_dir)
+    assert current_manifest(TINY_SHAKESPEARE, dm.data_dir, tokenizer=tok).shards == manifest.shards  # current
+    assert current_manifest(TINY_SHAKESPEARE, dm.data_dir) is None  # GPT-2's shards are not these
+    dm.check()  # the plan's check: each split holds a sequence, in this tokenizer's tokens
     shards = {s["split"]: read_shard(dm.data_dir / s["file"]) for s in manifest.shards}
     train_text, val_text = split_text(TINY_SHAKESPEARE)
     assert tok.decode(shards["val"][1:].tolist()) == val_text

@@ -30,6 +30,7 @@ from t6.report import (
     tokens_per_step,
 )
 from t6.report.stats import difference
+from t6.run.cli import UserError
 from t6.run.train import train
 
 from conftest import ROOT
@@ -293,17 +294,18 @@ def test_report_from_real_runs(store, tmp_path):
 
 @pytest.mark.slow  # trains a sweep to report on (~5 s)
 def test_report_on_a_sweep_parent_logs_to_the_parent_and_bad_input_fails_clearly(store, tmp_path):
+    """Bad input is a UserError naming it (report.py's entry prints it, exit 2)."""
     client, ids = store["client"], store["ids"]
     cli = load_cli()
-    with pytest.raises(ValueError, match="no MLflow experiment named 'nope'.*cmp"):
+    with pytest.raises(UserError, match="no MLflow experiment named 'nope'.*cmp"):
         cli.main(["--experiment", "nope", "--tracking-uri", store["uri"], "--no-log"])
-    with pytest.raises(ValueError, match="has no sweep parent run; drop --parent"):
+    with pytest.raises(UserError, match="has no sweep parent run; drop --parent"):
         cli.main(["--experiment", "cmp", "--parent", "latest", "--tracking-uri", store["uri"], "--no-log"])
-    with pytest.raises(FileNotFoundError, match="decode benchmark JSON"):
+    with pytest.raises(UserError, match="decode benchmark JSON"):
         cli.main(["--experiment", "cmp", "--tracking-uri", store["uri"], "--decode-json", str(tmp_path / "x.json")])
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps([{"attention": "mha"}]))
-    with pytest.raises(ValueError, match="record 0 lacks context, tokens_per_s"):
+    with pytest.raises(UserError, match="record 0 lacks context, tokens_per_s"):
         cli.main(["--experiment", "cmp", "--tracking-uri", store["uri"], "--decode-json", str(bad)])
 
     parent = client.create_run(store["experiment_id"], run_name="sweep").info.run_id
@@ -331,7 +333,7 @@ def test_report_on_a_sweep_directory_reads_its_store_and_parent(store, tmp_path)
 
     client, ids = store["client"], store["ids"]
     cli = load_cli()
-    with pytest.raises(SystemExit):  # argparse error naming the missing file
+    with pytest.raises(UserError, match="not-a-sweep is not the directory of a sweep"):  # entry: exit 2, no traceback
         cli.main(["--sweep", str(tmp_path / "not-a-sweep")])
     parent = client.create_run(store["experiment_id"], run_name="sweep").info.run_id
     client.set_tag(ids["tpa-3"], "mlflow.parentRunId", parent)

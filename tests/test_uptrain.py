@@ -25,9 +25,9 @@ from conftest import TEST_RUN
 SMALL = dict(vocab_size=512, block_size=32, n_layer=2, d_model=64, n_head=4, head_dim=16)
 
 
-def random_mha(seed: int = 0) -> T6:
+def random_mha(seed: int = 0, **overrides) -> T6:
     torch.manual_seed(seed)
-    model = T6(ModelConfig(attention="mha", **SMALL))
+    model = T6(ModelConfig(attention="mha", **{**SMALL, **overrides}))
     with torch.no_grad():  # residual outputs start at zero; randomize so every path matters
         for p in model.parameters():
             p.normal_(0, 0.1)
@@ -193,7 +193,8 @@ def test_converted_model_is_close_to_its_source_and_uptrains(make_cfg, tmp_path)
 
 def test_a_warm_starts_block_size_is_the_datas_sequence_length_unless_set(make_cfg, tmp_path):
     out = tmp_path / "mqa.ckpt"
-    convert_checkpoint(save_training_checkpoint(random_mha(), tmp_path / "mha.ckpt"), "mqa", out=out)
+    gpt2 = random_mha(vocab_size=50304)  # the run's tokenizer (GPT-2) fits the model's vocabulary (a plan check)
+    convert_checkpoint(save_training_checkpoint(gpt2, tmp_path / "mha.ckpt"), "mqa", out=out)
     plan = plan_run(make_cfg(f"init_from={out}"))  # the config's size.block_size is 64, the model's 32
     assert plan.batch.seq_len == SMALL["block_size"] == plan.model.block_size
     assert plan.cfg.size.block_size == plan.cfg.data.seq_len == 64  # the config as given, nothing written back

@@ -237,7 +237,7 @@ def uptrain(study: Study, target: str, init: Path, teacher: Path) -> dict:
     args += [f"lr_ablation.max_lr={a.lr}", f"lr_ablation.min_lr={a.lr / 10}", "lr_ablation.warmup_steps=5"]
     args += ["eval=none", "samples.max_new_tokens=16", "preflight=false", "compile=false", "auto_resume=false"]
     args += ["logger.mlflow.experiment_name=pretrained", f"logger.mlflow.tracking_uri={study.uri}"]
-    args += [f"run_name=uptrain-{target}", "logger.mlflow.log_model=false", "callbacks.rich_progress_bar=null"]
+    args += [f"run_name=uptrain-{target}", "logger.mlflow.log_model=false"]
     args += [*DATA, *study.common()]
     _, wall = sh(args, study.work / f"uptrain-{target}.log")
     import torch

@@ -14,7 +14,7 @@ from t6.run.cli import entry, register, user_errors  # noqa: E402
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="convert")
 def main(cfg: DictConfig) -> None:
-    from t6.uptrain.cli import run
+    from t6.uptrain.job import run
 
     with user_errors():  # a setting or a source to fix: said without a traceback
         lines = run(cfg)

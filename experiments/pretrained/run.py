@@ -136,8 +136,8 @@ def source_parity(gguf: Path, source: Path) -> dict:
     return {"max_logit_diff_vs_transformers": diff, "greedy": {"t6": ours, "transformers": theirs}}
 
 
-def source_lm_eval_hf(gguf: Path, limit: int, work: Path) -> dict:
-    """lm-eval's own `hf` model on the GGUF file, on the items eval.py built."""
+def lm_eval_hf(limit: int, work: Path, **model_args) -> dict:
+    """lm-eval's own `hf` model (HFLM(**model_args)) on the local tasks, on the items eval.py built."""
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
@@ -149,7 +149,7 @@ def source_lm_eval_hf(gguf: Path, limit: int, work: Path) -> dict:
         {"tasks": ["t6_next_line", "t6_cloze"], "metrics": {"t6_next_line": "acc_norm"}, "limit": limit,
          "num_fewshot": [0, 2], "include_path": [include]}
     )  # fmt: skip
-    lm = HFLM(pretrained=str(gguf.parent), gguf_file=gguf.name, dtype="float32", batch_size=16, device="cpu")
+    lm = HFLM(**model_args, dtype="float32", batch_size=16, device="cpu")
     start = time.time()
     results = {
         n: simple_evaluate(model=lm, tasks=spec.tasks, num_fewshot=n, limit=limit, fewshot_random_seed=1234,
@@ -214,7 +214,14 @@ def main() -> None:
         study.step(f"{target}/uptrain", lambda: uptrain(study, target, distilled, source))
         study.step(f"{target}/uptrained/eval", lambda: study.evaluate(uptrained(study, target), f"{target}-uptrained"))
         study.step(f"{target}/uptrained/val", lambda: {"val_loss": val_loss(uptrained(study, target), study.work)})
-    study.step("source/lm_eval_hf", lambda: source_lm_eval_hf(gguf, args.eval_limit, work))  # last: the slowest check
+    if "mla" in targets:  # a converted model back out: export.py's directory, scored by lm-eval's own `hf` model
+        export = work / "export-mla"
+        study.step("mla/export", lambda: {"minutes": sh([PY, "export.py", f"ckpt_path={uptrained(study, 'mla')}",
+                                                         f"out={export}"], work / "export-mla.log")[1]})  # fmt: skip
+        study.step("mla/export/lm_eval_hf", lambda: lm_eval_hf(args.eval_limit, work, pretrained=str(export),
+                                                                trust_remote_code=True))  # fmt: skip
+    hf_gguf = dict(pretrained=str(gguf.parent), gguf_file=gguf.name)
+    study.step("source/lm_eval_hf", lambda: lm_eval_hf(args.eval_limit, work, **hf_gguf))  # last: the slowest check
     study.save()
 
 

@@ -260,6 +260,9 @@ def pretrained_table(payload: dict) -> str:
                 loss = conv["val_loss"]
                 spent = (f"{conv['calibration_tokens']:,}", f"{conv['minutes']:.1f}")
             rows.append(row(target, label, kv, loss, evaluated["metrics"], *spent))
+        if f"{target}/export/lm_eval_hf" in steps:  # the uptrained model exported, scored by lm-eval's own hf model
+            hf = steps[f"{target}/export/lm_eval_hf"]
+            rows.append(row(target, "exported, lm-eval `hf`", kv, None, hf["metrics"], "-", f"{hf['minutes']:.1f}"))
     header = ["model", "point", "KV B/token (x source)", "val loss", "0-shot avg", "2-shot avg"]
     header += ["0-shot kept", "2-shot kept", "tokens", "minutes"]
     return f"{caption_}\n\n{markdown(header, rows)}"

@@ -36,7 +36,7 @@ from t6.model import ModelConfig
 from t6.model.attention import get_mechanism
 from t6.model.attention.gqa import GroupedQueryAttention
 from t6.model.facts import meta_model
-from t6.model.load import HF_FORMAT, WARM_START_FORMAT, check_weights, model_state, read_checkpoint
+from t6.model.load import HF_FORMAT, WARM_START_FORMAT, build_model, check_weights, read_checkpoint
 from t6.model.t6 import T6
 from t6.uptrain.closed_form import POOLING, closed_form
 from t6.uptrain.distill import attention_errors, calibration_batches, distill, input_statistics
@@ -203,11 +203,10 @@ def convert_checkpoint(
     """Convert what ckpt_path holds (ckpt: it, already read by t6.model.load.read_checkpoint); returns the
     warm-start checkpoint and writes it to `out` when given."""
     ckpt = read_checkpoint(ckpt_path, "ckpt_path") if ckpt is None else ckpt
-    source_cfg, state = model_state(ckpt, "ckpt_path", ckpt_path)
-    source = T6(source_cfg)
-    source.load_state_dict(state)
+    source = build_model(ckpt, "ckpt_path", ckpt_path)
+    source_cfg = source.cfg
     cfg = target_config(source_cfg, target, target_kv_heads, options)
-    model, conversion = convert_model(source.eval(), cfg, method, calibration, held_out, distill_steps, distill_lr)
+    model, conversion = convert_model(source, cfg, method, calibration, held_out, distill_steps, distill_lr)
     new_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     check_weights(new_state, cfg, "converted model")
     origin = ckpt.get("source") or {}

@@ -16,9 +16,8 @@ from omegaconf import DictConfig, OmegaConf
 from t6.data.datamodule import TrainStream
 from t6.data.tokenizer import checkpoint_tokenizer
 from t6.model.facts import model_facts
-from t6.model.load import model_state, read_checkpoint
+from t6.model.load import build_model, model_state, read_checkpoint
 from t6.model.loss import mean_loss
-from t6.model.t6 import T6
 from t6.uptrain.convert import convert_checkpoint
 
 log = logging.getLogger(__name__)
@@ -81,9 +80,8 @@ def run(cfg: DictConfig) -> list[str]:
                 f"(layers {', '.join(f'{e:.3f}' for e in errors)})"
             )
     if loader is not None:
-        source_cfg, state = model_state(ckpt, "ckpt_path", cfg.ckpt_path)
-        losses = {"source": mean_loss(built(source_cfg, state), loader)}
-        losses["converted"] = mean_loss(built(result["model_config"], result["state_dict"]), loader)
+        losses = {"source": mean_loss(build_model(ckpt, "ckpt_path", cfg.ckpt_path), loader)}
+        losses["converted"] = mean_loss(build_model(result, "out", cfg.out), loader)
         conv["val_loss"], conv["source_val_loss"] = losses["converted"], losses["source"]
         torch.save(result, cfg.out)
         lines.append(f"validation loss: source {losses['source']:.4f}, converted {losses['converted']:.4f}")
@@ -101,14 +99,6 @@ def run(cfg: DictConfig) -> list[str]:
     return lines
 
 
-def built(cfg, state) -> T6:
-    from t6.model import ModelConfig
-
-    model = T6(cfg if isinstance(cfg, ModelConfig) else ModelConfig(**cfg))
-    model.load_state_dict(state)
-    return model.eval()
-
-
 def log_conversion(cfg: DictConfig, ckpt: dict, result: dict) -> str:
     """The conversion as an MLflow run (params: attention.name and its options, the source, the method;
     metrics: validation losses, each layer's attention-output error; the model's facts), and, for a source
@@ -122,7 +112,7 @@ def log_conversion(cfg: DictConfig, ckpt: dict, result: dict) -> str:
     experiment = client.get_experiment_by_name(cfg.experiment_name)
     exp_id = experiment.experiment_id if experiment else client.create_experiment(cfg.experiment_name)
     conv, src = result["conversion"], result["source"]
-    source_cfg = ModelConfig(**model_state(ckpt, "ckpt_path", cfg.ckpt_path)[0].__dict__)
+    source_cfg, _ = model_state(ckpt, "ckpt_path", cfg.ckpt_path)
     source_run = src.get("mlflow_run_id")
     if not source_run:
         source_run = new_run(

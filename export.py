@@ -2,27 +2,17 @@
 `python export.py ckpt_path=logs/train/runs/<time>/checkpoints/last.ckpt out=/tmp/t6-tiny`, then
 `AutoModelForCausalLM.from_pretrained("/tmp/t6-tiny", trust_remote_code=True)`."""
 
-import os
-from pathlib import Path
+import hydra
 
-os.environ.setdefault("T6_ROOT", str(Path(__file__).resolve().parent))
-
-import hydra  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
-
-from t6.run.cli import entry, register, user_errors  # noqa: E402
+from t6.cli import entry
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="export")
-def main(cfg: DictConfig) -> None:
-    from t6.hf.export import check_request, run
+def main(cfg) -> None:
+    from t6.hf.export import main as run
 
-    with user_errors():  # ckpt_path or out missing, a damaged checkpoint, an out= that is a file
-        check_request(cfg)
-    for line in run(cfg):
-        print(line)
+    return run(cfg)
 
 
 if __name__ == "__main__":
-    register()  # t6's resolvers and each mechanism's options, before Hydra composes
-    entry(main)  # a mistake in the config, on the command line or in a file: one message, exit 2
+    entry(main)

@@ -16,8 +16,8 @@ import os
 import re
 from pathlib import Path
 
+from t6.cli import entry
 from t6.report import build_report, find_runs, load_decode_records, load_runs, log_report
-from t6.run.cli import entry, user_errors
 from t6.tracking.sweep import read_sweep_file
 
 ROOT = Path(os.environ.get("T6_ROOT") or Path(__file__).resolve().parent)  # as train.py: the project, or $T6_ROOT
@@ -66,12 +66,11 @@ def main(argv: list[str] | None = None) -> Path:
 
     from t6.tracking.mlflow import check_tracking_uri
 
-    with user_errors():  # a damaged sweep file, an unreachable store, an experiment or run it does not hold
-        args = parse_args(argv)
-        check_tracking_uri(args.tracking_uri)
-        client = mlflow.MlflowClient(tracking_uri=args.tracking_uri)
-        decode = load_decode_records(args.decode_json) if args.decode_json else None  # before reading runs
-        runs, experiment_id, parent = find_runs(client, args.experiment, args.parent)
+    args = parse_args(argv)  # a damaged sweep file: a UserError naming it
+    check_tracking_uri(args.tracking_uri)
+    client = mlflow.MlflowClient(tracking_uri=args.tracking_uri)
+    decode = load_decode_records(args.decode_json) if args.decode_json else None  # before reading runs
+    runs, experiment_id, parent = find_runs(client, args.experiment, args.parent)
     name = args.experiment or client.get_experiment(experiment_id).name
     out = Path(args.out or ROOT / "reports" / folder_name(parent.info.run_name if parent else name))
     title = args.title or (f"{name}: {parent.info.run_name} ({parent.info.run_id[:8]})" if parent else name)

@@ -12,7 +12,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, open_dict
 
-from t6.run.cli import register
+from t6.cli import register
 
 register()  # as every entry script does before Hydra composes
 

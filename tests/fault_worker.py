@@ -3,11 +3,11 @@
     python -m torch.distributed.run --nproc-per-node=N tests/fault_worker.py SPEC.json
 
 Every rank runs the same list of trials in one process (one Lightning import, one process group shared by the
-trials: `execute` leaves the group up here). A trial is a training run `train(cfg)` with `FaultInjector`
-sending real signals (os.kill of this process, from a timer thread so they land asynchronously) to the ranks
-and at the moments the spec names (a training step, validation, a downstream evaluation, a checkpoint
-write), the exit path `python train.py` takes (t6.training.stop.hand_over, whose SystemExit is caught
-here), then the same run resumed (auto_resume) to its end. A submitit trial runs under submitit's own signal
+trials: `execute` leaves the group up here). A trial is a training run, `main(cfg)` of t6.run.train as `python
+train.py` runs it, with `FaultInjector` sending real signals (os.kill of this process, from a timer thread so they
+land asynchronously) to the ranks and at the moments the spec names (a training step, validation, a downstream
+evaluation, a checkpoint write), ending in the run's own exit (t6.training.stop.hand_over's SystemExit, caught here),
+then the same run resumed (auto_resume) to its end. A submitit trial runs under submitit's own signal
 handlers, as `submitit` installs them in a job. Each rank writes what it saw to `<root>/rank<r>.json`
 after every trial; `faulthandler` ends a trial that hangs (stack dump, exit code 3)."""
 
@@ -156,20 +156,19 @@ def config(spec: dict, trial: dict, run_dir: Path, *extra: str):
 
 
 def stop_and_hand_over(cfg) -> dict:
-    """`train(cfg)` as `python train.py` ends it: the stop, the checkpoint, then hand_over's exit code."""
-    from t6.run.train import train
-    from t6.training.stop import RunStopped, hand_over
+    """`main(cfg)`, the run `python train.py` is: a stop saves the checkpoint and hands the signal over, whose exit
+    (128 + signum) this catches."""
+    from t6.run.train import main
+    from t6.training.stop import RunStopped
 
     start = time.time()
     try:
-        _, objects = train(cfg)
-    except RunStopped as stop:
-        outcome = {"stopped": True, "signal": signal.Signals(stop.signum).name, "seconds": time.time() - start}
-        try:
-            hand_over(stop.signum, stop.cluster_environment)
-        except SystemExit as exit_:
-            outcome["exit_code"] = exit_.code
-        return outcome
+        _, objects = main(cfg)
+    except SystemExit as exit_:  # hand_over's (or its earlier owner's: submitit's), raised handling the stop
+        stop = exit_.__context__
+        assert isinstance(stop, RunStopped), repr(stop)
+        name = signal.Signals(stop.signum).name
+        return {"stopped": True, "signal": name, "seconds": time.time() - start, "exit_code": exit_.code}
     return {"stopped": False, "global_step": objects["trainer"].global_step, "seconds": time.time() - start}
 
 

@@ -87,16 +87,25 @@ def test_generate_names_a_bad_setting_a_damaged_checkpoint_and_a_prompt_too_long
     long = "prompt='" + "O Romeo " * 40 + "'"
     code, err = run("generate", f"ckpt_path={checkpoint}", long, monkeypatch=monkeypatch, capsys=capsys)
     assert code == 2 and "exceeds the model's context of 64 tokens (size.block_size)" in err
+    code, err = run("generate", f"ckpt_path={checkpoint}", "prompt=[]", monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 2 and "error: prompt=[] gives nothing to continue" in err
+    code, err = run("generate", f"ckpt_path={checkpoint}", "attention=mha", monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 2 and "attention= is not a setting of this script" in err
+    assert "comes from the checkpoint they read (ckpt_path=...)" in err and "+attention" not in err
     code, _ = run("generate", f"ckpt_path={checkpoint}", "max_new_tokens=3", monkeypatch=monkeypatch, capsys=capsys)
     assert code == 0
 
 
-def test_a_bug_keeps_its_traceback(checkpoint, monkeypatch, capsys):
+@pytest.mark.parametrize("bug", [RuntimeError("a bug in generation"), ValueError("max() arg is an empty sequence")])
+def test_a_bug_keeps_its_traceback(bug, checkpoint, monkeypatch, capsys):
+    """Only the errors the project raises on purpose (t6.errors.UserError) are a user's: a ValueError from inside a
+    library or a slip of ours is a bug, and leaves with its traceback."""
+
     def broken(*args, **kwargs):
-        raise RuntimeError("a bug in generation")
+        raise bug
 
     monkeypatch.setattr("t6.inference.generate.generate_text", broken)
-    with pytest.raises(RuntimeError, match="a bug in generation"):  # not an exit 2: the traceback stays
+    with pytest.raises(type(bug), match=str(bug).replace("(", ".").replace(")", ".")):  # not an exit 2
         run("generate", f"ckpt_path={checkpoint}", "max_new_tokens=3", monkeypatch=monkeypatch, capsys=capsys)
 
 

@@ -10,8 +10,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
 from t6.config import model_config
+from t6.errors import ConfigError
 from t6.model import T6, ModelConfig
-from t6.model.config import ConfigError
 
 from conftest import CONF, compose_config
 

@@ -136,7 +136,7 @@ def test_a_converted_pretrained_model_trains_in_its_tokenizer_with_its_source_as
     import mlflow
 
     from t6.data.tokenizer import load_tokenizer
-    from t6.run.train import train
+    from t6.run.train import main as train
     from t6.uptrain.job import run as convert_run
 
     from conftest import TEST_RUN, compose_config

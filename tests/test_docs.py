@@ -51,7 +51,7 @@ def layer_order() -> list[str]:
 
 def test_each_layer_imports_only_the_layers_before_it():
     order = layer_order()
-    assert order[:3] == ["model", "config", "data"] and "run" in order
+    assert order[:4] == ["errors", "model", "config", "data"] and "run" in order
     rank = {name: i for i, name in enumerate(order)}
     src = ROOT / "src" / "t6"
     upward = []

@@ -18,7 +18,7 @@ from t6.evaluation.next_line import TASK, build_next_line_task
 from t6.model import T6, ModelConfig
 from t6.model.attention import available
 from t6.run.closing import closing_summary
-from t6.run.train import train
+from t6.run.train import main as train
 
 from conftest import ROOT
 
@@ -268,7 +268,7 @@ def test_eval_py_logs_into_training_run_and_lm_eval_cli_runs(make_cfg, tmp_path)
     _, obj = train(cfg)
     ckpt = Path(obj["trainer"].checkpoint_callback.dirpath) / "last.ckpt"
 
-    from t6.evaluation.checkpoint import evaluate_checkpoint
+    from t6.evaluation.evaluate import evaluate_checkpoint
 
     ecfg = make_cfg(
         *SMALL_TASK, f"ckpt_path={ckpt}", "run_id=train", "eval.num_fewshot=[0]", config_name="evaluate", small=False
@@ -378,7 +378,7 @@ def test_auto_batch_size_on_cuda_measures_a_scoring_pass():
 
 def test_progress_bars_stay_out_of_non_terminal_output():
     code = (
-        "from t6.training.quiet import quiet_progress_bars; quiet_progress_bars(); import tqdm; "
+        "from t6.cli import quiet_progress_bars; quiet_progress_bars(); import tqdm; "
         "[None for _ in tqdm.tqdm(range(3), desc='building contexts')]"
     )
     env = {**__import__("os").environ, "PYTHONPATH": str(ROOT / "src")}

@@ -67,7 +67,7 @@ def test_paper_recipes_checkpoint_at_recipe_scale(name):
 
 @pytest.mark.slow  # trains, then resumes (~6 s)
 def test_last_link_points_at_the_newest_checkpoint_and_resumes(make_cfg, tmp_path):
-    from t6.run.train import train
+    from t6.run.train import main as train
 
     overrides = [
         "callbacks.model_checkpoint.save_last=link",
@@ -130,7 +130,7 @@ def test_every_recipe_runs_without_tracking(name):
 def test_a_recipe_trains_with_logger_none(tmp_path, shared_data_dir, monkeypatch):
     from omegaconf import open_dict
 
-    from t6.run.train import train
+    from t6.run.train import main as train
 
     from conftest import TEST_RUN, TEST_SIZE, compose_config
 

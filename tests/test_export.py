@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from t6.bench.common import compose
 from t6.data.corpus import TINY_SHAKESPEARE
 from t6.data.tokenizer import EOT, gpt2_encoding
-from t6.evaluation.checkpoint import evaluate_checkpoint
+from t6.evaluation.evaluate import evaluate_checkpoint
 from t6.hf.export import AUTO_MAP, check_export, sample_tokens, write_export
 from t6.hf.export import run as export_run
 from t6.hf.source import PACKAGE, carried_imports, carried_modules, export_sources, file_stem, relative
@@ -32,7 +32,7 @@ from t6.model.attention import Attention, Mechanism, available, get_mechanism
 from t6.model.facts import kv_elements_per_token
 from t6.model.load import load_model
 from t6.model.t6 import left_pad
-from t6.run.train import train
+from t6.run.train import main as train
 from t6.uptrain.convert import load_warm_start
 
 from conftest import ROOT, random_model

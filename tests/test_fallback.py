@@ -79,7 +79,7 @@ def no_cxx(monkeypatch, tmp_path: Path):
 
 @pytest.mark.slow  # two short training runs, one of them failing to compile (~25 s)
 def test_a_compile_that_fails_trains_on_eagerly_with_the_eager_losses_and_samples(make_cfg, no_cxx):
-    from t6.run.train import train
+    from t6.run.train import main as train
 
     runs = {}
     for compile_ in ("false", "true"):
@@ -149,7 +149,7 @@ def test_liger_failing_at_its_first_call_falls_back_to_the_chunked_loss(monkeypa
 
 @pytest.mark.slow  # two short training runs (~20 s)
 def test_a_background_checkpoint_write_that_fails_is_written_synchronously(make_cfg, monkeypatch):
-    from t6.run.train import train
+    from t6.run.train import main as train
     from t6.training.checkpoint_io import AtomicCheckpointIO
 
     save, failed = AtomicCheckpointIO.save_checkpoint, []

@@ -14,7 +14,7 @@ import torch
 
 from t6.hardware import device, probes
 from t6.model.loss import liger_chunk_rows
-from t6.run.train import train
+from t6.run.train import main as train
 from t6.training import step_memory as memory
 
 from conftest import compose_config

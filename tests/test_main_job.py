@@ -4,7 +4,7 @@ errors. The run is the default config itself; only where it writes and MLflow ar
 
 import pytest
 
-from t6.run.train import train
+from t6.run.train import main as train
 
 from conftest import compose_config
 

@@ -21,7 +21,7 @@ import mlflow
 import pytest
 
 from t6.run.closing import closing_summary
-from t6.run.train import train
+from t6.run.train import main as train
 from t6.tracking.mlflow import ui_path
 
 from conftest import ROOT

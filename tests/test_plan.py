@@ -14,8 +14,8 @@ import torch
 
 from t6.data.corpus import TINY_SHAKESPEARE, prepare_text_corpus
 from t6.data.shards import ShardError
+from t6.errors import ConfigError, SettingError
 from t6.hardware import device, probes
-from t6.model.config import ConfigError
 from t6.run.plan import Strategy, plan_run, strategy_kind
 from t6.training import step_memory as memory
 
@@ -290,7 +290,7 @@ def test_an_unreachable_tracking_server_is_named(make_cfg, monkeypatch):
 
 
 def test_a_resume_says_where_it_continues_and_needs_its_mlflow_run(make_cfg, tmp_path, monkeypatch):
-    from t6.run.train import train
+    from t6.run.train import main as train
 
     _, first = train(make_cfg("trainer.max_steps=4", "callbacks.model_checkpoint.every_n_train_steps=2"))
     last = Path(first["trainer"].checkpoint_callback.dirpath) / "last.ckpt"
@@ -321,7 +321,7 @@ def test_a_sharded_checkpoint_directory_is_not_resumed_from_silently(make_cfg):
 
 
 def test_a_resume_with_the_tracking_server_down_says_so_and_goes_on(make_cfg, tmp_path, monkeypatch):
-    from t6.run.train import train
+    from t6.run.train import main as train
 
     _, first = train(make_cfg("trainer.max_steps=2", "callbacks.model_checkpoint.every_n_train_steps=2"))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")  # nothing answers there
@@ -349,7 +349,7 @@ def test_a_run_that_never_leaves_warmup_is_warned_with_a_fix_that_changes_someth
 
 
 def test_the_run_announces_its_plan(make_cfg, caplog):
-    from t6.run.train import train
+    from t6.run.train import main as train
 
     caplog.set_level(logging.INFO, logger="t6.run.execute")
     _, objects = train(make_cfg("trainer.max_steps=2", "callbacks.model_checkpoint=null"))
@@ -455,7 +455,7 @@ def test_directories_the_run_cannot_write_are_named(make_cfg, tmp_path):
         plan_run(cfg)
     assert any(p.startswith("paths.output_dir=/proc/sys/t6-run: /proc/sys is not writable") for p in err.value.problems)
     fresh = tmp_path / "fresh"
-    with pytest.raises(PermissionError, match="data.data_dir=/proc/sys/t6-data: the shards of tinyshakespeare.txt"):
+    with pytest.raises(SettingError, match="data.data_dir=/proc/sys/t6-data: the shards of tinyshakespeare.txt"):
         plan_run(make_cfg(f"paths.data_dir={fresh}", "data.data_dir=/proc/sys/t6-data"))
 
 

@@ -142,7 +142,7 @@ def test_a_small_local_file_prepares_and_trains_with_the_defaults(five_mb_jsonl,
 
     from omegaconf import open_dict
 
-    from t6.run.train import train
+    from t6.run.train import main as train
 
     from conftest import ROOT, TEST_SIZE, compose_config
 

@@ -15,6 +15,7 @@ import pytest
 import yaml
 from mlflow.entities import Metric, Param
 
+from t6.errors import UserError
 from t6.report import (
     Cell,
     RunData,
@@ -30,8 +31,7 @@ from t6.report import (
     tokens_per_step,
 )
 from t6.report.stats import difference
-from t6.run.cli import UserError
-from t6.run.train import train
+from t6.run.train import main as train
 
 from conftest import ROOT
 

@@ -14,7 +14,7 @@ import torch
 from omegaconf import open_dict
 
 from t6.run.closing import closing_summary
-from t6.run.train import train
+from t6.run.train import main as train
 from t6.training.checkpoint_io import AtomicCheckpointIO
 from t6.training.fsdp import T6FSDPStrategy
 from t6.training.stop import RunStopped, StopProtocol
@@ -351,7 +351,7 @@ def test_a_crash_between_the_periodic_checkpoint_and_last_ckpt_resumes_from_the_
 
 @pytest.mark.slow  # a plan, then a training run
 def test_a_second_run_in_a_held_run_directory_names_the_first_and_changes_nothing(make_cfg, tmp_path):
-    from t6.run.cli import UserError
+    from t6.errors import UserError
     from t6.run.process import run_directory
 
     cfg = make_cfg()

@@ -176,7 +176,7 @@ def test_lm_eval_hf_scores_a_converted_pretrained_export_as_the_t6_adapter(conve
     from lm_eval.models.huggingface import HFLM
 
     from t6.evaluation.callback import build_eval_callback
-    from t6.evaluation.checkpoint import evaluate_checkpoint
+    from t6.evaluation.evaluate import evaluate_checkpoint
     from t6.evaluation.harness import flat_metrics
 
     _, out = converted_export

@@ -10,7 +10,7 @@ import torch
 
 from t6.model.load import load_model
 from t6.run.process import MLFLOW_HTTP, environment
-from t6.run.train import train
+from t6.run.train import main as train
 from t6.tracking.mlflow import log_model_choice
 
 
@@ -78,7 +78,7 @@ def test_log_model_choices(make_cfg):
 
 
 def test_eval_py_without_a_checkpoint_says_what_to_give(make_cfg):
-    from t6.evaluation.checkpoint import evaluate_checkpoint
+    from t6.evaluation.evaluate import evaluate_checkpoint
 
     with pytest.raises(ValueError, match="ckpt_path is required: python eval.py ckpt_path="):
         evaluate_checkpoint(make_cfg(config_name="evaluate", small=False))

@@ -10,7 +10,7 @@ import torch
 
 from t6.run.closing import closing_summary
 from t6.run.samples import SAMPLES_ARTIFACT, check_samples, greedy_samples
-from t6.run.train import train
+from t6.run.train import main as train
 
 from conftest import CONF
 

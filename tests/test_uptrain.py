@@ -15,7 +15,7 @@ from t6.config import model_config
 from t6.model import T6, ModelConfig
 from t6.model.loss import mean_loss
 from t6.run.plan import plan_run
-from t6.run.train import train
+from t6.run.train import main as train
 from t6.uptrain.closed_form import pool_heads
 from t6.uptrain.convert import convert_checkpoint, convert_model, load_warm_start, target_config
 from t6.uptrain.recipe import adopt_model_config, source_lr, uptrain_steps

@@ -15,7 +15,7 @@ from t6.model import T6
 from t6.model.attention import available, get_attention_class
 from t6.model.facts import decode_flops_per_cached_token, kv_elements_per_token, meta_model, parameter_count
 from t6.report.summary import summarize
-from t6.run.train import train
+from t6.run.train import main as train
 
 from conftest import CONF, compose_config, random_model
 

@@ -1,6 +1,6 @@
 """The Hydra boundary: the general resolvers of the config files, each mechanism's options as Hydra's defaults, and
 the conversion of the composed config into the plain dataclasses the model uses. Nothing under t6.model imports
-Hydra. Importing this registers nothing: `t6.run.cli.register()` does (with the uptrain recipe's resolvers,
+Hydra. Importing this registers nothing: `t6.cli.register()` does (with the uptrain recipe's resolvers,
 t6.uptrain.recipe), once, in every entry script before Hydra composes."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pathlib import Path
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from t6.errors import ConfigError, MissingFile
 from t6.model import ModelConfig
 from t6.model.attention import available, get_mechanism, select
-from t6.model.config import ConfigError
 
 
 def _abspath(path: str) -> str:
@@ -108,7 +108,7 @@ def conf_dir() -> Path:
     here = project_root() / "conf"
     if here.is_dir():
         return here
-    raise FileNotFoundError(
+    raise MissingFile(
         f"no conf/ directory at {checkout} or {here}; run from the project's checkout "
         "or set T6_ROOT to the directory that holds conf/"
     )

@@ -30,7 +30,7 @@ def compose(config_name: str, overrides: list[str] | tuple[str, ...] = (), runti
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.hydra_config import HydraConfig
 
-    from t6.run.cli import register
+    from t6.cli import register
 
     register()  # as the entry scripts do before Hydra composes
     GlobalHydra.instance().clear()

@@ -94,7 +94,7 @@ def metrics_of(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
 
 def measure(size: str, steps: int, eval_limit: int, samples_tokens: int, root: Path) -> dict:
     from t6.evaluation.callback import DownstreamEval
-    from t6.run.train import train
+    from t6.run.train import main as train
 
     cfg = compose("train", overrides(size, steps, eval_limit, samples_tokens), runtime=True)
     with open_dict(cfg):

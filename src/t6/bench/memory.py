@@ -33,7 +33,7 @@ def measure(size: str, batch: int, attention: str = "tpa", steps: int = 2, extra
 
     from t6.bench.common import compose
     from t6.hardware.probes import peak_rss
-    from t6.run.train import train
+    from t6.run.train import main as train
 
     out = Path(tempfile.mkdtemp(prefix="t6-bench-memory-"))
     overrides = [

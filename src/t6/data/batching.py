@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from t6.errors import SettingError
+
 
 def _positive_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
@@ -48,7 +50,7 @@ def check_batch_settings(batch_size, global_batch_size, seq_len) -> None:
     """Raise naming every batch setting that cannot work."""
     problems = batch_problems(batch_size, global_batch_size, seq_len)
     if problems:
-        raise ValueError("; ".join(problems))
+        raise SettingError("; ".join(problems))
 
 
 def world_size(devices, num_nodes: int | None = 1) -> int | None:
@@ -65,9 +67,9 @@ def sequences_per_step(batch_size: int | str, global_batch_size: int | None, wor
     if global_batch_size is not None:
         return int(global_batch_size)
     if batch_size == "auto":
-        raise ValueError("data.batch_size=auto needs data.global_batch_size (the sequences per optimizer step)")
+        raise SettingError("data.batch_size=auto needs data.global_batch_size (the sequences per optimizer step)")
     if world_size is None:
-        raise ValueError(
+        raise SettingError(
             "data.global_batch_size=null means data.batch_size x the number of devices, which is not a "
             "number here (trainer.devices=auto or -1); set data.global_batch_size or trainer.devices=N"
         )
@@ -79,7 +81,7 @@ def sequences_per_device(batch_size: int | str, global_batch_size: int | None, w
     if global_batch_size is None:
         return int(batch_size)
     if global_batch_size % world_size:
-        raise ValueError(
+        raise SettingError(
             f"data.global_batch_size={global_batch_size} is not divisible by the world size {world_size}; "
             "change one of them"
         )
@@ -94,7 +96,7 @@ def accumulation_steps(batch_size: int | str, global_batch_size: int | None, wor
         return 1
     per_step = batch_size * world_size
     if global_batch_size % per_step:
-        raise ValueError(
+        raise SettingError(
             f"data.global_batch_size={global_batch_size} is not divisible by data.batch_size={batch_size} "
             f"x world size {world_size}; change one of them"
         )

@@ -16,6 +16,7 @@ import numpy as np
 
 from t6.data.shards import Manifest, ShardError, write_shard
 from t6.data.tokenizer import ASSETS, Tokenizer, gpt2, sha256_file
+from t6.errors import DamagedFile, MissingFile, SettingError
 
 log = logging.getLogger(__name__)
 TINY_SHAKESPEARE = ASSETS / "tinyshakespeare.txt"
@@ -27,14 +28,14 @@ def check_text(text_file: Path) -> None:
     data = Path(text_file).read_bytes()
     nul = data.find(bytes(1))
     if nul >= 0:
-        raise ValueError(
+        raise DamagedFile(
             f"data.text_file={str(text_file)!r} is not text (a NUL byte at offset {nul}: a binary file?); give a "
             "UTF-8 text file"
         )
     try:
         data.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise ValueError(
+        raise DamagedFile(
             f"data.text_file={str(text_file)!r} is not UTF-8 text (byte {err.start}: {err.reason}); convert it, "
             "e.g. iconv -f LATIN1 -t UTF-8 FILE > FILE.utf8"
         ) from None
@@ -112,10 +113,10 @@ def prepare_text_corpus(
     text_file, out_dir = Path(text_file), Path(out_dir)
     tokenizer = tokenizer or gpt2()
     if not text_file.is_file():
-        raise FileNotFoundError(f"data.text_file={str(text_file)!r} does not exist")
+        raise MissingFile(f"data.text_file={str(text_file)!r} does not exist")
     val_fraction = VAL_FRACTION if val_fraction is None else val_fraction
     if not 0 < val_fraction < 1:
-        raise ValueError(f"data.val_fraction={val_fraction} must be between 0 and 1")
+        raise SettingError(f"data.val_fraction={val_fraction} must be between 0 and 1")
     manifest = current_manifest(text_file, out_dir, val_fraction, tokenizer)
     if manifest is not None:
         return manifest

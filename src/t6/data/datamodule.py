@@ -35,6 +35,7 @@ from t6.data.corpus import (
 )
 from t6.data.shards import Manifest, ShardError
 from t6.data.tokenizer import Tokenizer, gpt2, load_tokenizer
+from t6.errors import MissingFile, SettingError
 from t6.model.loss import IGNORE_INDEX
 
 SPLITS = ("train", "val")
@@ -53,7 +54,7 @@ class Windows:
         self.shards, self.seq_len = shards, seq_len
         self.counts = np.array([(len(s) - 1) // seq_len for s in shards], dtype=np.int64)  # windows per shard
         if self.counts.sum() == 0:
-            raise ValueError(f"the shards hold fewer than data.seq_len + 1 = {seq_len + 1} tokens")
+            raise SettingError(f"the shards hold fewer than data.seq_len + 1 = {seq_len + 1} tokens")
         self.offsets = np.concatenate(([0], np.cumsum(self.counts)))  # first window index of each shard
 
     def __len__(self) -> int:
@@ -149,7 +150,7 @@ class TokenDataModule(L.LightningDataModule):
         self.shuffle, self.seed = shuffle, seed
         self.prepare_command = prepare_command  # how to make the shards, named when they are missing
         if num_workers < 0:
-            raise ValueError(f"data.num_workers={num_workers} must be 0 (load in the training process) or more")
+            raise SettingError(f"data.num_workers={num_workers} must be 0 (load in the training process) or more")
         self.num_workers = num_workers
         self.train_windows: Windows | None = None
         self.val_set: ValWindows | None = None
@@ -183,12 +184,12 @@ class TokenDataModule(L.LightningDataModule):
         manifest = current_manifest(self.text_file, self.data_dir, self.val_fraction, self.tokenizer)
         if manifest is None:
             if not self.text_file.is_file():
-                raise FileNotFoundError(f"data.text_file={str(self.text_file)!r} does not exist")
+                raise MissingFile(f"data.text_file={str(self.text_file)!r} does not exist")
             check_text(self.text_file)
             parts = split_tokens(self.text_file, self.val_fraction, self.tokenizer)
             splits = {split: [len(part)] for split, part in zip(SPLITS, parts)}
             if not writable(self.data_dir):
-                raise PermissionError(
+                raise SettingError(
                     f"data.data_dir={self.data_dir}: the shards of {self.text_file.name} are made there on first use, "
                     "but it cannot be written; give data.data_dir a writable directory"
                 )
@@ -203,7 +204,7 @@ class TokenDataModule(L.LightningDataModule):
         """A split whose shards hold no window of data.seq_len + 1 tokens is an error naming it and the fix."""
         if sum((n - 1) // self.seq_len for n in tokens) < 1:
             fix = "raise data.val_fraction" if split == "val" and self.text_file is not None else "give more text"
-            raise ValueError(
+            raise SettingError(
                 f"{what}: its {'validation' if split == 'val' else 'training'} split holds {sum(tokens)} tokens, "
                 f"fewer than one sequence of data.seq_len + 1 = {self.seq_len + 1}; {fix}, or lower data.seq_len"
             )
@@ -233,7 +234,7 @@ class TokenDataModule(L.LightningDataModule):
         rank, world = (trainer.global_rank, trainer.world_size) if trainer else (0, 1)
         start = self.samples_seen()
         if self.resume_samples is not None and self.resume_samples != start:
-            raise RuntimeError(
+            raise SettingError(
                 f"checkpoint's data position ({self.resume_samples} samples) does not match its step "
                 f"({start} samples at the current batch settings); resume with the same data.batch_size, "
                 "data.global_batch_size and number of devices"

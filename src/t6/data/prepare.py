@@ -7,7 +7,7 @@ writes shards of `shard_tokens` tokens with t6.data.shards (header, atomic renam
 validation split. Progress (shards finished, and the document/offset where the next shard starts)
 is saved after every shard, so an interrupted run continues where it stopped: finished shards are
 checked and skipped, a partial shard (a *.tmp file) is never taken as complete. The manifest,
-written last, marks the data set done.
+written last, marks the data set done. `main` is what `python prepare.py` runs.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import numpy as np
 
 from t6.data.shards import Manifest, ShardError, read_shard, write_shard
 from t6.data.tokenizer import Tokenizer, from_spec, gpt2
+from t6.errors import SettingError
 
 log = logging.getLogger(__name__)
 PROGRESS = "progress.json"
@@ -84,7 +85,7 @@ def check_builder(path: str, data_files: str | list[str] | None) -> None:
         builder = FILE_BUILDERS.get(kind)
         if builder is not None and builder != path:
             per_line = " (one document per line)" if builder == "text" else ""
-            raise ValueError(
+            raise SettingError(
                 f"dataset.data_files={str(file)!r} is a {kind} file, which dataset.path={path} cannot read; "
                 f"set dataset.path={builder}{per_line}"
             )
@@ -108,14 +109,14 @@ def check_text_field(ds, text_field: str, where) -> None:
     have and the setting that chooses it."""
     first = next(iter(ds), None)
     if first is None:
-        raise ValueError(f"{where}: the data set has no rows; check dataset.data_files (or dataset.path and split)")
+        raise SettingError(f"{where}: the data set has no rows; check dataset.data_files (or dataset.path and split)")
     if text_field not in first:
-        raise ValueError(
+        raise SettingError(
             f"dataset.text_field={text_field!r}: the rows of {where} have no such field (they have: "
             f"{', '.join(sorted(map(str, first)))}); set dataset.text_field to the one holding the text"
         )
     if not isinstance(first[text_field], str):
-        raise ValueError(
+        raise SettingError(
             f"dataset.text_field={text_field!r} of {where} holds {type(first[text_field]).__name__}, not text; "
             "set dataset.text_field to the field holding the documents' text"
         )
@@ -156,7 +157,7 @@ def prepare_dataset(
         shard_tokens = auto_shard_tokens(data_files)
         log.info("dataset.shard_tokens=auto: %d tokens per shard", shard_tokens)
     if not isinstance(shard_tokens, int) or shard_tokens < 1:
-        raise ValueError(f"dataset.shard_tokens={shard_tokens!r} must be a positive number of tokens or `auto`")
+        raise SettingError(f"dataset.shard_tokens={shard_tokens!r} must be a positive number of tokens or `auto`")
     num_proc = num_proc or min(8, os.cpu_count() or 1)
     try:
         manifest = Manifest.load(out_dir)
@@ -279,7 +280,7 @@ def prepare_dataset(
     if len(state["shards"]) < 2:
         total = sum(s["tokens"] for s in state["shards"])
         _discard(out_dir, progress_file)  # nothing a re-run could continue from
-        raise ValueError(
+        raise SettingError(
             f"{path} ({data_files or config}) gave {total} tokens: too few for a validation and a training shard"
         )
     manifest = Manifest(tokenizer=tokenizer.id, source=source, shards=state["shards"], tokenizer_name=tokenizer.name)
@@ -288,4 +289,29 @@ def prepare_dataset(
     log.info(
         "prepared %s: %d shards, %d tokens", out_dir, len(state["shards"]), sum(s["tokens"] for s in state["shards"])
     )
+    return manifest
+
+
+def main(cfg) -> Manifest:
+    """prepare.py: prepare the `dataset` group's data set (conf/prepare.yaml), print what was written and the
+    command that trains on it."""
+    from t6.data.tokenizer import load_tokenizer
+
+    d = cfg.dataset
+    manifest = prepare_dataset(
+        d.out_dir,
+        path=d.path,
+        config=d.config,
+        split=d.split,
+        data_files=d.data_files,
+        text_field=d.text_field,
+        shard_tokens=d.shard_tokens,
+        max_tokens=d.max_tokens,
+        num_proc=d.num_proc,
+        tokenizer=load_tokenizer(cfg.tokenizer),
+    )
+    tokens = sum(s["tokens"] for s in manifest.shards)
+    print(f"{d.out_dir}: {len(manifest.shards)} shards, {tokens:,} tokens (shard 0 is validation)")
+    with_tokenizer = "" if cfg.tokenizer in (None, "gpt2") else f" tokenizer={cfg.tokenizer}"
+    print(f"train on it with: python train.py data={d.data_config} data.data_dir={d.out_dir}{with_tokenizer}")
     return manifest

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from t6.data.tokenizer import Tokenizer
+from t6.errors import UserError
 
 MAGIC = 20250106  # arXiv 2501.06425
 VERSION = 1
@@ -27,8 +28,8 @@ HEADER_BYTES = HEADER_INTS * 4
 MANIFEST = "manifest.json"
 
 
-class ShardError(RuntimeError):
-    """A shard or manifest is missing, truncated, corrupted or from another tokenizer."""
+class ShardError(UserError, RuntimeError):
+    """A shard or manifest is missing, truncated, corrupted or from another tokenizer: prepare the data again."""
 
 
 TOKEN_TYPES = {2: np.uint16, 4: np.uint32}  # bytes per token -> type

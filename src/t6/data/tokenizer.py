@@ -28,6 +28,8 @@ import numpy as np
 import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 
+from t6.errors import DamagedFile, MissingFile
+
 ASSETS = Path(__file__).parent / "assets"
 GPT2_RANKS = ASSETS / "gpt2.tiktoken"
 GPT2_RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
@@ -50,7 +52,7 @@ def sha256_file(path: Path) -> str:
 def gpt2_encoding() -> tiktoken.Encoding:
     actual = sha256_file(GPT2_RANKS)
     if actual != GPT2_RANKS_SHA256:
-        raise RuntimeError(
+        raise DamagedFile(
             f"{GPT2_RANKS} has sha256 {actual}, expected {GPT2_RANKS_SHA256}; reinstall the package to restore it"
         )
     ranks = load_tiktoken_bpe(str(GPT2_RANKS), expected_hash=GPT2_RANKS_SHA256)
@@ -191,7 +193,7 @@ def from_spec(spec: dict[str, Any] | None) -> Tokenizer:
         special = tuple(sorted((spec.get("special_tokens") or {}).items()))  # checkpoints before it: none
         template = spec.get("chat_template")
         return _from_json(spec["json"], spec["name"], int(spec["eot"]), spec.get("bos"), special, template)
-    raise ValueError(f"unknown tokenizer kind {spec.get('kind')!r} in a checkpoint (known: gpt2, tokenizers)")
+    raise DamagedFile(f"unknown tokenizer kind {spec.get('kind')!r} in a checkpoint (known: gpt2, tokenizers)")
 
 
 @functools.lru_cache(maxsize=8)
@@ -208,7 +210,7 @@ def exported_tokenizer(directory: str | Path, record: dict[str, Any]) -> Tokeniz
         return from_spec(record)
     path = Path(directory) / "tokenizer.json"
     if not path.is_file():
-        raise FileNotFoundError(
+        raise MissingFile(
             f"{directory}: config.json records the tokenizer {record.get('name')} but the directory has no {path.name}"
         )
     return from_spec({**record, "json": path.read_text(encoding="utf-8")})
@@ -226,7 +228,7 @@ def checkpoint_tokenizer(ckpt: dict) -> Tokenizer:
     if ckpt.get("tokenizer") is None and source.get("model_type") and source.get("path"):
         tokenizer = pretrained_tokenizer(source["path"])
         if tokenizer is None:
-            raise ValueError(
+            raise MissingFile(
                 f"{source['path']} has no tokenizer (tokenizer.json); put the model's tokenizer files beside it"
             )
         return tokenizer
@@ -255,12 +257,12 @@ def pretrained_tokenizer(path: str | Path) -> PretrainedTokenizer | None:
         else:
             return None
     except Exception as err:  # transformers raises many kinds for a tokenizer it cannot read
-        raise ValueError(f"the tokenizer of {path} is not readable by transformers: {err}") from None
+        raise DamagedFile(f"the tokenizer of {path} is not readable by transformers: {err}") from None
     if not getattr(hf, "is_fast", False):
-        raise ValueError(f"the tokenizer of {path} has no fast (tokenizers) form; T6 Lab reads tokenizer.json")
+        raise DamagedFile(f"the tokenizer of {path} has no fast (tokenizers) form; T6 Lab reads tokenizer.json")
     eot = hf.eos_token_id if hf.eos_token_id is not None else hf.bos_token_id
     if eot is None:
-        raise ValueError(f"the tokenizer of {path} names no end-of-text (eos) token to separate documents with")
+        raise DamagedFile(f"the tokenizer of {path} names no end-of-text (eos) token to separate documents with")
     special = tuple(sorted((k, v) for k, v in hf.special_tokens_map.items() if isinstance(v, str)))
     return _from_json(hf.backend_tokenizer.to_str(), str(path), int(eot), hf.bos_token_id, special, hf.chat_template)
 
@@ -284,7 +286,7 @@ def run_tokenizer(setting: str | Path | None, init_from: str | Path | None = Non
 def _mtime(setting) -> float:
     path = Path(str(setting)).expanduser()
     if not path.exists():
-        raise FileNotFoundError(
+        raise MissingFile(
             f"tokenizer={setting!r} is neither `gpt2` nor an existing path (a Hugging Face directory, a GGUF file, "
             "or a checkpoint that records its tokenizer)"
         )
@@ -301,7 +303,7 @@ def _load_path(path: str, mtime: float) -> Tokenizer:
     if is_pretrained(p):
         tokenizer = pretrained_tokenizer(p)
         if tokenizer is None:
-            raise FileNotFoundError(f"tokenizer={path!r}: the directory has no tokenizer.json")
+            raise MissingFile(f"tokenizer={path!r}: the directory has no tokenizer.json")
         return tokenizer
     if p.is_dir() and (p / "tokenizer.json").is_file() and not (p / "config.json").is_file():
         return pretrained_tokenizer(p)

@@ -25,6 +25,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from t6.data.tokenizer import Tokenizer, gpt2, load_with_tokenizer
+from t6.errors import SettingError
 from t6.model import T6, fallback
 
 AUTO_CPU_ROWS = 16  # batch_size=auto on the CPU, and on CUDA where the memory probe fails (t6.model.fallback)
@@ -61,7 +62,7 @@ class T6LM(TemplateLM):
         if device is not None and str(device).startswith("cuda") and not torch.cuda.is_available():
             device = "cpu"  # lm_eval's CLI passes --device cuda by default
         if (model is None) == (checkpoint is None):
-            raise ValueError(
+            raise SettingError(
                 "give the t6 model exactly one of model= or checkpoint= (e.g. --model_args checkpoint=PATH)"
             )
         if model is None:
@@ -76,7 +77,7 @@ class T6LM(TemplateLM):
         self.block_size = model.cfg.block_size
         self.max_gen_toks = int(max_gen_toks)
         if not isinstance(share_prefix, bool):
-            raise ValueError(
+            raise SettingError(
                 f"share_prefix={share_prefix!r} must be true or false (e.g. --model_args share_prefix=false)"
             )
         self.share_prefix = share_prefix

@@ -26,6 +26,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
+from t6.errors import SettingError
 from t6.evaluation.harness import EvalSpec, log_results, resolve_tasks, run_harness, spec_from_config
 from t6.model import T6
 from t6.training.fsdp import full_model
@@ -39,7 +40,7 @@ class DownstreamEval(L.Callback):
     ):
         """tokenizer: the run's (t6.data.tokenizer.Tokenizer; None: GPT-2)."""
         if every_n_steps is not None and every_n_steps <= 0:
-            raise ValueError(f"eval.every_n_steps={every_n_steps} must be a positive number of steps or null")
+            raise SettingError(f"eval.every_n_steps={every_n_steps} must be a positive number of steps or null")
         self.spec, self.task_manager = spec, task_manager
         self.every_n_steps, self.at_end = every_n_steps, at_end
         self.tokenizer = tokenizer

@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from t6.errors import SettingError, Unreachable
+
 log = logging.getLogger(__name__)
 
 PREFETCH_HINT = (
@@ -69,15 +71,15 @@ def resolve_tasks(spec: EvalSpec):
     from lm_eval.tasks import get_task_dict
 
     if not spec.tasks:
-        raise ValueError("eval.tasks is empty; list lm-eval task names or choose eval=none")
+        raise SettingError("eval.tasks is empty; list lm-eval task names or choose eval=none")
     bad_shots = [n for n in spec.num_fewshot if int(n) < 0]
     if bad_shots:
-        raise ValueError(f"eval.num_fewshot={spec.num_fewshot} holds negative values")
+        raise SettingError(f"eval.num_fewshot={spec.num_fewshot} holds negative values")
     tm = task_manager(spec.include_path, spec.tasks)
     unknown = [n for n in spec.tasks if n not in tm.all_tasks]
     if unknown:
         hints = {n: difflib.get_close_matches(n, tm.all_tasks, n=3) for n in unknown}
-        raise ValueError(
+        raise SettingError(
             "eval.tasks names unknown lm-eval tasks: "
             + "; ".join(f"{n!r}" + (f" (did you mean {', '.join(h)}?)" if h else "") for n, h in hints.items())
             + ". `lm_eval ls tasks` lists them; local task YAMLs go in eval.include_path"
@@ -86,7 +88,7 @@ def resolve_tasks(spec: EvalSpec):
         get_task_dict(list(spec.tasks), tm)  # builds every task: loads (or downloads) its dataset
     except Exception as err:  # datasets raises many kinds: ConnectionError, FileNotFoundError, DatasetNotFoundError...
         offline = os.environ.get("HF_DATASETS_OFFLINE") or os.environ.get("HF_HUB_OFFLINE")
-        raise RuntimeError(
+        raise Unreachable(
             f"cannot load the datasets of eval.tasks={list(spec.tasks)}: {type(err).__name__}: {err}\n"
             + (
                 "HF_DATASETS_OFFLINE/HF_HUB_OFFLINE is set and the cache lacks them. "
@@ -137,9 +139,7 @@ def run_harness(
 
     from t6.evaluation.adapter import T6LM
     from t6.evaluation.parallel import DataParallelT6LM
-    from t6.training.quiet import quiet_libraries
 
-    quiet_libraries()
     lm_eval_log = logging.getLogger("lm_eval")
     if lm_eval_log.level == logging.NOTSET:  # its per-request INFO lines, in our log format, unless asked for
         lm_eval_log.setLevel(logging.WARNING)
@@ -184,7 +184,7 @@ def chosen_value(res: dict, task: str, metric: str) -> float:
         return float(res["results"][task][f"{metric},none"])
     except KeyError as err:
         have = sorted(res["results"].get(task, {}))
-        raise KeyError(f"lm-eval results for {task!r} have no {metric!r} (eval.metrics); they have {have}") from err
+        raise SettingError(f"lm-eval results for {task!r} have no {metric!r} (eval.metrics); they have {have}") from err
 
 
 def markdown_table(results: dict[int, dict], spec: EvalSpec, run_name: str) -> str:

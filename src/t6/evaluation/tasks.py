@@ -8,13 +8,14 @@ import os
 from pathlib import Path
 
 from t6.data.corpus import TINY_SHAKESPEARE, held_out_text
+from t6.errors import MissingFile, SettingError
 
 
 def held_out_lines(text_file: str | Path | None, val_fraction: float | None, task: str) -> list[str]:
     """The held-out lines of text_file (None: the embedded Tiny Shakespeare) for a local task."""
     text_file = Path(text_file) if text_file else TINY_SHAKESPEARE
     if not text_file.is_file():
-        raise FileNotFoundError(f"eval.local_tasks.{task}.text_file={str(text_file)!r} does not exist")
+        raise MissingFile(f"eval.local_tasks.{task}.text_file={str(text_file)!r} does not exist")
     return held_out_text(text_file, val_fraction).split("\n")
 
 
@@ -24,7 +25,7 @@ def split_pools(lines: list[str], usable: list[int], context_lines: int, n_test:
     cut = int(len(lines) * 0.15)
     few_pool, test_pool = [i for i in usable if i < cut], [i for i in usable if i >= cut + context_lines]
     if len(few_pool) < n_fewshot or len(test_pool) < n_test:
-        raise ValueError(
+        raise SettingError(
             f"the held-out text has {len(test_pool)} test and {len(few_pool)} few-shot lines usable for {task}: "
             "too few "
             f"for eval.local_tasks.{task}.n_test={n_test} and n_fewshot={n_fewshot}"

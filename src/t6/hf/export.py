@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from t6.data.tokenizer import GPT2Tokenizer, Tokenizer, checkpoint_tokenizer, load_tokenizer
+from t6.errors import SettingError
 from t6.hf.source import export_sources
 from t6.hf.tokenizer import write_tokenizer
 from t6.model.config import ModelConfig
@@ -216,7 +217,7 @@ def write_export(
     model.eval()
     out = Path(out).expanduser()
     if out.resolve() == path.resolve():
-        raise ValueError(f"out={str(out)!r} is the checkpoint being exported; choose another directory")
+        raise SettingError(f"out={str(out)!r} is the checkpoint being exported; choose another directory")
     out.mkdir(parents=True, exist_ok=True)
     for stale in [out / HF_WEIGHTS_INDEX, *out.glob("model-*-of-*.safetensors")]:  # a sharded save in the way
         stale.unlink(missing_ok=True)
@@ -275,13 +276,13 @@ def check_request(cfg) -> None:
 
     for name in ("ckpt_path", "out"):
         if OmegaConf.is_missing(cfg, name) or not cfg.get(name):
-            raise ValueError(f"{name} is required: python export.py ckpt_path=PATH/last.ckpt out=DIR")
+            raise SettingError(f"{name} is required: python export.py ckpt_path=PATH/last.ckpt out=DIR")
     path, out = Path(cfg.ckpt_path).expanduser(), Path(cfg.out).expanduser()
     model_state(read_checkpoint(path, "ckpt_path", mmap=True), "ckpt_path", path)
     if out.exists() and not out.is_dir():
-        raise ValueError(f"out={str(out)!r} is a file; give a directory to write the export into (it is created)")
+        raise SettingError(f"out={str(out)!r} is a file; give a directory to write the export into (it is created)")
     if out.resolve() == path.resolve():
-        raise ValueError(f"out={str(out)!r} is the checkpoint being exported; choose another directory")
+        raise SettingError(f"out={str(out)!r} is the checkpoint being exported; choose another directory")
 
 
 def run(cfg) -> list[str]:
@@ -291,7 +292,7 @@ def run(cfg) -> list[str]:
 
     for name in ("ckpt_path", "out"):
         if OmegaConf.is_missing(cfg, name) or not cfg.get(name):
-            raise ValueError(f"{name} is required: python export.py ckpt_path=PATH/last.ckpt out=DIR")
+            raise SettingError(f"{name} is required: python export.py ckpt_path=PATH/last.ckpt out=DIR")
     model, out = write_export(cfg.ckpt_path, cfg.out, cfg.get("tracking_uri"))
     lines = [f"wrote {out}: T6 ({model.cfg.attention}), {len(list(out.iterdir()))} files"]
     tokenizer = load_tokenizer(out)  # as the project reads the directory back
@@ -301,3 +302,10 @@ def run(cfg) -> list[str]:
     lines.append(f"tokenizer: {tokenizer.name} ({tokenizer.n_vocab:,} tokens, {tokenizer.id})")
     lines.append(f"load it with AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)")
     return lines
+
+
+def main(cfg) -> None:
+    """export.py: check the request (conf/export.yaml), write the export and print where it is and how to load it."""
+    check_request(cfg)
+    for line in run(cfg):
+        print(line)

@@ -1,6 +1,6 @@
 """Text generation from a checkpoint: load the model and the tokenizer it records (GPT-2 BPE unless it
-records another), encode the prompts, decode with the KV caches, return the texts. `generate.py` at
-the repo root is the Hydra entry."""
+records another), encode the prompts, decode with the KV caches, return the texts. `main` is what
+`python generate.py` runs."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from t6.data.tokenizer import Tokenizer, gpt2, load_with_tokenizer
+from t6.errors import SettingError
 from t6.hardware.device import choose_device
 from t6.model import T6
 from t6.model.t6 import check_sampling, left_pad
@@ -55,7 +56,7 @@ def generation_device(device: str) -> str:
     """`device=auto`: a CUDA GPU when there is one, else the CPU; `cuda[:N]` without CUDA is an error."""
     chosen = choose_device(device)[0]
     if chosen.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device={device}: this machine has no CUDA GPU; use device=cpu (or device=auto)")
+        raise SettingError(f"device={device}: this machine has no CUDA GPU; use device=cpu (or device=auto)")
     return chosen
 
 
@@ -65,28 +66,30 @@ def load_for_generation(cfg: DictConfig) -> tuple[T6, Tokenizer, list[str]]:
     problem an error naming its field and the fix, before anything is generated. Returns (model, its tokenizer,
     prompts)."""
     if OmegaConf.is_missing(cfg, "ckpt_path") or not cfg.ckpt_path:
-        raise ValueError("ckpt_path is required: python generate.py ckpt_path=/path/to/last.ckpt prompt='ROMEO:'")
+        raise SettingError("ckpt_path is required: python generate.py ckpt_path=/path/to/last.ckpt prompt='ROMEO:'")
     new = cfg.max_new_tokens
     if not isinstance(new, int) or isinstance(new, bool) or new < 1:
-        raise ValueError(f"max_new_tokens={new!r} must be a positive number of tokens, e.g. max_new_tokens=100")
+        raise SettingError(f"max_new_tokens={new!r} must be a positive number of tokens, e.g. max_new_tokens=100")
     check_sampling(cfg.temperature, cfg.top_k, cfg.top_p)
     prompts = [str(p) for p in (cfg.prompt if OmegaConf.is_list(cfg.prompt) else [cfg.prompt])]
+    if not prompts:
+        raise SettingError("prompt=[] gives nothing to continue; give a text (prompt=ROMEO:) or a list of them")
     model, tokenizer = load_with_tokenizer(cfg.ckpt_path, device=generation_device(cfg.device))
     block = model.cfg.block_size
     longest = max(len(tokenizer.encode_special(p) or [tokenizer.eot]) for p in prompts)
     if longest + new > block:
-        raise ValueError(
+        raise SettingError(
             f"prompt ({longest} tokens) + max_new_tokens={new} exceeds the model's context of {block} tokens "
             f"(size.block_size); set max_new_tokens<={block - longest} or shorten the prompt"
         )
     return model, tokenizer, prompts
 
 
-def run(cfg: DictConfig) -> list[str]:
-    """Generate from the `generate` config (conf/generate.yaml); returns the texts."""
+def main(cfg: DictConfig) -> list[str]:
+    """generate.py: generate as conf/generate.yaml says and print each text; returns the texts."""
     model, tokenizer, prompts = load_for_generation(cfg)
     torch.manual_seed(cfg.seed)
-    return generate_text(
+    texts = generate_text(
         model,
         prompts,
         cfg.max_new_tokens,
@@ -97,3 +100,7 @@ def run(cfg: DictConfig) -> list[str]:
         cfg.seed,
         tokenizer,
     )
+    for text in texts:
+        print(text)
+        print("-" * 40)
+    return texts

@@ -2,7 +2,7 @@
 
 Hydra composes `size` and `attention` groups; `t6.config.model_config(cfg)` converts
 them into this dataclass at the boundary. Everything the backbone needs is here and
-every cross-field problem is reported at once, in one ValueError that names the fields.
+every cross-field problem is reported at once, in one ConfigError (t6.errors) that names the fields.
 """
 
 from __future__ import annotations
@@ -10,17 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from t6.errors import ConfigError
 from t6.model.attention import Options, get_mechanism
-
-
-class ConfigError(ValueError):
-    """A configuration's problems, every one at once, each naming its field and the fix. Raised by the
-    model's config here and by a run's plan (t6.run.plan); entry scripts print it without a traceback."""
-
-    def __init__(self, what: str, problems: list[str]):
-        self.what, self.problems = what, list(problems)
-        super().__init__(f"{what}:\n  - " + "\n  - ".join(self.problems))
-
 
 ROPE_REMAP_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 

@@ -30,6 +30,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from t6.errors import SettingError
+
 log = logging.getLogger(__name__)
 
 ENV = "T6_EAGER"
@@ -100,7 +102,7 @@ def turned_off() -> set[str]:
         return set(ACCELERATORS)
     for name in names:
         if name not in ACCELERATORS:
-            raise ValueError(f"{ENV}={os.environ[ENV]!r}: {name!r} is not one of all, {', '.join(ACCELERATORS)}")
+            raise SettingError(f"{ENV}={os.environ[ENV]!r}: {name!r} is not one of all, {', '.join(ACCELERATORS)}")
     return names
 
 

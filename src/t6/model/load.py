@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from t6.errors import DamagedFile, MissingFile
 from t6.model.config import ModelConfig
 from t6.model.t6 import T6
 
@@ -51,7 +52,7 @@ def read_checkpoint(path, what: str = "ckpt_path", map_location: Any = "cpu", mm
     if path.is_dir():
         return read_hf_directory(path, what)
     if not path.is_file():
-        raise FileNotFoundError(
+        raise MissingFile(
             f"{what}={str(path)!r} does not exist (e.g. logs/train/runs/<time>/checkpoints/last.ckpt, a "
             "directory written by export.py, a Llama's Hugging Face directory or GGUF file)"
         )
@@ -62,13 +63,13 @@ def read_checkpoint(path, what: str = "ckpt_path", map_location: Any = "cpu", mm
             raise pickle.UnpicklingError(
                 f"{what}={str(path)!r} holds pickled code, which T6 Lab never loads: {err}"
             ) from None
-        raise ValueError(
+        raise DamagedFile(
             f"{what}={str(path)!r} is not a readable checkpoint (truncated or corrupted? {type(err).__name__}: "
             f"{str(err).splitlines()[0][:200]}); point {what} at an intact file, e.g. an earlier step*.ckpt "
             "of the same run"
         ) from None
     if not isinstance(ckpt, dict):
-        raise ValueError(
+        raise DamagedFile(
             f"{what}={str(path)!r} is not a T6 Lab checkpoint (it holds a {type(ckpt).__name__}, not a dict)"
         )
     return ckpt
@@ -83,37 +84,37 @@ def read_hf_directory(path: Path, what: str = "ckpt_path") -> dict:
 
     config_file = path / HF_CONFIG
     if not config_file.is_file():
-        raise FileNotFoundError(
+        raise MissingFile(
             f"{what}={str(path)!r} is a directory without {HF_CONFIG}; point {what} at a checkpoint file or at a "
             "directory written by export.py"
         )
     try:
         config = json.loads(config_file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
-        raise ValueError(f"{what}={str(path)!r}: {HF_CONFIG} is not readable JSON ({err})") from None
+        raise DamagedFile(f"{what}={str(path)!r}: {HF_CONFIG} is not readable JSON ({err})") from None
     if not isinstance(config, dict) or config.get("model_type") != HF_MODEL_TYPE:
         kind = config.get("model_type") if isinstance(config, dict) else type(config).__name__
-        raise ValueError(
+        raise DamagedFile(
             f"{what}={str(path)!r} is not a T6 export: its {HF_CONFIG} has model_type={kind!r}, not "
             f"{HF_MODEL_TYPE!r} (T6 Lab reads the directories export.py writes)"
         )
     try:
         cfg = ModelConfig(**{f.name: config[f.name] for f in fields(ModelConfig) if f.name in config})
     except (TypeError, ValueError) as err:
-        raise ValueError(f"{what}={str(path)!r}: its {HF_CONFIG} does not build a T6 here: {err}") from None
+        raise DamagedFile(f"{what}={str(path)!r}: its {HF_CONFIG} does not build a T6 here: {err}") from None
     index = path / HF_WEIGHTS_INDEX
     if index.is_file():
         files = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
     elif (path / HF_WEIGHTS).is_file():
         files = [HF_WEIGHTS]
     else:
-        raise FileNotFoundError(f"{what}={str(path)!r} has {HF_CONFIG} but no {HF_WEIGHTS} (nor {HF_WEIGHTS_INDEX})")
+        raise MissingFile(f"{what}={str(path)!r} has {HF_CONFIG} but no {HF_WEIGHTS} (nor {HF_WEIGHTS_INDEX})")
     weights = {}
     for name in files:
         try:
             weights.update(load_file(path / name))
         except Exception as err:  # safetensors raises its own error types for a damaged file
-            raise ValueError(
+            raise DamagedFile(
                 f"{what}={str(path)!r}: {name} is not readable safetensors ({type(err).__name__}: {err})"
             ) from None
     state = {k.removeprefix(HF_PREFIX): v for k, v in weights.items() if k.startswith(HF_PREFIX)}
@@ -141,14 +142,14 @@ def model_state(ckpt: dict, what: str, path) -> tuple[ModelConfig, dict[str, tor
             fields = ckpt["hyper_parameters"]["model_config"]
             state = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
     except (KeyError, TypeError, AttributeError) as err:
-        raise ValueError(
+        raise DamagedFile(
             f"{what}={str(path)!r} is not a T6 checkpoint: it has no {err} "
             "(train.py writes checkpoints/last.ckpt, convert.py a warm-start file)"
         ) from None
     try:
         cfg = ModelConfig(**fields)
     except (TypeError, ValueError) as err:
-        raise ValueError(f"{what}={str(path)!r}: its model config does not build a T6 here: {err}") from None
+        raise DamagedFile(f"{what}={str(path)!r}: its model config does not build a T6 here: {err}") from None
     check_weights(state, cfg, f"{what}={path}")
     return cfg, state
 
@@ -166,7 +167,7 @@ def check_weights(state: dict[str, torch.Tensor], cfg: ModelConfig, what: str) -
     ]
     if problems:
         shown = problems[:8] + ([f"... {len(problems) - 8} more"] if len(problems) > 8 else [])
-        raise ValueError(
+        raise DamagedFile(
             f"{what}: the weights do not match its model config ({cfg.attention}, n_head={cfg.n_head}, "
             f"d_model={cfg.d_model}, n_layer={cfg.n_layer}):\n  - " + "\n  - ".join(shown)
         )

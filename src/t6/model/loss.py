@@ -35,6 +35,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from t6.errors import SettingError
 from t6.model.fallback import enabled, fell_back
 
 IGNORE_INDEX = -100  # as F.cross_entropy
@@ -148,12 +149,12 @@ def use_liger(impl: str, device_type: str) -> bool:
     Liger is installed and has not failed (t6.model.fallback). An unknown impl, or "liger" where Triton cannot run
     or Liger is not installed, is an error naming the setting."""
     if impl not in IMPLS:
-        raise ValueError(f"loss_impl={impl!r} must be one of {', '.join(IMPLS)}")
+        raise SettingError(f"loss_impl={impl!r} must be one of {', '.join(IMPLS)}")
     triton_runs = device_type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
     if impl == "liger" and not triton_runs:
-        raise ValueError(f"loss_impl=liger needs a CUDA device (here: {device_type}); use loss_impl=auto or chunked")
+        raise SettingError(f"loss_impl=liger needs a CUDA device (here: {device_type}); use loss_impl=auto or chunked")
     if impl == "liger" and not liger_installed():
-        raise ValueError(
+        raise SettingError(
             "loss_impl=liger needs Liger-Kernel, which is not installed here (pip install liger-kernel==0.8.5); "
             "use loss_impl=auto (Liger where it is installed, else the chunked loss) or chunked"
         )

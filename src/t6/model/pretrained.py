@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from t6.errors import DamagedFile, MissingFile, SettingError
 from t6.model.config import ModelConfig
 
 LLAMA = "llama"
@@ -91,12 +92,12 @@ def rope_settings(config: dict[str, Any], what: str) -> tuple[float, dict | None
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind not in ("default", "llama3"):
         field = "rope_parameters.rope_type" if params else "rope_scaling.rope_type"
-        raise ValueError(
+        raise SettingError(
             f"{what}: {field}={kind!r} is a RoPE variant T6 does not implement (it has plain RoPE and Llama 3's "
             "llama3 remap)"
         )
     if float(scaling.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) or 1.0) != 1.0:
-        raise ValueError(f"{what}: partial_rotary_factor != 1: T6 rotates every dimension of a head")
+        raise SettingError(f"{what}: partial_rotary_factor != 1: T6 rotates every dimension of a head")
     return theta, (scaling if kind == "llama3" else None)
 
 
@@ -105,7 +106,7 @@ def llama_model_config(config: dict[str, Any], what: str, where: str = "config.j
     cannot express is a ValueError naming its field."""
     kind = config.get("model_type")
     if kind != LLAMA:
-        raise ValueError(
+        raise DamagedFile(
             f"{what} is not a T6 export: its {where} has model_type={kind!r}; T6 reads its own exports (model_type "
             "t6) and imports Llama-architecture models (model_type llama)"
         )
@@ -117,7 +118,7 @@ def llama_model_config(config: dict[str, Any], what: str, where: str = "config.j
     if config.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={config['hidden_act']!r} (T6's SwiGLU gates with silu)")
     if problems:
-        raise ValueError(f"{what}: T6 cannot express this model's " + "; ".join(problems))
+        raise SettingError(f"{what}: T6 cannot express this model's " + "; ".join(problems))
     theta, scaling = rope_settings(config, what)
     heads = int(config["num_attention_heads"])
     kv_heads = int(config.get("num_key_value_heads") or heads)
@@ -157,7 +158,7 @@ def llama_state_dict(weights: dict[str, torch.Tensor], cfg: ModelConfig, what: s
         elif not name.endswith("rotary_emb.inv_freq"):  # old exports saved the RoPE frequencies: recomputed here
             unknown.append(name)
     if unknown:
-        raise ValueError(f"{what}: weights T6 has no place for: {', '.join(sorted(unknown)[:8])}")
+        raise SettingError(f"{what}: weights T6 has no place for: {', '.join(sorted(unknown)[:8])}")
     if cfg.tie_embeddings:
         state["lm_head.weight"] = state["embed.weight"]  # one tensor
     return state
@@ -173,7 +174,7 @@ def read_safetensors(path: Path, what: str) -> dict[str, torch.Tensor]:
     elif (path / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
-        raise FileNotFoundError(
+        raise MissingFile(
             f"{what}={str(path)!r} has config.json but no model.safetensors (T6 reads safetensors only, never pickled "
             "weights)"
         )
@@ -222,7 +223,7 @@ def read_gguf(path: Path, what: str) -> tuple[dict[str, Any], dict[str, torch.Te
     try:
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name).to_dict()
     except Exception as err:  # transformers raises ValueError/KeyError/... for what it cannot read
-        raise ValueError(f"{what}={str(path)!r} is not a GGUF model transformers reads: {err}") from None
+        raise DamagedFile(f"{what}={str(path)!r} is not a GGUF model transformers reads: {err}") from None
     llama_model_config(config, f"{what}={str(path)!r}", "GGUF metadata")  # refuse before dequantizing everything
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     return config, model.state_dict()
@@ -236,7 +237,7 @@ def download(repo_id: str, what: str) -> Path:
     try:
         return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model"]))
     except Exception as err:  # network, authentication, unknown repository: the hub's own error types
-        raise ValueError(
+        raise MissingFile(
             f"{what}={repo_id!r} is neither a local file or directory nor a Hub model this machine can download "
             f"({type(err).__name__}: {str(err).splitlines()[0][:200]})"
         ) from None

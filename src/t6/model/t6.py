@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from t6.errors import SettingError
 from t6.model.attention import KVCache, get_attention_class
 from t6.model.attention.base import plain_linear
 from t6.model.config import ModelConfig
@@ -141,7 +142,7 @@ class T6(nn.Module):
         output [B, T, d], the last one the final hidden state before the norm."""
         T = x.shape[1]
         if start_pos + T > self.cfg.block_size:
-            raise ValueError(
+            raise SettingError(
                 f"sequence reaches position {start_pos + T - 1} but the model's block_size is {self.cfg.block_size}; "
                 "truncate the input or use a model with a larger size.block_size"
             )
@@ -168,7 +169,7 @@ class T6(nn.Module):
         bf16)."""
         T = idx.shape[1]
         if T > self.cfg.block_size:
-            raise ValueError(
+            raise SettingError(
                 f"a prompt of {T} tokens exceeds the model's block_size {self.cfg.block_size}; truncate it"
             )
         pos = torch.arange(T, device=idx.device)  # [T]
@@ -262,12 +263,12 @@ class T6(nn.Module):
         B, T0 = idx.shape
         total = T0 + max_new_tokens
         if total > self.cfg.block_size:
-            raise ValueError(
+            raise SettingError(
                 f"prompt ({T0}) + max_new_tokens ({max_new_tokens}) = {total} exceeds block_size {self.cfg.block_size}"
             )
         check_sampling(temperature, top_k, top_p)
         if decode not in DECODERS and not isinstance(decode, StaticDecoder):
-            raise ValueError(f"decode={decode!r} must be one of {', '.join(DECODERS)} or a StaticDecoder")
+            raise SettingError(f"decode={decode!r} must be one of {', '.join(DECODERS)} or a StaticDecoder")
         key_mask = None  # [B, T0] bool where prompts are padded
         if prompt_mask is not None and not bool(prompt_mask.all()):
             key_mask = self.check_prompt_mask(prompt_mask, idx.shape)
@@ -321,7 +322,7 @@ class T6(nn.Module):
             )
         unsupported = sorted({type(b.attn).__name__ for b in self.blocks if not b.attn.supports_key_mask})
         if unsupported:
-            raise ValueError(
+            raise SettingError(
                 f"attention={self.cfg.attention!r} ({', '.join(unsupported)}) does not honour padding masks; "
                 "generate prompts of different lengths one at a time or in equal-length batches"
             )
@@ -359,7 +360,7 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -
     if top_p is not None and not 0 < top_p <= 1:
         problems.append(f"top_p={top_p!r} must be in (0, 1] or null")
     if problems:
-        raise ValueError("Invalid sampling settings:\n  - " + "\n  - ".join(problems))
+        raise SettingError("Invalid sampling settings:\n  - " + "\n  - ".join(problems))
 
 
 def sample(

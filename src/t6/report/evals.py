@@ -15,6 +15,8 @@ from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 
+from t6.errors import MissingFile, SettingError
+
 EVAL_CONF = Path(__file__).resolve().parents[3] / "conf" / "eval"  # src/t6/report/ -> the project's conf/eval
 PAPER_EVAL = "paper.yaml"
 EVAL_KEY = re.compile(r"^eval/(\d+)shot/(.+)/([^/]+)$")  # eval/{n}shot/{task}/{metric}
@@ -27,7 +29,7 @@ def eval_config_metrics(conf_dir: Path = EVAL_CONF) -> dict[str, str]:
     import yaml
 
     if not (conf_dir / PAPER_EVAL).is_file():
-        raise FileNotFoundError(
+        raise MissingFile(
             f"{conf_dir / PAPER_EVAL} does not exist: the report reads the metric of each task "
             "from the eval configs in conf/eval/"
         )
@@ -36,7 +38,7 @@ def eval_config_metrics(conf_dir: Path = EVAL_CONF) -> dict[str, str]:
         metrics = (yaml.safe_load(path.read_text()) or {}).get("metrics") or {}
         for task, metric in metrics.items():
             if task in chosen and chosen[task][0] != metric:
-                raise ValueError(
+                raise SettingError(
                     f"task {task!r} has metric {chosen[task][0]!r} in {chosen[task][1]} but {metric!r} "
                     f"in {path}: give it one metric"
                 )
@@ -52,7 +54,7 @@ def paper_tasks(conf_dir: Path = EVAL_CONF) -> tuple[str, ...]:
     path = conf_dir / PAPER_EVAL
     tasks = (yaml.safe_load(path.read_text()) or {}).get("tasks") if path.is_file() else None
     if not tasks:
-        raise ValueError(f"{path} names no `tasks`: the report orders the paper's tasks by that list")
+        raise SettingError(f"{path} names no `tasks`: the report orders the paper's tasks by that list")
     return tuple(tasks)
 
 

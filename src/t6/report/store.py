@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from t6.errors import SettingError
 from t6.report.curves import CURVES
 from t6.report.document import Report
 from t6.report.runs import RunData
@@ -34,15 +35,15 @@ def find_runs(client, experiment: str | None = None, parent: str | None = None) 
         exp = client.get_experiment_by_name(experiment)
         if exp is None:
             known = ", ".join(e.name for e in client.search_experiments())
-            raise ValueError(f"no MLflow experiment named {experiment!r} in this store (it has: {known or 'none'})")
+            raise SettingError(f"no MLflow experiment named {experiment!r} in this store (it has: {known or 'none'})")
         experiment_id = exp.experiment_id
     if parent == "latest":
         if experiment_id is None:
-            raise ValueError("--parent latest needs --experiment NAME")
+            raise SettingError("--parent latest needs --experiment NAME")
         children = _all_runs(client, [experiment_id], f"tags.`{PARENT_TAG}` != ''")
         parents = {r.data.tags[PARENT_TAG] for r in children}
         if not parents:
-            raise ValueError(
+            raise SettingError(
                 f"experiment {experiment!r} has no sweep parent run; drop --parent to report on all its runs"
             )
         parent = max((client.get_run(p) for p in parents), key=lambda r: r.info.start_time).info.run_id
@@ -52,7 +53,7 @@ def find_runs(client, experiment: str | None = None, parent: str | None = None) 
         runs = _all_runs(client, [experiment_id], f"tags.`{PARENT_TAG}` = '{parent}'")
         return runs, experiment_id, parent_run
     if experiment_id is None:
-        raise ValueError("give an experiment (--experiment NAME) or a sweep's parent run (--parent RUN_ID)")
+        raise SettingError("give an experiment (--experiment NAME) or a sweep's parent run (--parent RUN_ID)")
     runs = _all_runs(client, [experiment_id])
     parents = {r.data.tags.get(PARENT_TAG) for r in runs}
     runs = [r for r in runs if r.info.run_id not in parents and r.data.tags.get(REPORT_TAG) != "report"]

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from t6.errors import SettingError
 from t6.hardware.device import DTYPES
 from t6.model import ModelConfig
 from t6.model.facts import (
@@ -40,7 +41,7 @@ def summarize(
 ) -> dict[str, Any]:
     """Parameters, KV cache and FLOPs of one configuration, as a flat dict (one JSON line)."""
     if cache_dtype not in DTYPES:
-        raise ValueError(f"cache_dtype={cache_dtype!r} is not one of {sorted(DTYPES)}")
+        raise SettingError(f"cache_dtype={cache_dtype!r} is not one of {sorted(DTYPES)}")
     dtype = DTYPES[cache_dtype]
     model = meta_model(mcfg)
     block = model.blocks[0]
@@ -110,7 +111,7 @@ def render(row: dict[str, Any], output: str) -> str:
         return json.dumps(row)
     if output == "table":
         return format_table(row)
-    raise ValueError(f"output={output!r} must be 'table' or 'json'")
+    raise SettingError(f"output={output!r} must be 'table' or 'json'")
 
 
 COMPARISON = (
@@ -172,3 +173,18 @@ class ComparisonTable(_HydraCallback):
     def on_multirun_end(self, config, **kwargs) -> None:
         if self.rows:
             print(comparison_table(self.rows), flush=True)
+
+
+def main(cfg) -> dict[str, Any]:
+    """summary.py: the costs of the model conf/summary.yaml composes, printed as a table or JSON; in a multirun
+    the rows are printed together as one table at the end (ComparisonTable)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from t6.config import model_config
+
+    row = summarize(model_config(cfg), cfg.attention.name, cfg.size.name, cfg.cache_dtype, cfg.flops_seq_len)
+    if cfg.output == "table" and HydraConfig.get().mode == RunMode.MULTIRUN:
+        return row  # ComparisonTable prints every job's row as one table at the end
+    print(render(row, cfg.output), flush=True)
+    return row

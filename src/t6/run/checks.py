@@ -19,7 +19,8 @@ from omegaconf import DictConfig
 from t6.config import model_config
 from t6.data.batching import batch_problems
 from t6.data.tokenizer import Tokenizer, gpt2
-from t6.model.config import ConfigError, ModelConfig
+from t6.errors import ConfigError
+from t6.model.config import ModelConfig
 from t6.model.loss import IMPLS
 from t6.run.samples import check_samples
 from t6.tracking.mlflow import log_model_choice, mlflow_config

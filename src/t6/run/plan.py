@@ -31,10 +31,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from t6.data.batching import sequences_per_device, sequences_per_step, world_size
 from t6.data.tokenizer import Tokenizer, checkpoint_tokenizer, load_tokenizer, mismatch, run_tokenizer
+from t6.errors import ConfigError, SettingError
 from t6.evaluation.callback import check_eval_tasks
 from t6.hardware import device as hw_device
 from t6.hardware import probes
-from t6.model.config import ConfigError, ModelConfig
+from t6.model.config import ModelConfig
 from t6.model.load import HF_FORMAT, WARM_START_FORMAT, model_state
 from t6.model.loss import use_liger
 from t6.run import checks
@@ -462,9 +463,9 @@ def plan_resume(cfg: DictConfig, mcfg: ModelConfig, tokenizer: Tokenizer | None 
     ckpt = found.ckpt
     if ckpt.get("format") in (WARM_START_FORMAT, HF_FORMAT):
         kind = "a Hugging Face directory" if ckpt["format"] == HF_FORMAT else "a converted (warm-start) checkpoint"
-        raise ValueError(f"ckpt_path={found.path!r} is {kind}: start from it with init_from=")
+        raise SettingError(f"ckpt_path={found.path!r} is {kind}: start from it with init_from=")
     if tokenizer is not None and checkpoint_tokenizer(ckpt) != tokenizer:
-        raise ValueError(mismatch(f"ckpt_path={found.path}", checkpoint_tokenizer(ckpt), "this run", tokenizer))
+        raise SettingError(mismatch(f"ckpt_path={found.path}", checkpoint_tokenizer(ckpt), "this run", tokenizer))
     check_resume_model(found.path, ckpt, mcfg)
     return Resume(found.path, int(ckpt.get("global_step", 0)), ckpt.get("mlflow_run_id"), found.how, found.passed_over)
 
@@ -481,7 +482,7 @@ def check_resume_model(path: str, ckpt: dict, mcfg: ModelConfig) -> None:
         for name in ours
         if ours[name] != theirs[name]
     ]
-    raise ValueError(
+    raise SettingError(
         f"ckpt_path={path!r} holds a {saved.attention} model (d_model={saved.d_model}, n_layer={saved.n_layer}, "
         f"n_head={saved.n_head}) that this run's config does not build ({mcfg.attention}): "
         + "; ".join(differ)
@@ -517,7 +518,7 @@ def plan_tokenizer(cfg: DictConfig) -> Tokenizer:
     tokenizer = run_tokenizer(setting, init_from)
     for what, path in ((f"init_from={init_from}", init_from), (f"teacher={cfg.get('teacher')}", cfg.get("teacher"))):
         if path and load_tokenizer(path) != tokenizer:
-            raise ValueError(mismatch(what, load_tokenizer(path), f"this run (tokenizer={setting})", tokenizer))
+            raise SettingError(mismatch(what, load_tokenizer(path), f"this run (tokenizer={setting})", tokenizer))
     return tokenizer
 
 
@@ -643,7 +644,7 @@ def preflight(cfg, mcfg, hardware: Hardware, parallel: Parallel, requested, per_
     device = hardware.device
     if not cfg.get("preflight", True) or device not in ("cpu", "cuda"):
         if requested == "auto":
-            raise ValueError(
+            raise SettingError(
                 f"data.batch_size=auto needs the memory preflight (preflight=true, a cpu or cuda device; "
                 f"here preflight={cfg.get('preflight', True)}, device {device}); give data.batch_size a number"
             )

@@ -98,7 +98,7 @@ LOCK = ".run.lock"
 def run_directory(path: str | Path, rank: int = 0) -> Iterator[None]:
     """Hold the run directory `path` for this run: rank 0 takes an exclusive lock on `<path>/.run.lock` (the other
     ranks are the same run), which names the run holding it. Held already: a UserError naming that run."""
-    from t6.run.cli import UserError
+    from t6.errors import UserError
 
     if rank != 0:
         yield

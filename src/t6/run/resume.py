@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from t6.errors import MissingFile, SettingError
 from t6.model.load import HF_CONFIG, read_checkpoint
 
 LAST = "last.ckpt"
@@ -69,14 +70,14 @@ def find_resume(cfg) -> Found:
     folder = checkpoint_dir(cfg)
     for path in (folder / LAST, Path(requested) if requested and requested != "last" else None):
         if path is not None and path.is_dir() and not (path / HF_CONFIG).is_file():  # an export: the plan names it
-            raise ValueError(
+            raise SettingError(
                 f"{path} is a directory (a sharded FSDP checkpoint, state_dict_type=sharded): T6 Lab resumes from "
                 "single-file checkpoints; train with trainer.strategy.state_dict_type=full, or give ckpt_path= a "
                 "checkpoint file"
             )
     if requested and requested != "last":
         if not Path(requested).exists():  # a directory is read (and refused, naming init_from=) by the plan
-            raise FileNotFoundError(
+            raise MissingFile(
                 f"ckpt_path={requested!r} does not exist; give a checkpoint file (e.g. "
                 "logs/train/runs/<time>/checkpoints/last.ckpt), or ckpt_path=last for this run directory's"
             )
@@ -86,7 +87,7 @@ def find_resume(cfg) -> Found:
     found = newest_whole_checkpoint(folder) if folder.is_dir() else Found(None, None, "")
     if requested == "last" and found.path is None:
         passed = f" ({'; '.join(found.passed_over)})" if found.passed_over else ""
-        raise FileNotFoundError(
+        raise MissingFile(
             f"ckpt_path=last: {folder} holds no whole checkpoint{passed}; point hydra.run.dir (or hydra.sweep.dir) "
             "at the interrupted run's directory, or give ckpt_path=/path/to/file.ckpt"
         )

@@ -12,6 +12,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 from omegaconf import DictConfig, OmegaConf
 
 from t6.data.tokenizer import Tokenizer, gpt2, run_tokenizer
+from t6.errors import SettingError
 from t6.inference.generate import generate_text
 
 log = logging.getLogger(__name__)
@@ -26,16 +27,16 @@ def check_samples(cfg: DictConfig) -> None:
         return
     prompts, new = samples.get("prompts"), samples.get("max_new_tokens")
     if not OmegaConf.is_list(prompts) or not prompts or not all(isinstance(p, str) and p for p in prompts):
-        raise ValueError(
+        raise SettingError(
             f"samples.prompts={prompts} must be a non-empty list of non-empty strings "
             "(e.g. samples.prompts='[ROMEO:]'), or samples=null for no samples"
         )
     if not isinstance(new, int) or isinstance(new, bool) or new < 1:
-        raise ValueError(f"samples.max_new_tokens={new} must be a positive integer")
+        raise SettingError(f"samples.max_new_tokens={new} must be a positive integer")
     enc = run_tokenizer(cfg.get("tokenizer"), cfg.get("init_from"))  # the run's
     longest = max(len(enc.encode(p)) for p in prompts)
     if longest >= cfg.size.block_size:
-        raise ValueError(
+        raise SettingError(
             f"samples: a prompt of {longest} tokens leaves no room in size.block_size={cfg.size.block_size}; "
             "shorten samples.prompts"
         )

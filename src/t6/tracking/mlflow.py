@@ -19,6 +19,8 @@ from urllib.parse import urlparse
 
 from omegaconf import DictConfig
 
+from t6.errors import DamagedFile, SettingError, Unreachable
+
 if TYPE_CHECKING:
     from lightning.pytorch.loggers import MLFlowLogger
 
@@ -39,7 +41,7 @@ def sqlite_file(uri: str) -> Path:
 STORE_WAIT_S = 10.0  # how long a check waits for a server to answer, or for a locked SQLite store
 
 
-class StoreUnreachable(ConnectionError):
+class StoreUnreachable(Unreachable):
     """The tracking server does not answer (a new run stops here; a resume continues logging to its outbox)."""
 
 
@@ -65,17 +67,17 @@ def check_tracking_store(
         path = sqlite_file(uri)
         existing = next(p for p in (path.parent, *path.parent.parents) if p.exists())
         if not existing.is_dir() or not os.access(existing, os.W_OK):
-            raise ConnectionError(f"cannot create the MLflow store directory {path.parent}: {existing} is not writable")
+            raise Unreachable(f"cannot create the MLflow store directory {path.parent}: {existing} is not writable")
         if path.exists():
             check_sqlite_store(path, timeout_s)
     elif scheme in ("", "file"):
         if os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() != "true":
-            raise ValueError(
+            raise SettingError(
                 f"tracking_uri={uri!r} is MLflow's deprecated file store; use sqlite:///ABSOLUTE/PATH/mlflow.db "
                 "or a tracking server"
             )
     if run_id and not holds_run(uri, run_id):
-        raise ValueError(
+        raise SettingError(
             f"ckpt_path={ckpt_path} continues MLflow run {run_id}, which the tracking store {uri} does not hold. "
             "Either point MLFLOW_TRACKING_URI at the store the interrupted run logged to, or continue the training "
             "(weights, optimizer, data position) as a new MLflow run with logger.mlflow.continue_run=false"
@@ -88,21 +90,19 @@ def check_sqlite_store(path: Path, lock_wait_s: float = 10.0) -> None:
     import sqlite3
 
     if not os.access(path, os.R_OK | os.W_OK):
-        raise ConnectionError(
-            f"the MLflow store {path} cannot be read and written by this process; fix its permissions"
-        )
+        raise Unreachable(f"the MLflow store {path} cannot be read and written by this process; fix its permissions")
     try:
         with closing(sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True, timeout=lock_wait_s)) as db:
             db.execute("SELECT count(*) FROM sqlite_master").fetchone()
     except sqlite3.OperationalError as err:
         if "locked" not in str(err) and "busy" not in str(err):
-            raise ConnectionError(f"the MLflow store {path} cannot be read: {err}") from None
-        raise ConnectionError(
+            raise Unreachable(f"the MLflow store {path} cannot be read: {err}") from None
+        raise Unreachable(
             f"the MLflow store {path} is locked by another process ({lock_wait_s:g} s waited); let it finish, or "
             "run a tracking server for several writers (docs/tracking.md)"
         ) from None
     except sqlite3.DatabaseError as err:
-        raise ValueError(
+        raise DamagedFile(
             f"{path} is not an SQLite database ({err}), so not an MLflow store; move it away (a new store is made "
             "there) or point MLFLOW_TRACKING_URI at the store"
         ) from None
@@ -141,7 +141,7 @@ def open_tracking_store(uri: str) -> None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as err:
-            raise ConnectionError(f"cannot create the MLflow store directory {path.parent}: {err}") from err
+            raise Unreachable(f"cannot create the MLflow store directory {path.parent}: {err}") from err
         init_sqlite_store(uri)
 
 
@@ -162,7 +162,7 @@ def log_model_choice(value: bool | str | None) -> str | None:
     if value in (False, None, "false", "none"):
         return None
     if value not in LOG_MODEL:
-        raise ValueError(
+        raise SettingError(
             f"logger.mlflow.log_model={value!r} must be final (the weights-only final model), "
             "last (the resumable last.ckpt) or false"
         )

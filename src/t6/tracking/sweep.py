@@ -23,6 +23,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from t6.errors import DamagedFile, MissingFile
+
 log = logging.getLogger(__name__)
 SWEEP_FILE = "mlflow_sweep.json"
 
@@ -167,17 +169,19 @@ def read_sweep_file(sweep_dir: str | Path) -> dict:
     """The MLflow store, experiment and parent run a sweep directory (hydra.sweep.dir) recorded."""
     path = Path(sweep_dir) / SWEEP_FILE
     if not path.is_file():
-        raise FileNotFoundError(
+        raise MissingFile(
             f"{path} does not exist: {sweep_dir} is not the directory of a sweep "
             f"(python train.py -m ... with logger=mlflow writes it at the start)"
         )
     try:
         info = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path} is not the JSON a sweep writes ({err}); give the sweep's own directory") from None
+        raise DamagedFile(f"{path} is not the JSON a sweep writes ({err}); give the sweep's own directory") from None
     missing = [key for key in ("tracking_uri", "parent_run_id") if not isinstance(info, dict) or key not in info]
     if missing:
-        raise ValueError(f"{path} lacks {', '.join(missing)}: not a file a sweep wrote; give the sweep's own directory")
+        raise DamagedFile(
+            f"{path} lacks {', '.join(missing)}: not a file a sweep wrote; give the sweep's own directory"
+        )
     return info
 
 

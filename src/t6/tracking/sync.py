@@ -13,6 +13,7 @@ import json
 import sys
 from pathlib import Path
 
+from t6.errors import MissingFile
 from t6.tracking.outbox import refused, send, sent_count, take_batch, unsent, write_sent
 
 
@@ -20,7 +21,7 @@ def spools(path: Path) -> list[Path]:
     folder = path if any(path.glob("*.jsonl")) else path / "mlflow-outbox"
     found = sorted(folder.glob("*.jsonl"))
     if not found:
-        raise FileNotFoundError(f"{path} holds no outbox spool (*.jsonl, or mlflow-outbox/*.jsonl)")
+        raise MissingFile(f"{path} holds no outbox spool (*.jsonl, or mlflow-outbox/*.jsonl)")
     return found
 
 

@@ -25,6 +25,8 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
+from t6.errors import SettingError
+
 
 def full_state_dict_context(model: FSDP, rank0_only: bool):
     """FSDP's full (gathered) state-dict mode. Offloading to CPU only where the parameters are not
@@ -157,7 +159,7 @@ class T6FSDPStrategy(FSDPStrategy):
         if states is None or module.trainer.state.fn != TrainerFn.FITTING:
             return checkpoint
         if len(self.optimizers) != len(states):
-            raise RuntimeError(
+            raise SettingError(
                 f"{path} holds {len(states)} optimizer states; this run has {len(self.optimizers)} optimizers"
             )
         with full_state_dict_context(self.model, rank0_only=False):

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from lightning.pytorch.loggers import MLFlowLogger
 from torchmetrics import MeanMetric
 
+from t6.errors import SettingError
 from t6.model import T6, ModelConfig
 from t6.model.loss import IGNORE_INDEX
 from t6.training.fsdp import clip_grad_norm
@@ -59,7 +60,7 @@ class T6LitModule(L.LightningModule):
         is frozen, kept out of the checkpoint and the optimizer."""
         super().__init__()
         if nonfinite_loss not in ("stop", "skip"):
-            raise ValueError(f"nonfinite_loss={nonfinite_loss!r} must be 'stop' or 'skip'")
+            raise SettingError(f"nonfinite_loss={nonfinite_loss!r} must be 'stop' or 'skip'")
         self.nonfinite_loss = nonfinite_loss
         self.loss_chunk_tokens = loss_chunk_tokens
         self.loss_impl = loss_impl
@@ -158,7 +159,7 @@ class T6LitModule(L.LightningModule):
 
     def configure_optimizers(self):
         if self.optimizer_factory is None:
-            raise ValueError("no optimizer configured: set the `optimizer` config group")
+            raise SettingError("no optimizer configured: set the `optimizer` config group")
         keywords = getattr(self.optimizer_factory, "keywords", {})
         optimizer = self.optimizer_factory(
             param_groups(self.model, keywords.get("weight_decay", 0.0), self.param_kinds)

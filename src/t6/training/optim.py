@@ -14,6 +14,8 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
+from t6.errors import SettingError
+
 WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 
 
@@ -124,7 +126,7 @@ def warmup_cosine(
     must be max_lr: the lambda returns the multiplier lr(step) / max_lr.
     """
     if not 0 <= min_lr <= max_lr:
-        raise ValueError(f"lr_ablation: need 0 <= min_lr ({min_lr}) <= max_lr ({max_lr})")
+        raise SettingError(f"lr_ablation: need 0 <= min_lr ({min_lr}) <= max_lr ({max_lr})")
 
     def factor(step: int) -> float:
         if step < warmup_steps:

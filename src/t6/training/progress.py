@@ -11,6 +11,8 @@ import lightning as L
 from lightning.pytorch.callbacks import RichModelSummary
 from lightning.pytorch.utilities.model_summary.model_summary import get_formatted_model_size, get_human_readable_count
 
+from t6.errors import SettingError
+
 
 def is_terminal() -> bool:
     return sys.stdout.isatty()
@@ -35,9 +37,9 @@ class ProgressLog(L.Callback):
 
     def __init__(self, every_n_steps: int | None = None, when: str = "always"):
         if when not in self.WHEN:
-            raise ValueError(f"callbacks.progress_log.when={when!r} must be one of {', '.join(self.WHEN)}")
+            raise SettingError(f"callbacks.progress_log.when={when!r} must be one of {', '.join(self.WHEN)}")
         if every_n_steps is not None and every_n_steps < 1:
-            raise ValueError(f"callbacks.progress_log.every_n_steps={every_n_steps} must be >= 1 (or null)")
+            raise SettingError(f"callbacks.progress_log.every_n_steps={every_n_steps} must be >= 1 (or null)")
         self.every_n_steps, self.when = every_n_steps, when
         self.active = False
         self._t0 = self._t_last = 0.0

@@ -23,6 +23,7 @@ from functools import partial
 
 import torch
 
+from t6.errors import NoRoom
 from t6.hardware.device import compute_dtype, param_dtype
 from t6.hardware.probes import gib
 from t6.model.loss import liger_chunk_rows
@@ -321,7 +322,7 @@ def fit_micro_batch(
             if est.total <= usable:
                 return MicroBatch(b, acc, est, available, source, auto=True)
         est = at(1, per_device)
-        raise MemoryError(
+        raise NoRoom(
             f"data.batch_size=auto: even a micro-batch of 1 needs {est.describe()}, more than the "
             f"{gib(usable)} usable ({source}, {int(margin * 100)}% kept free). Ways out: {ways_out}"
         )
@@ -331,7 +332,7 @@ def fit_micro_batch(
     if est.total > usable:
         fits = next((d for d in divisors_desc(per_device) if at(d, per_device // d).total <= usable), None)
         hint = f"data.batch_size={fits} (or auto) fits" if fits else "no micro-batch of this model fits"
-        raise MemoryError(
+        raise NoRoom(
             f"data.batch_size={b} does not fit: one training step needs {est.describe()}, more than the "
             f"{gib(usable)} usable ({source}, {int(margin * 100)}% kept free); {hint}. Ways out: {ways_out}"
         )

@@ -34,6 +34,7 @@ from collections.abc import Callable
 
 import torch
 
+from t6.errors import SettingError
 from t6.model.attention.gqa import GroupedQueryAttention
 from t6.model.attention.mla import MultiHeadLatentAttention
 from t6.model.attention.tpa import TensorProductAttention
@@ -51,12 +52,12 @@ def pool_heads(weight: torch.Tensor, n_head: int, groups: int, method: str = "me
     """A K or V projection of n_head heads [n_head * d_h, d_model] -> [groups * d_h, d_model]: contiguous heads
     pooled into each group (mean, or its first head), or each head repeated when groups is a multiple."""
     if method not in POOLING:
-        raise ValueError(f"method={method!r}: choose one of {list(POOLING)}")
+        raise SettingError(f"method={method!r}: choose one of {list(POOLING)}")
     rows, d_model = weight.shape
     if groups % n_head == 0:  # more KV heads than the source has: each repeated (exact)
         return heads(weight, n_head).repeat_interleave(groups // n_head, dim=0).reshape(-1, d_model)
     if n_head % groups:
-        raise ValueError(
+        raise SettingError(
             f"target_kv_heads={groups} neither divides nor is a multiple of the source's {n_head} KV heads"
         )
     grouped = weight.view(groups, n_head // groups, rows // n_head, d_model)  # [G, h/G, d_h, d_model]
@@ -94,7 +95,7 @@ def rope_subset(head_dim: int, rope_dim: int) -> tuple[torch.Tensor, torch.Tenso
     """(rope dims, no-RoPE dims) of a source head: the pairs rotated at the frequencies of a rope_dim-wide
     table (every head_dim/rope_dim-th pair), in Rotary's [first halves | second halves] order."""
     if rope_dim <= 0 or head_dim % rope_dim:
-        raise ValueError(
+        raise SettingError(
             f"attention.options.rope_dim={rope_dim} must divide size.head_dim={head_dim} for the closed form "
             "(its frequencies are then a subset of the source's)"
         )
@@ -115,12 +116,12 @@ def mla_from_gqa(src: GroupedQueryAttention, dst: MultiHeadLatentAttention, stat
     h, d_h, n_kv = src.cfg.n_head, src.cfg.head_dim, src.n_kv
     d_model = src.cfg.d_model
     if dst.d_nope + dst.d_rope != d_h or dst.d_v != d_h:
-        raise ValueError(
+        raise SettingError(
             f"the MLA closed form needs attention.options.nope_dim = size.head_dim - rope_dim = {d_h - dst.d_rope} "
             f"and v_dim = {d_h} (the source's head widths)"
         )
     if dst.d_cq != d_model:
-        raise ValueError(f"the MLA closed form needs attention.options.q_lora_rank = size.d_model = {d_model}")
+        raise SettingError(f"the MLA closed form needs attention.options.q_lora_rank = size.d_model = {d_model}")
     rope, nope = rope_subset(d_h, dst.d_rope)
     g = norm.double()  # the attention norm's weight [d]: x = g * n
     g_inv = safe_inverse(g)
@@ -138,7 +139,7 @@ def mla_from_gqa(src: GroupedQueryAttention, dst: MultiHeadLatentAttention, stat
     u, s, vt = torch.linalg.svd(stacked @ sqrt, full_matrices=False)
     r = dst.d_c
     if r > s.numel():
-        raise ValueError(
+        raise SettingError(
             f"attention.options.kv_lora_rank={r} exceeds the rank of the source's keys and values ({s.numel()})"
         )
     left = (u[:, :r] * s[:r]).view(n_kv, -1, r)  # [n_kv, nope + d_h, r]

@@ -32,6 +32,7 @@ import torch
 
 from t6.data.batching import sequences_per_step, world_size
 from t6.data.tokenizer import checkpoint_tokenizer
+from t6.errors import DamagedFile, SettingError
 from t6.model import ModelConfig
 from t6.model.attention import get_mechanism
 from t6.model.attention.gqa import GroupedQueryAttention
@@ -65,20 +66,20 @@ def target_config(
     try:
         mechanism = get_mechanism(target)
     except KeyError as err:
-        raise ValueError(f"target={target!r}: {err.args[0]}") from None
+        raise SettingError(f"target={target!r}: {err.args[0]}") from None
     options = dict(options or {})
     if target == "gqa":
         if not isinstance(kv_heads, int) or isinstance(kv_heads, bool) or kv_heads <= 0:
-            raise ValueError(f"target=gqa needs target_kv_heads=G, a positive integer (got {kv_heads!r})")
+            raise SettingError(f"target=gqa needs target_kv_heads=G, a positive integer (got {kv_heads!r})")
         if source.n_head % kv_heads:
             divisors = [g for g in range(1, source.n_head + 1) if source.n_head % g == 0]
-            raise ValueError(
+            raise SettingError(
                 f"target_kv_heads={kv_heads} does not divide the source's n_head={source.n_head}; "
                 f"choose one of {divisors}"
             )
         options["n_kv_head"] = kv_heads
     elif kv_heads is not None and not (target == "mqa" and kv_heads == 1):
-        raise ValueError(
+        raise SettingError(
             f"target={target} takes no target_kv_heads (got {kv_heads}); use target=gqa for a number of KV heads"
         )
     if target in CLOSED_FORM_DEFAULTS:
@@ -122,19 +123,19 @@ def start_method(method: str, source: T6, target: T6) -> str:
     """What the attention starts from: `method`, with auto resolved (the closed form where one exists from
     the source's attention, else the mechanism's own initialization); a method that cannot apply is an error."""
     if method not in METHODS:
-        raise ValueError(f"method={method!r}: choose one of {list(METHODS)}")
+        raise SettingError(f"method={method!r}: choose one of {list(METHODS)}")
     src, dst = source.blocks[0].attn, target.blocks[0].attn
     exists = isinstance(src, GroupedQueryAttention) and closed_form(type(dst)) is not None
     pools = isinstance(dst, GroupedQueryAttention)
     if method == "auto":
         return ("mean" if pools else "closed") if exists else "init"
     if method in POOLING and not (exists and pools):
-        raise ValueError(
+        raise SettingError(
             f"method={method} pools KV heads: it converts a grouped-query source (mha/gqa/mqa, here "
             f"{source.cfg.attention}) into gqa/mqa/mha (here {target.cfg.attention})"
         )
     if method == "closed" and not exists:
-        raise ValueError(
+        raise SettingError(
             f"method=closed: there is no closed form from {source.cfg.attention} into {target.cfg.attention}; "
             "use method=init with distill_steps (layer-wise distillation starts any mechanism)"
         )
@@ -168,7 +169,7 @@ def convert_model(
     batches = calibration_batches(source, calibration) if calibration else []
     held = calibration_batches(source, held_out) if held_out else batches
     if (distill_steps or (method == "closed" and cfg.attention not in GQA_FAMILY)) and not batches:
-        raise ValueError("this conversion needs calibration text (its statistics or distillation); give calibration")
+        raise SettingError("this conversion needs calibration text (its statistics or distillation); give calibration")
     if method != "init":
         form = closed_form(type(target.blocks[0].attn))
         stats = input_statistics(batches) if batches else [None] * cfg.n_layer
@@ -239,7 +240,7 @@ def load_warm_start(path: str | Path) -> dict:
     path = Path(path)
     ckpt = read_checkpoint(path, "init_from")
     if ckpt.get("format") not in (WARM_START_FORMAT, HF_FORMAT):
-        raise ValueError(
+        raise DamagedFile(
             f"init_from={str(path)!r} is not a warm-start checkpoint (write one with `python convert.py`, or give "
             "a Hugging Face directory written by `python export.py`, a pretrained Llama's directory or GGUF file); "
             "to resume a training checkpoint use ckpt_path="

@@ -1,4 +1,4 @@
-"""`python convert.py` (conf/convert.yaml): read the source once, take calibration text from the run's
+"""`python convert.py` (conf/convert.yaml, `main`): read the source once, take calibration text from the run's
 data in the source's tokenizer, convert (t6.uptrain.convert), write the checkpoint, and record the
 conversion as an MLflow run of its own beside the source's, so `report.py --experiment NAME` shows them
 side by side (attention, validation loss, KV cache per token)."""
@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from t6.data.datamodule import TrainStream
 from t6.data.tokenizer import checkpoint_tokenizer
+from t6.errors import SettingError
 from t6.model.facts import model_facts
 from t6.model.load import build_model, model_state, read_checkpoint
 from t6.model.loss import mean_loss
@@ -42,7 +43,7 @@ def run(cfg: DictConfig) -> list[str]:
     """Convert as conf/convert.yaml says; returns the lines to print."""
     for name in ("ckpt_path", "out"):
         if OmegaConf.is_missing(cfg, name) or not cfg.get(name):
-            raise ValueError(f"{name} is required: python convert.py ckpt_path=SOURCE target=mla out=ckpt/mla.ckpt")
+            raise SettingError(f"{name} is required: python convert.py ckpt_path=SOURCE target=mla out=ckpt/mla.ckpt")
     ckpt = read_checkpoint(cfg.ckpt_path, "ckpt_path")
     tokenizer = checkpoint_tokenizer(ckpt)
     needs_text = cfg.distill_steps > 0 or cfg.target not in ("gqa", "mqa", "mha") or cfg.get("evaluate", True)
@@ -168,3 +169,9 @@ def new_run(client, exp_id, name, params, metrics, model_cfg, per_step, tags=Non
     )
     client.set_terminated(run.info.run_id)
     return run.info.run_id
+
+
+def main(cfg: DictConfig) -> None:
+    """convert.py: convert as conf/convert.yaml says and print what was done."""
+    for line in run(cfg):
+        print(line)

@@ -6,7 +6,7 @@ converted checkpoint while the config is composed, and the config that names a w
     ${t6.source_lr:init_from,key,factor}
         factor x the source run's lr_ablation.<key>
 
-`register_resolvers()` registers both (t6.run.cli.register, which every entry script calls). The dependency goes
+`register_resolvers()` registers both (t6.cli.register, which every entry script's boundary calls). The dependency goes
 one way: this module reads t6.config; t6.config knows nothing of uptraining.
 """
 
@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from t6.config import model_config
 from t6.data.batching import sequences_per_step, world_size
+from t6.errors import MissingFile, SettingError
 from t6.model import ModelConfig
 from t6.model.load import read_checkpoint
 
@@ -64,7 +65,7 @@ def adopt_model_config(cfg: DictConfig, model_cfg: dict) -> list[str]:
     built = asdict(model_config(cfg))
     differ = [f"{k}={model_cfg.get(k)!r} (the config gives {v!r})" for k, v in built.items() if model_cfg.get(k) != v]
     if differ:
-        raise ValueError(
+        raise SettingError(
             "init_from: the converted model's config cannot be expressed by size/attention: " + ", ".join(differ)
         )
     return changed
@@ -81,10 +82,10 @@ def _warm_start_meta(path: str, mtime: float) -> dict:
 def converted_meta(init_from: str, needed_by: str) -> dict:
     """`source` and `run_config` of the converted checkpoint `init_from`, for the recipe value `needed_by`."""
     if not init_from:
-        raise ValueError(f"{needed_by} needs init_from=PATH, a checkpoint written by `python convert.py`")
+        raise SettingError(f"{needed_by} needs init_from=PATH, a checkpoint written by `python convert.py`")
     path = Path(init_from)
     if not path.is_file():
-        raise FileNotFoundError(f"init_from={init_from!r} does not exist")
+        raise MissingFile(f"init_from={init_from!r} does not exist")
     return _warm_start_meta(str(path.resolve()), path.stat().st_mtime)
 
 
@@ -94,17 +95,17 @@ def uptrain_steps(
     """Optimizer steps that train on `fraction` of the source's tokens at this run's global batch
     (t6.data.batching) and seq_len."""
     if not 0 < float(fraction):
-        raise ValueError(f"uptrain_fraction={fraction} must be positive")
+        raise SettingError(f"uptrain_fraction={fraction} must be positive")
     source = converted_meta(init_from, "uptrain_fraction")["source"]
     if not source.get("tokens"):
-        raise ValueError(
+        raise SettingError(
             f"init_from={init_from!r}: its source checkpoint does not record how many tokens it was trained on; "
             "set trainer.max_steps instead of uptrain_fraction"
         )
     try:
         sequences = sequences_per_step(batch_size, global_batch_size, world_size(devices, num_nodes))
     except ValueError as err:
-        raise ValueError(f"uptrain_fraction counts tokens per step: {err}") from err
+        raise SettingError(f"uptrain_fraction counts tokens per step: {err}") from err
     return max(1, math.ceil(float(fraction) * source["tokens"] / (sequences * int(seq_len))))
 
 
@@ -114,7 +115,7 @@ def source_lr(init_from: str, key: str = "min_lr", factor: float = 1.0) -> float
     run = converted_meta(init_from, f"lr_ablation.{key} from the source")["run_config"]
     value = (run.get("lr_ablation") or {}).get(key)
     if value is None:
-        raise ValueError(
+        raise SettingError(
             f"init_from={init_from!r}: its source run config records no lr_ablation.{key}; "
             "set lr_ablation.max_lr and lr_ablation.min_lr explicitly"
         )

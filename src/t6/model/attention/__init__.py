@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
+from t6.errors import SettingError, UnknownName
 from t6.model.attention.base import Attention, KVCache, Mechanism, Options, causal_mask, register, registry
 
 _discovered = False
@@ -29,7 +30,7 @@ def get_mechanism(name: str) -> Mechanism:
     """The registered name: its class and preset."""
     _discover()
     if name not in registry:
-        raise KeyError(f"attention={name!r} is not a known mechanism; choose one of {sorted(registry)}")
+        raise UnknownName(f"attention={name!r} is not a known mechanism; choose one of {sorted(registry)}")
     return registry[name]
 
 
@@ -65,7 +66,7 @@ def select(spec: str | list[str] | tuple[str, ...]) -> list[str]:
             if name not in names:
                 names.append(name)
     if not names:
-        raise ValueError(f"no attention mechanism selected by {spec!r}; name some, or `paper` / `all`")
+        raise SettingError(f"no attention mechanism selected by {spec!r}; name some, or `paper` / `all`")
     return names
 
 

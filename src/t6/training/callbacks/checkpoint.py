@@ -10,6 +10,7 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.callbacks import Checkpoint
 
+from t6.errors import SettingError
 from t6.training.checkpoint_io import BackgroundCheckpointIO
 
 # What the automatic interval assumes (every_n_train_steps=auto):
@@ -69,7 +70,7 @@ class RunCheckpoint(Checkpoint):
         save_last: bool | str = True,
     ):
         if save_last not in (True, False, "link"):
-            raise ValueError(f"callbacks.model_checkpoint.save_last={save_last!r} must be true, false or link")
+            raise SettingError(f"callbacks.model_checkpoint.save_last={save_last!r} must be true, false or link")
         self.dirpath, self.filename = str(dirpath), filename
         self.every_n_train_steps, self.save_top_k, self.save_last = every_n_train_steps, save_top_k, save_last
         self.kept: list[str] = []  # the periodic files of this run, oldest first

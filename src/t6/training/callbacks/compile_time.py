@@ -9,6 +9,8 @@ import time
 import lightning as L
 import torch
 
+from t6.errors import SettingError
+
 log = logging.getLogger(__name__)
 
 
@@ -21,7 +23,7 @@ class CompileTime(L.Callback):
 
     def __init__(self, steps: int = 3):
         if steps < 1:
-            raise ValueError(f"callbacks.compile_time.steps={steps} must be at least 1")
+            raise SettingError(f"callbacks.compile_time.steps={steps} must be at least 1")
         self.steps = steps
         self.start: float | None = None
         self.ends: list[float] = []

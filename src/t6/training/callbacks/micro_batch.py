@@ -5,6 +5,8 @@ from __future__ import annotations
 import lightning as L
 import torch
 
+from t6.errors import NoRoom
+
 
 class SameMicroBatch(L.Callback):
     """Each rank planned its micro-batch from its own device's free memory before the processes met
@@ -24,7 +26,7 @@ class SameMicroBatch(L.Callback):
         if len({batch for batch, _ in plans}) > 1:
             each = ", ".join(f"rank {r}: {b} ({mib / 1024:.1f} GiB free)" for r, (b, mib) in enumerate(plans))
             fits = min(b for b, _ in plans)
-            raise MemoryError(
+            raise NoRoom(
                 f"data.batch_size=auto planned different micro-batches on different devices ({each}); "
                 f"data-parallel ranks must agree: set data.batch_size={fits}, which fits every device"
             )

@@ -1,4 +1,4 @@
-"""`python eval.py ckpt_path=...`: evaluate a saved training checkpoint with the `eval` group, into MLflow."""
+"""`python eval.py ckpt_path=...` (`main`): evaluate a saved training checkpoint with the `eval` group, into MLflow."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from t6.data.tokenizer import Tokenizer, checkpoint_tokenizer
+from t6.errors import MissingFile, SettingError
 from t6.evaluation.callback import build_eval_callback
 from t6.evaluation.harness import log_results, run_harness
 from t6.model.load import build_model, read_checkpoint
@@ -34,20 +35,22 @@ def prepare_evaluation(cfg: DictConfig) -> Evaluation:
     """Everything eval.py checks before it evaluates: the checkpoint (missing or damaged: named), the store, the
     tasks and their data, the MLflow run to log into (a new one, the checkpoint's own, or a given id)."""
     if OmegaConf.is_missing(cfg, "ckpt_path") or not cfg.ckpt_path:
-        raise ValueError("ckpt_path is required: python eval.py ckpt_path=logs/train/runs/<time>/checkpoints/last.ckpt")
+        raise SettingError(
+            "ckpt_path is required: python eval.py ckpt_path=logs/train/runs/<time>/checkpoints/last.ckpt"
+        )
     path = Path(cfg.ckpt_path)
     if not path.exists():
-        raise FileNotFoundError(f"ckpt_path={str(path)!r} does not exist")
+        raise MissingFile(f"ckpt_path={str(path)!r} does not exist")
     check_tracking_uri(cfg.tracking_uri)
     callback = build_eval_callback(cfg.eval)  # tasks and datasets checked before the model is loaded
     if callback is None:
-        raise ValueError("eval=none: choose an eval group to run (eval=local, eval=paper)")
+        raise SettingError("eval=none: choose an eval group to run (eval=local, eval=paper)")
     ckpt = read_checkpoint(path, "ckpt_path", mmap=True)  # a corrupted file fails here, naming it
     tokenizer = checkpoint_tokenizer(ckpt)
     run_config, step = ckpt.get("run_config") or {}, int(ckpt.get("global_step", 0))
     run_id = ckpt.get("mlflow_run_id") if cfg.run_id == "train" else cfg.run_id
     if cfg.run_id == "train" and not run_id:
-        raise ValueError(f"run_id=train but {path} records no MLflow run; use run_id=null for a new run")
+        raise SettingError(f"run_id=train but {path} records no MLflow run; use run_id=null for a new run")
 
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = build_model(ckpt, "ckpt_path", path, device)  # the file read once, above
@@ -70,7 +73,7 @@ def prepare_evaluation(cfg: DictConfig) -> Evaluation:
     try:
         client.get_run(run_id)
     except mlflow.exceptions.MlflowException as err:
-        raise ValueError(f"run_id={run_id!r} is not a run of {cfg.tracking_uri}: {err.message}") from None
+        raise SettingError(f"run_id={run_id!r} is not a run of {cfg.tracking_uri}: {err.message}") from None
     return Evaluation(path, model, callback, client, run_id, False, step, tokenizer)
 
 
@@ -92,3 +95,14 @@ def evaluate_checkpoint(cfg: DictConfig) -> tuple[dict[str, float], str]:
     """Evaluate cfg.ckpt_path on cfg.eval; log into cfg.run_id (null: a new run, "train": the
     checkpoint's own training run). Returns (metrics, MLflow run id)."""
     return evaluate(prepare_evaluation(cfg), cfg.eval)
+
+
+def main(cfg: DictConfig) -> float | None:
+    """eval.py: evaluate as conf/evaluate.yaml says, print each metric and the MLflow run; returns the average
+    accuracy (for Hydra sweepers that optimize a value)."""
+    metrics, run_id = evaluate_checkpoint(cfg)
+    for name, value in metrics.items():
+        if "stderr" not in name:
+            print(f"{name:48s} {value:.4f}")
+    print(f"MLflow run {run_id}")
+    return next((v for k, v in metrics.items() if k.endswith("/avg")), None)

@@ -349,24 +349,46 @@ def test_a_crash_between_the_periodic_checkpoint_and_last_ckpt_resumes_from_the_
     assert run.data.tags["redone_steps"] == "5-5"
 
 
-@pytest.mark.slow  # a plan, then a training run
-def test_a_second_run_in_a_held_run_directory_names_the_first_and_changes_nothing(make_cfg, tmp_path):
-    from t6.errors import UserError
-    from t6.run.process import run_directory
+@pytest.mark.slow  # two processes: one holds a run directory, `python train.py` is started in it
+def test_a_second_run_in_a_held_run_directory_names_the_first_and_changes_nothing(tmp_path, shared_data_dir):
+    """The second run is refused before Hydra writes its .hydra/ config or its log into the directory: the running
+    run's recorded config stays its own (seed 1), no file of the directory changes."""
+    import subprocess
+    import sys
+    import time
 
-    cfg = make_cfg()
-    run_dir = Path(cfg.paths.output_dir)
-    with run_directory(run_dir):  # the first run, still going
-        before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
-        with pytest.raises(
-            UserError, match=rf"{run_dir} is the run directory of a run still going \(pid {os.getpid()}"
-        ):
-            train(cfg)
-        assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
-    client = mlflow.MlflowClient(tracking_uri=cfg.logger.mlflow.tracking_uri)
-    assert not client.search_runs([e.experiment_id for e in client.search_experiments()])  # no MLflow run made
-    _, objects = train(make_cfg("trainer.max_steps=2"))  # the directory free again
-    assert objects["trainer"].global_step == 2
+    from test_distributed import command
+
+    run_dir = tmp_path / "job"
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / ".hydra" / "config.yaml").write_text("seed: 1\n")  # what the first run's Hydra wrote
+    (run_dir / "train.log").write_text("the first run's log\n")
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"from t6.run.process import hold; hold({str(run_dir)!r}); print('held', flush=True); "
+            "import time; time.sleep(300)",
+        ],  # fmt: skip
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        time.sleep(0.05)  # mtimes of the files now differ from anything a write would give
+        before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in run_dir.rglob("*") if p.is_file()}
+        args, env = command(tmp_path, shared_data_dir, "seed=2", f"hydra.run.dir={run_dir}")
+        done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2, done.stderr[-3000:]
+        assert f"error: {run_dir} is the run directory of a run still going (pid {holder.pid}" in done.stderr
+        assert "Traceback" not in done.stderr
+        after = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in run_dir.rglob("*") if p.is_file()}
+        assert after == before  # .hydra/config.yaml still says seed 1; nothing new in the directory
+    finally:
+        holder.kill()
+        holder.wait()
+    assert not (tmp_path / "mlruns").exists()  # no MLflow run made
 
 
 @pytest.mark.slow  # a process of its own importing torch

@@ -33,7 +33,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from t6.errors import UserError
+from t6.errors import UserError, UserExit
 
 USER_EXIT = 2  # a mistake the user can fix, said in one message
 
@@ -48,12 +48,19 @@ def entry(main: Callable[[], object]) -> None:
     register()
     try:
         main()
+    except UserExit as exit_:
+        say(str(exit_.error))
     except Exception as err:
         message = user_message(err)
         if message is None:
             raise  # a bug: its traceback
-        sys.stderr.write(f"error: {message}\n")
-        sys.exit(USER_EXIT)
+        say(message)
+
+
+def say(message: str) -> None:
+    """A user's mistake: one message, exit 2."""
+    sys.stderr.write(f"error: {message}\n")
+    sys.exit(USER_EXIT)
 
 
 def user_message(err: Exception) -> str | None:

@@ -52,3 +52,13 @@ class UnknownName(UserError, KeyError):
 
     def __str__(self) -> str:  # the message, not KeyError's repr of it
         return str(self.args[0]) if self.args else ""
+
+
+class UserExit(SystemExit):
+    """A UserError on its way through code that turns every Exception into something else: a Hydra callback's are
+    only warned about, and the run would go on. The boundary (t6.cli.entry) says `error` as it says a UserError,
+    exit 2."""
+
+    def __init__(self, error: UserError):
+        super().__init__(2)
+        self.error = error

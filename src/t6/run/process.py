@@ -8,8 +8,9 @@
   launches its own process group.
 - `run_settings(plan)`, around execute: TF32 for the fp32 matmuls left outside autocast on CUDA, and MLflow's HTTP
   client failing a request fast (no retries of its own, a 10 s timeout: the run's outbox retries, t6.tracking.outbox).
-- `run_directory(path)`, around execute: the run directory, held by this run alone (a lock file, released when
-  the process ends however it ends); a second run started in it names the first and stops (exit 2).
+- `run_directory(path)`, around execute, and `RunLock`, Hydra's callback, before Hydra writes into the directory:
+  the run directory, held by this run alone (a lock file, released when the process ends however it ends); a
+  second run started in it names the first and stops (exit 2), changing nothing there.
 - `destroy_process_group()`: a sweep's next job in this process starts its own group.
 
 Two settings live with the code they serve, scoped the same way: the stop signals' handlers, installed for the
@@ -26,6 +27,11 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from t6.hardware.probes import env_rank
 
 RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "PL_GLOBAL_SEED")
 # MLflow's client retries a failed request up to 7 times over minutes; the outbox retries on its own (an
@@ -92,18 +98,18 @@ def hydra_job_scope() -> Iterator[None]:
 
 
 LOCK = ".run.lock"
+HELD: dict[Path, object] = {}  # the run directories this process holds: their open lock files
 
 
-@contextmanager
-def run_directory(path: str | Path, rank: int = 0) -> Iterator[None]:
-    """Hold the run directory `path` for this run: rank 0 takes an exclusive lock on `<path>/.run.lock` (the other
-    ranks are the same run), which names the run holding it. Held already: a UserError naming that run."""
+def hold(path: str | Path) -> None:
+    """Take the run directory `path` for this process (an exclusive lock on `<path>/.run.lock`, which names the run
+    holding it; released when the process ends, however it ends). Held by another process: a UserError naming it,
+    the directory unchanged. Held by this one already: nothing to do."""
     from t6.errors import UserError
 
-    if rank != 0:
-        yield
+    path = Path(path).absolute()
+    if path in HELD:
         return
-    path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     file = open(path / LOCK, "a+", encoding="utf-8")
     try:
@@ -121,11 +127,56 @@ def run_directory(path: str | Path, rank: int = 0) -> Iterator[None]:
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     file.write(f"pid {os.getpid()} on {socket.gethostname()}, started {started}: {' '.join(sys.argv)}\n")
     file.flush()
+    HELD[path] = file
+
+
+def release(path: str | Path) -> None:
+    file = HELD.pop(Path(path).absolute(), None)
+    if file is not None:
+        fcntl.flock(file, fcntl.LOCK_UN)
+        file.close()
+
+
+@contextmanager
+def run_directory(path: str | Path, rank: int = 0) -> Iterator[None]:
+    """Hold the run directory `path` for this run (`hold`) while it lasts: rank 0 holds it (the other ranks are the
+    same run). A directory `RunLock` took before Hydra wrote into it stays held by this process afterwards, for
+    its job's end."""
+    if rank != 0:
+        yield
+        return
+    taken = Path(path).absolute() not in HELD
+    hold(path)
     try:
         yield
     finally:
-        fcntl.flock(file, fcntl.LOCK_UN)
-        file.close()
+        if taken:
+            release(path)
+
+
+class RunLock(Callback):
+    """Hydra callback (conf/hydra/default.yaml, the first of them): hold the run directory (a sweep's directory
+    under -m) before Hydra writes anything into it (its .hydra/ config, the job's log file, the sweep's MLflow
+    file), so a second run started in a directory a run still holds stops (exit 2) and changes nothing there.
+    Hydra only warns about an Exception of a callback, so the refusal leaves as a UserExit. The ranks a DDP run
+    re-launches (LOCAL_RANK set) are that run: they take nothing."""
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        self.take(config.hydra.run.dir)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        self.take(config.hydra.sweep.dir)
+
+    @staticmethod
+    def take(path: str) -> None:
+        from t6.errors import UserError, UserExit
+
+        if env_rank() != 0:
+            return
+        try:
+            hold(path)
+        except UserError as err:
+            raise UserExit(err) from None
 
 
 def destroy_process_group() -> None:

@@ -25,7 +25,7 @@ from t6.hardware.probes import env_rank
 from t6.run.closing import closing_summary
 from t6.run.execute import execute
 from t6.run.plan import plan_run
-from t6.run.process import hydra_job_scope
+from t6.run.process import HELD, LOCK, hydra_job_scope
 from t6.training.stop import RunStopped, hand_over
 
 
@@ -60,14 +60,15 @@ def first_job() -> bool:
     return not in_multirun() or HydraConfig.get().job.num == 0
 
 
-HYDRA_ONLY = {".hydra", "train.log"}  # what Hydra writes into a run directory by itself
+HYDRA_ONLY = {".hydra", "train.log", LOCK}  # what a run writes into its directory at start (Hydra; the lock)
 
 
 def discard_unused_run_dir(run_dir: str | Path | None) -> bool:
-    """Remove a run directory holding nothing but what Hydra wrote at start (its .hydra/ and the log): the trace of
-    a run that failed on its config before doing anything. Returns whether it did."""
-    if run_dir is None:
-        return False
+    """Remove a run directory this process holds (t6.run.process.HELD) with nothing in it but what a run writes at
+    start (Hydra's .hydra/ and log, the run's lock): the trace of a run that failed on its config before doing
+    anything. Returns whether it did."""
+    if run_dir is None or Path(run_dir).absolute() not in HELD:
+        return False  # another run's directory, or none
     path = Path(run_dir)
     if not path.is_dir() or not {p.name for p in path.iterdir()} <= HYDRA_ONLY:
         return False

@@ -85,14 +85,16 @@ def check_tracking_store(
 
 
 def check_sqlite_store(path: Path, lock_wait_s: float = 10.0) -> None:
-    """The SQLite store at path reads (a query of its schema, read-only): a file that is not a database, or one
-    another process keeps locked for longer than lock_wait_s (SQLite retries meanwhile), is an error naming it."""
+    """The SQLite store at path reads (a query of its schema): a file that is not a database, or one another process
+    keeps locked for longer than lock_wait_s (SQLite retries meanwhile), is an error naming it. The connection may
+    write, so a hot journal a killed writer left (SIGKILL mid-transaction) is rolled back by SQLite on this first
+    read; a read-only connection could not ("attempt to write a readonly database")."""
     import sqlite3
 
     if not os.access(path, os.R_OK | os.W_OK):
         raise Unreachable(f"the MLflow store {path} cannot be read and written by this process; fix its permissions")
     try:
-        with closing(sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True, timeout=lock_wait_s)) as db:
+        with closing(sqlite3.connect(f"{path.as_uri()}?mode=rw", uri=True, timeout=lock_wait_s)) as db:
             db.execute("SELECT count(*) FROM sqlite_master").fetchone()
     except sqlite3.OperationalError as err:
         if "locked" not in str(err) and "busy" not in str(err):

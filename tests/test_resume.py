@@ -392,8 +392,9 @@ def test_a_second_run_in_a_held_run_directory_names_the_first_and_changes_nothin
 
 
 @pytest.mark.slow  # a process of its own importing torch
-def test_a_full_disk_is_named_with_the_bytes_needed_and_the_old_checkpoint_kept(tmp_path):
-    """A file size limit (RLIMIT_FSIZE, what a full disk looks like to a writer) in a process of its own."""
+def test_a_file_size_limit_is_named_as_such_and_the_old_checkpoint_kept(tmp_path):
+    """A process whose files may not exceed 100 kB (RLIMIT_FSIZE, `ulimit -f`) asked to write a 4 MiB checkpoint: an
+    error naming the limit (not a full disk), before anything is written."""
     import subprocess
     import sys
 
@@ -413,8 +414,34 @@ AtomicCheckpointIO().save_checkpoint({{"w": torch.ones(2**20)}}, {str(path)!r})
     assert done.returncode == 1
     last = done.stderr.strip().splitlines()[-1]
     assert (
-        last.startswith("OSError: [Errno 27] File too large: a checkpoint of 4.0 MiB does not fit")
+        last.startswith(
+            "OSError: [Errno 27] File too large: a checkpoint of 4.0 MiB exceeds this process's file-size limit of "
+            "0.1 MiB"
+        )
         and str(path) in last
+        and "ulimit -f unlimited" in last
     )
     assert torch.equal(torch.load(path, weights_only=True)["w"], torch.zeros(16))  # the previous file, whole
     assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]  # no temporary file left
+
+
+@pytest.mark.slow  # train.py in a process of its own
+def test_a_run_under_a_file_size_limit_its_checkpoints_exceed_stops_before_training(tmp_path, shared_data_dir):
+    """`ulimit -f` below the size of the run's checkpoints: the plan says so (exit 2, no traceback), naming the limit
+    and the fix, before anything trains or is tracked (it was a full disk's message, with tens of GB free, after the
+    first checkpoint failed)."""
+    import resource
+    import subprocess
+
+    from test_distributed import command
+
+    def limited() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (5 * 2**20, resource.RLIM_INFINITY))
+
+    args, env = command(tmp_path, shared_data_dir, f"hydra.run.dir={tmp_path / 'job'}")
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300, preexec_fn=limited)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    assert "error: a checkpoint of this run holds ~" in done.stderr and "file-size limit, `ulimit -f`" in done.stderr
+    assert "raise the limit (ulimit -f unlimited)" in done.stderr
+    assert not (tmp_path / "job").exists() and not (tmp_path / "mlruns").exists()  # nothing trained, nothing tracked

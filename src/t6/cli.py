@@ -99,6 +99,9 @@ UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT
 
 
 def unwritable_message(err: OSError) -> str:
+    """A file this process may not write, with the fix (an OSError whose text the project wrote says its own)."""
+    if err.strerror != os.strerror(err.errno):
+        return f"cannot write {err.filename}: {err.strerror}"
     if err.errno == errno.EFBIG:
         return (
             f"cannot write {err.filename}: {err.strerror}; this process may write no file larger than its file-size "

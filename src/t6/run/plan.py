@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from t6.data.batching import sequences_per_device, sequences_per_step, world_size
 from t6.data.tokenizer import Tokenizer, checkpoint_tokenizer, load_tokenizer, mismatch, run_tokenizer
-from t6.errors import ConfigError, SettingError
+from t6.errors import ConfigError, NoRoom, SettingError
 from t6.evaluation.callback import check_eval_tasks
 from t6.hardware import device as hw_device
 from t6.hardware import probes
@@ -698,7 +698,7 @@ def plan_checkpoints(
 
     from t6.model.facts import flops_per_token, meta_model
     from t6.training.callbacks.checkpoint import checkpoint_interval
-    from t6.training.checkpoint_io import BackgroundCheckpointIO
+    from t6.training.checkpoint_io import BackgroundCheckpointIO, file_size_limit
 
     conf = (cfg.get("callbacks") or {}).get("model_checkpoint")
     if not conf:
@@ -708,12 +708,19 @@ def plan_checkpoints(
     io = next((p for p, kind in kinds if inspect.isclass(kind) and issubclass(kind, BackgroundCheckpointIO)), None)
     on_gpu = hardware.device == "cuda" and parallel.strategy is not Strategy.FSDP
     background = io is not None and (on_gpu if io.get("background") is None else io.background)
+    model = meta_model(mcfg)
+    optimizer, _ = memory.optimizer_state_bytes(model, cfg.optimizer._target_, 4)
+    state = model.num_params() * hw_device.param_dtype(hardware.precision).itemsize + optimizer  # ~ a checkpoint file
+    limit = file_size_limit()
+    if limit is not None and state > limit:
+        raise NoRoom(
+            f"a checkpoint of this run holds ~{state / 2**20:,.0f} MiB (the weights and the optimizer's state), but "
+            f"this process may write no file larger than {limit / 2**20:,.1f} MiB (its file-size limit, `ulimit -f`); "
+            "raise the limit (ulimit -f unlimited) and start again"
+        )
     every = conf.get("every_n_train_steps")
     if every != "auto":
         return Checkpoints(every, f"callbacks.model_checkpoint.every_n_train_steps={every}", background)
-    model = meta_model(mcfg)
-    optimizer, _ = memory.optimizer_state_bytes(model, cfg.optimizer._target_, 4)
-    state = model.num_params() * hw_device.param_dtype(hardware.precision).itemsize + optimizer
     peak = hardware.peak_flops
     tokens = batch.micro_batch * batch.accumulation * batch.seq_len  # per device and optimizer step
     step_s = flops_per_token(model, batch.seq_len) * tokens / (peak * ASSUMED_MFU)

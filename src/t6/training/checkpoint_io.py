@@ -53,6 +53,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         free = shutil.disk_usage(path.parent).free
         if needed > free:
             raise no_room(errno.ENOSPC, path, needed, free)
+        limit = file_size_limit()
+        if limit is not None and needed > limit:
+            raise no_room(errno.EFBIG, path, needed, free)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
             with open(tmp, "wb") as f:
@@ -95,15 +98,35 @@ def full_disk(err: BaseException) -> int | None:
 
 
 def no_room(code: int, path: Path, needed: int, free: int) -> OSError:
-    """The error of a checkpoint the disk has no room for, naming the file, the bytes needed and the fix."""
+    """The error of a checkpoint there is no room for, naming the file, the bytes needed and the fix: the disk's
+    free space, or the process's file-size limit (EFBIG: `ulimit -f`, whatever the disk has free)."""
     mib = 2**20
+    size = f"a checkpoint of {needed / mib:,.1f} MiB"
+    if code == errno.EFBIG:
+        limit = file_size_limit()
+        cap = f"{limit / mib:,.1f} MiB" if limit is not None else "a limit"
+        return OSError(
+            code,
+            f"{os.strerror(code)}: {size} exceeds this process's file-size limit of {cap} (`ulimit -f`; the disk has "
+            f"{free / mib:,.1f} MiB free, the previous {path.name}, if any, is whole). Raise the limit (ulimit -f "
+            "unlimited) before training",
+            str(path),
+        )
     return OSError(
         code,
-        f"{os.strerror(code)}: a checkpoint of {needed / mib:,.1f} MiB does not fit ({free / mib:,.1f} MiB free on "
-        f"its file system; the previous {path.name}, if any, is whole). Free space there, or give the checkpoints a "
-        "larger disk (callbacks.model_checkpoint.dirpath, or hydra.run.dir)",
+        f"{os.strerror(code)}: {size} does not fit ({free / mib:,.1f} MiB free on its file system; the previous "
+        f"{path.name}, if any, is whole). Free space there, or give the checkpoints a larger disk "
+        "(callbacks.model_checkpoint.dirpath, or hydra.run.dir)",
         str(path),
     )
+
+
+def file_size_limit() -> int | None:
+    """The largest file this process may write, in bytes (RLIMIT_FSIZE's soft limit); None: no limit."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    return None if soft == resource.RLIM_INFINITY else soft
 
 
 def remove_stale_writes(folder: str | Path) -> list[str]:

@@ -116,6 +116,10 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(make_cfg, tmp_p
     ckpt = torch.load(tmp_path / "nan" / "checkpoints" / "last.ckpt", weights_only=True)
     assert ckpt["global_step"] == 4
     assert all(torch.isfinite(t).all() for t in ckpt["state_dict"].values())
+    client = mlflow.MlflowClient(tracking_uri=cfg.logger.mlflow.tracking_uri)
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.info.status == "FAILED" and run.data.tags["last_step"] == "5"  # report.py reads how far it got
+    assert run.data.tags["error"].startswith("Diverged: non-finite gradient norm (nan")
 
 
 class Weights(L.Callback):

@@ -62,3 +62,8 @@ class UserExit(SystemExit):
     def __init__(self, error: UserError):
         super().__init__(2)
         self.error = error
+
+
+class Diverged(UserError, FloatingPointError):
+    """Training met a NaN or inf loss: the message names the step, the last good checkpoint and the settings to
+    change (the learning rate, nonfinite_loss=skip)."""

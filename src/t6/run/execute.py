@@ -95,6 +95,9 @@ def fit(plan: RunPlan) -> tuple[dict[str, float], dict[str, Any]]:
             mlflow.experiment.set_terminated(mlflow.run_id, "KILLED")
         raise
     except Exception as err:
+        if mlflow is not None and trainer.is_global_zero:  # FAILED (the logger's finalize), with where and why
+            mlflow.experiment.set_tag(mlflow.run_id, "last_step", str(trainer.global_step))
+            mlflow.experiment.set_tag(mlflow.run_id, "error", f"{type(err).__name__}: {err}"[:5000])
         if trainer.world_size > 1:  # a peer that died, a disk that filled: what this rank saw, and what is left
             log.error(failure_note(trainer, plan, err))
         raise

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from lightning.pytorch.loggers import MLFlowLogger
 from torchmetrics import MeanMetric
 
-from t6.errors import SettingError
+from t6.errors import Diverged, SettingError
 from t6.model import T6, ModelConfig
 from t6.model.loss import IGNORE_INDEX
 from t6.training.fsdp import clip_grad_norm
@@ -135,7 +135,7 @@ class T6LitModule(L.LightningModule):
             f"at step {self.global_step}"
         )
         if self.nonfinite_loss == "stop":
-            raise FloatingPointError(
+            raise Diverged(
                 f"{message}; stopping. "
                 + (f"The last good checkpoint is kept: {last_good}. " if last_good else "No checkpoint was saved yet. ")
                 + "Lower the learning rate, "

@@ -133,6 +133,23 @@ def test_eval_and_convert_name_a_damaged_or_missing_checkpoint(truncated, tmp_pa
     assert code == 2 and "ckpt_path='nope.ckpt' does not exist" in err
 
 
+def test_eval_reads_the_checkpoint_before_it_loads_any_task(tmp_path, monkeypatch, capsys):
+    """A file of random bytes is named at once: the tasks and their datasets (lm-eval's index, ~100 s on a busy
+    machine) come after the cheap checks."""
+    noise = tmp_path / "noise.ckpt"
+    noise.write_bytes(torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+                      .numpy().tobytes())  # fmt: skip
+
+    def too_early(*args, **kwargs):
+        pytest.fail("the tasks were loaded before the checkpoint was read")
+
+    monkeypatch.setattr("t6.evaluation.evaluate.build_eval_callback", too_early)
+    code, err = run(
+        "eval", f"ckpt_path={noise}", "eval=paper", f"paths.root_dir={tmp_path}", monkeypatch=monkeypatch, capsys=capsys
+    )
+    assert code == 2 and f"ckpt_path='{noise}' is not a readable checkpoint" in err
+
+
 def test_prepare_names_the_text_field_the_rows_lack(tmp_path, monkeypatch, capsys):
     rows = tmp_path / "rows.jsonl"
     rows.write_text("\n".join(json.dumps({"body": f"document {i}"}) for i in range(5)) + "\n")

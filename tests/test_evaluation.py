@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from t6.errors import SettingError, Unreachable
 from t6.evaluation.adapter import T6LM
 from t6.evaluation.harness import EvalSpec, resolve_tasks, run_harness
 from t6.evaluation.next_line import TASK, build_next_line_task
@@ -249,17 +250,49 @@ def test_unreachable_dataset_fails_before_training(make_cfg, tmp_path, monkeypat
         "doc_to_text: '{{q}}'\ndoc_to_choice: choices\ndoc_to_target: label\n"
     )
     cfg = make_cfg("eval.tasks=[t6_remote]", f"eval.include_path=[{tasks}]")
-    with pytest.raises(RuntimeError, match="(?s)t6_remote.*HF_DATASETS_OFFLINE"):
+    with pytest.raises(Unreachable, match="(?s)t6_remote.*HF_DATASETS_OFFLINE"):
         train(cfg)
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.slow  # indexes lm-eval's built-in tasks (~20 s) to know that the name is unknown
-def test_unknown_task_fails_before_training(make_cfg, tmp_path):
+@pytest.fixture
+def default_index(monkeypatch) -> list:
+    """Every TaskManager built with lm-eval's own tasks (include_defaults=True: an index of ~14,000 task files, tens
+    of seconds): recorded, and built as usual."""
+    from lm_eval.tasks import TaskManager
+
+    built, init = [], TaskManager.__init__
+
+    def recorded(self, *args, **kwargs):
+        built.append(kwargs.get("include_defaults", True))
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(TaskManager, "__init__", recorded)
+    return built
+
+
+def test_an_unknown_task_fails_before_training_without_indexing_lm_evals_tasks(make_cfg, tmp_path, default_index):
     cfg = make_cfg("eval.tasks=[hellaswagg]")
-    with pytest.raises(ValueError, match="hellaswagg.*did you mean.*hellaswag"):
+    with pytest.raises(SettingError, match="hellaswagg.*did you mean.*hellaswag"):
         train(cfg)
     assert not (tmp_path / "run").exists()
+    assert True not in default_index  # said from the task files' text in a second, not after the index (~110 s)
+
+
+def test_lm_evals_tasks_without_the_hub_fail_in_seconds_naming_the_offline_settings(
+    make_cfg, tmp_path, monkeypatch, default_index
+):
+    """eval=paper on a machine that cannot reach the Hugging Face Hub (here: its endpoint a closed local port) and
+    without HF_HUB_OFFLINE: refused before the index and the datasets' retries (it took ~80 s), naming the fix."""
+    import huggingface_hub.constants
+
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")  # as HF_ENDPOINT would set it
+    cfg = make_cfg("eval=paper")
+    with pytest.raises(Unreachable, match="cannot reach .127.0.0.1: .*set HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1"):
+        train(cfg)
+    assert True not in default_index and not (tmp_path / "run").exists()
 
 
 @pytest.mark.slow  # eval.py and lm-eval's CLI in processes of their own (~15 s)

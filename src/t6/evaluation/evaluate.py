@@ -32,8 +32,9 @@ class Evaluation:
 
 
 def prepare_evaluation(cfg: DictConfig) -> Evaluation:
-    """Everything eval.py checks before it evaluates: the checkpoint (missing or damaged: named), the store, the
-    tasks and their data, the MLflow run to log into (a new one, the checkpoint's own, or a given id)."""
+    """Everything eval.py checks before it evaluates, the cheap checks first: the checkpoint (missing or damaged:
+    named), the store, the tasks and their data, the MLflow run to log into (a new one, the checkpoint's own, or a
+    given id)."""
     if OmegaConf.is_missing(cfg, "ckpt_path") or not cfg.ckpt_path:
         raise SettingError(
             "ckpt_path is required: python eval.py ckpt_path=logs/train/runs/<time>/checkpoints/last.ckpt"
@@ -41,12 +42,12 @@ def prepare_evaluation(cfg: DictConfig) -> Evaluation:
     path = Path(cfg.ckpt_path)
     if not path.exists():
         raise MissingFile(f"ckpt_path={str(path)!r} does not exist")
-    check_tracking_uri(cfg.tracking_uri)
-    callback = build_eval_callback(cfg.eval)  # tasks and datasets checked before the model is loaded
-    if callback is None:
+    if not cfg.get("eval"):
         raise SettingError("eval=none: choose an eval group to run (eval=local, eval=paper)")
-    ckpt = read_checkpoint(path, "ckpt_path", mmap=True)  # a corrupted file fails here, naming it
+    ckpt = read_checkpoint(path, "ckpt_path", mmap=True)  # a corrupted file fails here, naming it, in a second
     tokenizer = checkpoint_tokenizer(ckpt)
+    check_tracking_uri(cfg.tracking_uri)
+    callback = build_eval_callback(cfg.eval)  # tasks and datasets (seconds to minutes), before the model is built
     run_config, step = ckpt.get("run_config") or {}, int(ckpt.get("global_step", 0))
     run_id = ckpt.get("mlflow_run_id") if cfg.run_id == "train" else cfg.run_id
     if cfg.run_id == "train" and not run_id:

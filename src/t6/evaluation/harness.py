@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import random
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,8 +52,11 @@ class EvalSpec:
 
 
 def task_manager(include_path: list[str], names: list[str]):
-    """A TaskManager that knows `names`: only the include paths when they hold every name (fast),
-    else also lm-eval's built-in tasks (indexing them takes ~20 s)."""
+    """A TaskManager that knows `names`: only the include paths when they hold every name (fast), else also
+    lm-eval's built-in tasks (indexing them takes ~20 s, minutes on a busy machine), once no name is surely unknown
+    (`absent_task_names`: a second)."""
+    import difflib
+
     from lm_eval.tasks import TaskManager
 
     paths = [str(p) for p in include_path]
@@ -60,7 +64,56 @@ def task_manager(include_path: list[str], names: list[str]):
         local = TaskManager(include_path=paths, include_defaults=False)
         if all(n in local.all_tasks for n in names):
             return local
+    absent, known = absent_task_names(names, paths)
+    if absent:
+        hints = {n: difflib.get_close_matches(n, known, n=3) for n in absent}
+        raise SettingError(
+            "eval.tasks names unknown lm-eval tasks: "
+            + "; ".join(f"{n!r}" + (f" (did you mean {', '.join(h)}?)" if h else "") for n, h in hints.items())
+            + ". `lm_eval ls tasks` lists them; local task YAMLs go in eval.include_path"
+        )
+    check_hub()  # lm-eval's own tasks read their datasets from the Hugging Face Hub (or its cache)
     return TaskManager(include_path=paths or None, include_defaults=True)
+
+
+HUB_WAIT_S = 3.0  # how long the check waits for the Hugging Face Hub to accept a connection
+
+
+def check_hub() -> None:
+    """Unless HF_HUB_OFFLINE or HF_DATASETS_OFFLINE is set (the datasets then come from the cache alone), the
+    Hugging Face Hub answers: a machine that cannot reach it fails here in seconds, naming the fix, instead of after
+    minutes of the libraries' retries for each task's dataset."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if os.environ.get("HF_HUB_OFFLINE") or os.environ.get("HF_DATASETS_OFFLINE"):
+        return
+    url = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=HUB_WAIT_S).close()
+    except OSError as err:
+        raise Unreachable(
+            f"eval.tasks: lm-eval's tasks read their datasets from the Hugging Face Hub, which this machine cannot "
+            f"reach ({url.hostname}: {err}). Where the datasets are in the cache, set HF_DATASETS_OFFLINE=1 "
+            f"HF_HUB_OFFLINE=1 to read them from it. {PREFETCH_HINT}"
+        ) from None
+
+
+TASK_NAME = re.compile(r"^\s*(?:task|group|tag):\s*['\"]?([\w.-]+)", re.M)
+
+
+def absent_task_names(names: list[str], include_path: list[str]) -> tuple[list[str], list[str]]:
+    """(the names that appear nowhere in the task YAML files of lm-eval and of include_path, so that no TaskManager
+    can know them; the task, group and tag names those files declare, for hints). Reading the files' text takes a
+    second where lm-eval's index of them takes tens; a name this passes is checked by the index itself."""
+    import lm_eval
+
+    roots = [Path(lm_eval.__file__).parent / "tasks", *map(Path, include_path)]
+    text = "\n".join(f.read_text(errors="ignore") for root in roots for f in root.rglob("*.yaml"))
+    absent = [n for n in names if not re.search(rf"(?<![\w.-]){re.escape(n)}(?![\w.-])", text)]
+    return absent, sorted(set(TASK_NAME.findall(text))) if absent else []
 
 
 def resolve_tasks(spec: EvalSpec):

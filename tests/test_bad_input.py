@@ -133,6 +133,14 @@ def test_eval_and_convert_name_a_damaged_or_missing_checkpoint(truncated, tmp_pa
     assert code == 2 and "ckpt_path='nope.ckpt' does not exist" in err
 
 
+def test_convert_names_calibration_windows_longer_than_the_sources_context(checkpoint, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "mqa.ckpt"
+    code, err = run("convert", f"ckpt_path={checkpoint}", "target=mqa", f"out={out}", "tracking_uri=null",
+                    monkeypatch=monkeypatch, capsys=capsys)  # fmt: skip
+    assert code == 2 and "error: data.seq_len=256: the calibration windows are longer than the source's" in err
+    assert "size.block_size=64); set data.seq_len<=64" in err and not out.exists()
+
+
 def test_eval_reads_the_checkpoint_before_it_loads_any_task(tmp_path, monkeypatch, capsys):
     """A file of random bytes is named at once: the tasks and their datasets (lm-eval's index, ~100 s on a busy
     machine) come after the cheap checks."""
@@ -150,7 +158,7 @@ def test_eval_reads_the_checkpoint_before_it_loads_any_task(tmp_path, monkeypatc
     assert code == 2 and f"ckpt_path='{noise}' is not a readable checkpoint" in err
 
 
-def test_prepare_names_the_text_field_the_rows_lack(tmp_path, monkeypatch, capsys):
+def test_prepare_names_the_text_field_the_rows_lack_and_a_missing_file(tmp_path, monkeypatch, capsys):
     rows = tmp_path / "rows.jsonl"
     rows.write_text("\n".join(json.dumps({"body": f"document {i}"}) for i in range(5)) + "\n")
     code, err = run(
@@ -163,6 +171,9 @@ def test_prepare_names_the_text_field_the_rows_lack(tmp_path, monkeypatch, capsy
         capsys=capsys,
     )
     assert code == 2 and "dataset.text_field='text': the rows of" in err and "(they have: body)" in err
+    code, err = run("prepare", "dataset=local", f"dataset.data_files={tmp_path / 'nope.jsonl'}",
+                    f"dataset.out_dir={tmp_path / 'out'}", monkeypatch=monkeypatch, capsys=capsys)  # fmt: skip
+    assert code == 2 and f"error: dataset.data_files='{tmp_path / 'nope.jsonl'}' does not exist; give" in err
 
 
 def test_report_names_a_damaged_sweep_file(tmp_path, monkeypatch, capsys):

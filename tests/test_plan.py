@@ -14,7 +14,7 @@ import torch
 
 from t6.data.corpus import TINY_SHAKESPEARE, prepare_text_corpus
 from t6.data.shards import ShardError
-from t6.errors import ConfigError, SettingError
+from t6.errors import ConfigError, DamagedFile, SettingError
 from t6.hardware import device, probes
 from t6.run.plan import Strategy, plan_run, strategy_kind
 from t6.training import step_memory as memory
@@ -433,11 +433,18 @@ def test_a_corpus_that_is_not_text_or_too_short_is_named(make_cfg, tmp_path):
     short.write_text("To be, or not to be, that is the question.\n" * 12)  # ~170 tokens: the last tenth < 65
     tiny = tmp_path / "tiny.txt"
     tiny.write_text("Hello.\n")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n")
     cases = [
-        (binary, ValueError, rf"data.text_file='{binary}' is not text \(a NUL byte at offset 0"),
-        (latin, ValueError, rf"data.text_file='{latin}' is not UTF-8 text \(byte 3"),
-        (short, ValueError, rf"data.text_file={short}: its validation split holds \d+ tokens, fewer than one sequence"),
-        (tiny, ValueError, rf"data.text_file={tiny}: its training split holds \d+ tokens"),
+        (binary, DamagedFile, rf"data.text_file='{binary}' is not text \(a NUL byte at offset 0"),
+        (latin, DamagedFile, rf"data.text_file='{latin}' is not UTF-8 text \(byte 3"),
+        (
+            short,
+            SettingError,
+            rf"data.text_file={short}: its validation split holds \d+ tokens, fewer than one sequence",
+        ),
+        (tiny, SettingError, rf"data.text_file={tiny}: its training split holds \d+ tokens"),
+        (empty, DamagedFile, rf"data.text_file='{empty}' holds no text"),  # it "held 1 tokens" (its end-of-text)
     ]
     for path, kind, says in cases:
         with pytest.raises(kind, match=says):

@@ -24,8 +24,11 @@ VAL_FRACTION = 0.1  # a text corpus validates on its last tenth (data.val_fracti
 
 
 def check_text(text_file: Path) -> None:
-    """text_file is UTF-8 text: a binary file or another encoding is an error naming the file and where it fails."""
+    """text_file is UTF-8 text: an empty file, a binary file or another encoding is an error naming the file and
+    where it fails."""
     data = Path(text_file).read_bytes()
+    if not data.strip():
+        raise DamagedFile(f"data.text_file={str(text_file)!r} holds no text; give a UTF-8 text file with some in it")
     nul = data.find(bytes(1))
     if nul >= 0:
         raise DamagedFile(

@@ -205,7 +205,8 @@ class TokenDataModule(L.LightningDataModule):
         if sum((n - 1) // self.seq_len for n in tokens) < 1:
             fix = "raise data.val_fraction" if split == "val" and self.text_file is not None else "give more text"
             raise SettingError(
-                f"{what}: its {'validation' if split == 'val' else 'training'} split holds {sum(tokens)} tokens, "
+                f"{what}: its {'validation' if split == 'val' else 'training'} split holds "
+                f"{plural(sum(tokens), 'token')}, "
                 f"fewer than one sequence of data.seq_len + 1 = {self.seq_len + 1}; {fix}, or lower data.seq_len"
             )
 
@@ -273,3 +274,8 @@ class TokenDataModule(L.LightningDataModule):
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.resume_samples = int(state_dict["samples_seen"])
+
+
+def plural(n: int, noun: str) -> str:
+    """ "1 token", "2 tokens"."""
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")

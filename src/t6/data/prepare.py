@@ -12,6 +12,7 @@ written last, marks the data set done. `main` is what `python prepare.py` runs.
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import multiprocessing as mp
@@ -24,7 +25,7 @@ import numpy as np
 
 from t6.data.shards import Manifest, ShardError, read_shard, write_shard
 from t6.data.tokenizer import Tokenizer, from_spec, gpt2
-from t6.errors import SettingError
+from t6.errors import MissingFile, SettingError
 
 log = logging.getLogger(__name__)
 PROGRESS = "progress.json"
@@ -73,11 +74,21 @@ COMPRESSED = (".gz", ".bz2", ".xz", ".zst")
 
 
 def check_builder(path: str, data_files: str | list[str] | None) -> None:
-    """A local file read by another builder than its kind fails deep in pyarrow (a 40-line JSON parse
-    traceback for a .txt file under dataset.path=json): name the builder to use instead."""
+    """Local files: each exists (or its glob pattern matches some), and is read by the builder of its kind (one read
+    by another fails deep in pyarrow: a 40-line JSON parse traceback for a .txt file under dataset.path=json); each
+    problem names the setting to change."""
     if data_files is None or path not in FILE_BUILDERS.values():
         return
-    for file in [data_files] if isinstance(data_files, str) else list(data_files):
+    files = [data_files] if isinstance(data_files, str) else list(data_files)
+    for file in files:
+        pattern = str(Path(str(file)).expanduser())
+        if not (glob.glob(pattern, recursive=True) if glob.has_magic(pattern) else Path(pattern).exists()):
+            what = "matches no file" if glob.has_magic(pattern) else "does not exist"
+            raise MissingFile(
+                f"dataset.data_files={str(file)!r} {what}; "
+                "give the path of a local .jsonl, .parquet, .txt or .csv file (or a glob pattern that matches some)"
+            )
+    for file in files:
         name = Path(str(file)).name.lower()
         for ext in COMPRESSED:
             name = name.removesuffix(ext)

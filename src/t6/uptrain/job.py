@@ -46,6 +46,13 @@ def run(cfg: DictConfig) -> list[str]:
             raise SettingError(f"{name} is required: python convert.py ckpt_path=SOURCE target=mla out=ckpt/mla.ckpt")
     ckpt = read_checkpoint(cfg.ckpt_path, "ckpt_path")
     tokenizer = checkpoint_tokenizer(ckpt)
+    source, _ = model_state(ckpt, "ckpt_path", cfg.ckpt_path)
+    if int(cfg.data.seq_len) > source.block_size:
+        raise SettingError(
+            f"data.seq_len={cfg.data.seq_len}: the calibration windows are longer than the source's context "
+            f"(ckpt_path={cfg.ckpt_path} has size.block_size={source.block_size}); "
+            f"set data.seq_len<={source.block_size}"
+        )
     needs_text = cfg.distill_steps > 0 or cfg.target not in ("gqa", "mqa", "mha") or cfg.get("evaluate", True)
     calibration = held = loader = None
     if needs_text:

@@ -109,23 +109,53 @@ def test_a_bad_override_leaves_no_run_folder_and_a_run_prints_no_library_noise(t
 
 
 def test_a_sweep_accounts_for_every_job(tmp_path, shared_data_dir):
-    """A 2-job sweep whose second job has a setting its plan refuses: the first trains; the second is a FAILED child
-    run carrying its error; the parent run is FAILED with the counts; the command exits 2 naming the setting."""
+    """A 4-job sweep (a data.seq_len the plan refuses x a NaN loss at step 2 or never): one job trains, two are
+    refused by their plans, one diverges. Each failure is said as it happens, and the sweep ends with a summary of
+    every failed job's overrides and error (Hydra itself surfaces the first only); in MLflow each failed job is a
+    FAILED child run with its error (the diverged one with its last_step), the parent FAILED with the counts; the
+    command exits 2 (the first failure is the user's)."""
     import json
 
     sweep = tmp_path / "sweep"
     args, env = command(
-        tmp_path, shared_data_dir, "-m", "trainer.max_steps=2", "data.seq_len=32,128", f"hydra.sweep.dir={sweep}"
-    )
+        tmp_path, shared_data_dir, "-m", "trainer.max_steps=3", "data.seq_len=32,128",
+        "+callbacks.nan._target_=test_resume.NaNAt", "+callbacks.nan.step=100,2", f"hydra.sweep.dir={sweep}",
+    )  # fmt: skip
     done = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
-    assert "data.seq_len=128 is longer than size.block_size=64" in done.stderr
+    output = done.stdout + done.stderr
+    said = [line for line in output.splitlines() if "sweep job" in line and "failed:" in line]
+    assert len(said) == 3, output[-3000:]  # as each failed
+    summary = done.stderr[done.stderr.index(f"sweep {sweep}: 4 jobs: 1 finished, 3 failed") :].splitlines()
+    assert summary[1:] == [  # the jobs by what they vary, the errors in their own words (a bug's with its type)
+        "  job 1 (data.seq_len=32 +callbacks.nan.step=2): non-finite gradient norm (nan: a NaN or inf training loss "
+        "on some rank) at step 2; stopping. No checkpoint was saved yet. Lower the learning rate, or set "
+        "nonfinite_loss=skip to drop such steps",
+        "  job 2 (data.seq_len=128 +callbacks.nan.step=100): Invalid run config: data.seq_len=128 is longer than "
+        "size.block_size=64, the longest context the model is built for (its positions and caches); set "
+        "data.seq_len<=64 or size.block_size=128",
+        "  job 3 (data.seq_len=128 +callbacks.nan.step=2): Invalid run config: data.seq_len=128 is longer than "
+        "size.block_size=64, the longest context the model is built for (its positions and caches); set "
+        "data.seq_len<=64 or size.block_size=128",
+    ]
+
     info = json.loads((sweep / "mlflow_sweep.json").read_text())
     store = client(tmp_path)
     parent = store.get_run(info["parent_run_id"])
     assert parent.info.status == "FAILED"
-    assert (parent.data.tags["jobs.finished"], parent.data.tags["jobs.failed"]) == ("1", "1")
+    assert (parent.data.tags["jobs.finished"], parent.data.tags["jobs.failed"]) == ("1", "3")
     query = f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'"
     jobs = {r.data.tags["sweep.job"]: r for r in store.search_runs([info["experiment_id"]], filter_string=query)}
-    assert jobs["0"].info.status == "FINISHED" and jobs["1"].info.status == "FAILED"
-    assert "data.seq_len=128 is longer than size.block_size=64" in jobs["1"].data.tags["error"]
+    assert jobs["0"].info.status == "FINISHED" and jobs["2"].info.status == "FAILED"
+    assert "data.seq_len=128 is longer than size.block_size=64" in jobs["2"].data.tags["error"]
+    assert jobs["1"].info.status == "FAILED" and jobs["1"].data.tags["last_step"] == "2"
+    assert jobs["1"].data.tags["error"].startswith("Diverged: non-finite gradient norm (nan")
+
+
+def test_a_sweep_of_optimizer_lr_under_a_schedule_is_refused_once_before_any_job(tmp_path, shared_data_dir):
+    sweep = tmp_path / "sweep"
+    args, env = command(tmp_path, shared_data_dir, "-m", "optimizer.lr=1e-3,3e-3", f"hydra.sweep.dir={sweep}")
+    done = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.count("error: optimizer.lr is swept") == 1 and "sweep lr_ablation.max_lr=A,B" in done.stderr
+    assert not sweep.exists() and not (tmp_path / "mlruns").exists()  # no job, no MLflow parent run

@@ -8,6 +8,7 @@ modules import relatively (`from .name import x`, flat: no sub-folders). So the 
     t6/model/<name>.py         -> <name>.py              (config, layers, t6, loss, static_decode, ...)
     t6/model/attention/__init__.py -> attention.py      (the registry)
     t6/model/attention/<name>.py   -> attention_<name>.py (the base, every registered mechanism)
+    t6/errors.py               -> errors.py             (the errors a user can fix, which the model's checks raise)
 
 every module the wrapper and the registered mechanisms import, found by following their `t6` imports,
 each with its `from t6.x.y import names` lines rewritten to `from .<file> import names` and nothing else
@@ -18,7 +19,7 @@ changed. Two files differ from their module:
     reference_tpa_decode`, ...): the export needs no C++ extension or Triton kernel.
 So the export needs torch and transformers only, and runs the code training runs, for every mechanism.
 
-A carried module may import from t6.model only, names rather than modules (`from t6.model.x import y`);
+A carried module may import from t6.model and t6.errors only, names rather than modules (`from t6.model.x import y`);
 anything else is an error naming the module and the mechanism that needs it (docs/attention.md).
 """
 
@@ -34,7 +35,8 @@ MODEL = "t6.model"
 PACKAGE = "t6.model.attention"  # the registry
 OPERATORS = "t6.model.attention.fused_decode"  # torch.library operators: carried as their eager forms
 WRAPPER = "t6.hf.modeling"
-NAMES = {WRAPPER: "modeling_t6", "t6.hf.configuration": "configuration_t6", PACKAGE: "attention"}
+ERRORS = "t6.errors"  # imports nothing: carried as it is
+NAMES = {WRAPPER: "modeling_t6", "t6.hf.configuration": "configuration_t6", PACKAGE: "attention", ERRORS: "errors"}
 
 
 def file_stem(module: str) -> str:
@@ -69,11 +71,13 @@ def carried_imports(module: str, tree: ast.Module, who: str) -> list[str]:
     out = []
     for node in t6_imports(tree):
         target = node.module if isinstance(node, ast.ImportFrom) and not node.level else None
-        allowed = target is not None and (target.startswith(MODEL) or (module == WRAPPER and target in NAMES))
+        allowed = target is not None and (
+            target.startswith(MODEL) or target == ERRORS or (module == WRAPPER and target in NAMES)
+        )
         if not allowed:
             raise ValueError(
                 f"{who} cannot be exported: {module} has `{ast.unparse(node)}`; an export carries the modules of "
-                f"{MODEL}, imported by name (`from {MODEL}.x import y`)"
+                f"{MODEL} and {ERRORS}, imported by name (`from {MODEL}.x import y`)"
             )
         if target == OPERATORS:
             continue  # written apart: their eager forms

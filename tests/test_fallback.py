@@ -183,7 +183,7 @@ def test_an_evaluation_batch_probe_that_fails_evaluates_with_a_fixed_batch(monke
     from t6.evaluation.adapter import AUTO_CPU_ROWS, T6LM
 
     lm = T6LM(model=tiny("mha"), batch_size=4)
-    monkeypatch.setattr(lm, "_device", torch.device("cuda"))  # the probe's CUDA calls, on a machine without CUDA
+    monkeypatch.setattr(lm, "model_device", torch.device("cuda"))  # the probe's CUDA calls, on a machine without CUDA
     if torch.cuda.is_available():
         pytest.skip("the probe would run for real on this machine")
     assert lm.auto_batch_size() == AUTO_CPU_ROWS

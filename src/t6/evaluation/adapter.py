@@ -72,8 +72,8 @@ class T6LM(TemplateLM):
         self.model = model
         self.tokenizer = tokenizer or gpt2()
         self.eot = self.tokenizer.eot
-        self._device = next(model.parameters()).device if device is None else torch.device(device)
-        self.model.to(self._device)
+        self.model_device = next(model.parameters()).device if device is None else torch.device(device)
+        self.model.to(self.model_device)
         self.block_size = model.cfg.block_size
         self.max_gen_toks = int(max_gen_toks)
         if not isinstance(share_prefix, bool):
@@ -87,12 +87,17 @@ class T6LM(TemplateLM):
             self.auto_batch_size() if batch_size is None or str(batch_size).startswith("auto") else int(batch_size)
         )
 
+    @property
+    def device(self) -> torch.device:
+        """The device the model runs on: what lm-eval's LM reads through this property."""
+        return self.model_device
+
     def auto_batch_size(self) -> int:
         """batch_size=auto. On CUDA: the rows that AUTO_MEMORY_SHARE of the memory left (free, plus what the
         caching allocator holds unused) holds, at most AUTO_MAX_ROWS (`probe_batch_size`); where the probe fails
         (t6.model.fallback "eval_batch_probe"), AUTO_CPU_ROWS. Elsewhere AUTO_CPU_ROWS: on the CPU a larger batch buys
         nothing, the cores are busy at 16."""
-        if self._device.type != "cuda":
+        if self.model_device.type != "cuda":
             return AUTO_CPU_ROWS
         if fallback.enabled("eval_batch_probe"):
             try:
@@ -105,7 +110,7 @@ class T6LM(TemplateLM):
         """The CUDA memory probe: each row's memory measured as the peak of one scoring pass over a probe batch of
         AUTO_PROBE_ROWS full-length requests (their prefixes prefilled into KV caches, the last AUTO_PROBE_TOKENS
         tokens scored) under the caller's autocast, as evaluation will run."""
-        device = self._device
+        device = self.model_device
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -172,10 +177,10 @@ class T6LM(TemplateLM):
     def _scores(self, hidden: torch.Tensor, starts: list[int], conts: list[list[int]]) -> list[tuple[float, bool]]:
         """hidden [B, T, d]; row i scores conts[i] from its positions starts[i].. -> [(logprob, is_greedy)]."""
         # N = all continuation tokens of the batch
-        rows = torch.cat([torch.full((len(c),), i) for i, c in enumerate(conts)]).to(self._device)  # [N]
-        cols = torch.cat([torch.arange(s, s + len(c)) for s, c in zip(starts, conts)]).to(self._device)  # [N]
+        rows = torch.cat([torch.full((len(c),), i) for i, c in enumerate(conts)]).to(self.model_device)  # [N]
+        cols = torch.cat([torch.arange(s, s + len(c)) for s, c in zip(starts, conts)]).to(self.model_device)  # [N]
         logprobs = F.log_softmax(self.model.lm_head(hidden[rows, cols]).float(), dim=-1)  # [N, vocab]
-        targets = torch.tensor([t for c in conts for t in c], device=self._device)  # [N]
+        targets = torch.tensor([t for c in conts for t in c], device=self.model_device)  # [N]
         token_lp = logprobs.gather(-1, targets[:, None]).squeeze(-1)  # [N]
         greedy = logprobs.argmax(-1) == targets  # [N]
         ends = torch.tensor([len(c) for c in conts]).cumsum(0).tolist()
@@ -228,7 +233,7 @@ class T6LM(TemplateLM):
         inputs = [list(prefix) + tail for prefix, tail in (self._split(ctx, cont) for _, ctx, cont in requests)]
         conts = [cont for _, _, cont in requests]
         idx = torch.full(
-            (len(inputs), max(map(len, inputs))), self.eot, dtype=torch.long, device=self._device
+            (len(inputs), max(map(len, inputs))), self.eot, dtype=torch.long, device=self.model_device
         )  # [B, T]
         for i, x in enumerate(inputs):
             idx[i, : len(x)] = torch.tensor(x, dtype=torch.long)
@@ -277,19 +282,21 @@ class T6LM(TemplateLM):
         P, T = max(map(len, prefixes)), max(map(len, tails))
         caches = self.model.build_kv_caches(len(batch), P + T)
         if any(len(prefix) < P for prefix in prefixes):
-            key_mask = torch.ones(len(batch), P + T, dtype=torch.bool, device=self._device)  # [G, P + T]
+            key_mask = torch.ones(len(batch), P + T, dtype=torch.bool, device=self.model_device)  # [G, P + T]
             for i, prefix in enumerate(prefixes):
                 key_mask[i, : P - len(prefix)] = False  # the left padding
             for cache in caches:
                 cache.key_mask = key_mask
         if P > 0:
-            idx = torch.full((len(batch), P), self.eot, dtype=torch.long, device=self._device)  # [G, P], left-padded
+            idx = torch.full(
+                (len(batch), P), self.eot, dtype=torch.long, device=self.model_device
+            )  # [G, P], left-padded
             for i, prefix in enumerate(prefixes):
                 idx[i, P - len(prefix) :] = torch.tensor(prefix, dtype=torch.long)
             self._prefill(idx, caches)
-        owner = torch.tensor([g for g, group in enumerate(batch) for _ in group], device=self._device)  # [R]
+        owner = torch.tensor([g for g, group in enumerate(batch) for _ in group], device=self.model_device)  # [R]
         caches = [cache.select(owner) for cache in caches]  # each prefix's rows once per continuation
-        idx = torch.full((len(tails), T), self.eot, dtype=torch.long, device=self._device)  # [R, T], right-padded
+        idx = torch.full((len(tails), T), self.eot, dtype=torch.long, device=self.model_device)  # [R, T], right-padded
         for i, tail in enumerate(tails):
             idx[i, : len(tail)] = torch.tensor(tail, dtype=torch.long)
         return self._scores(self._hidden(idx, P, caches), [0] * len(tails), conts)
@@ -326,7 +333,7 @@ class T6LM(TemplateLM):
             # Stop strings that are one token stop decoding early; all of them cut the text below.
             stop_tokens = {self.eot} | {t[0] for t in map(self.tok_encode, until) if len(t) == 1}
             ctx = self.tok_encode(context)[-(self.block_size - max_new) :] or [self.prefix_token_id]
-            idx = torch.tensor([ctx], dtype=torch.long, device=self._device)  # [1, T0]
+            idx = torch.tensor([ctx], dtype=torch.long, device=self.model_device)  # [1, T0]
             out = self.model.generate(idx, max_new, temperature=0.0, stop_tokens=tuple(sorted(stop_tokens)))
             new = out[0, len(ctx) :].tolist()
             if self.eot in new:

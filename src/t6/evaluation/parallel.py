@@ -21,15 +21,23 @@ class DataParallelT6LM(T6LM):
         super().__init__(*args, **kwargs)
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("DataParallelT6LM needs an initialized torch.distributed process group")
-        self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
+        self.process_rank, self.processes = dist.get_rank(), dist.get_world_size()
+
+    @property
+    def rank(self) -> int:  # lm-eval's LM reads the process's place through these properties
+        return self.process_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.processes
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        parts = [torch.empty_like(tensor) for _ in range(self._world_size)]
+        parts = [torch.empty_like(tensor) for _ in range(self.processes)]
         dist.all_gather(parts, tensor.contiguous())
         return torch.stack(parts) if tensor.dim() == 0 else torch.cat(parts)
 
     def gather_object(self, obj, dst: int = 0):
-        out = [None] * self._world_size if self._rank == dst else None
+        out = [None] * self.processes if self.process_rank == dst else None
         dist.gather_object(obj, out, dst=dst)
         return out
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import FSDPPrecision
 from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -140,7 +141,8 @@ class T6FSDPStrategy(FSDPStrategy):
     def optimizer_state(self, optimizer) -> dict:
         if not self.full_state:
             return super().optimizer_state(optimizer)
-        optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer -> the torch optimizer
+        if isinstance(optimizer, LightningOptimizer):  # Lightning's wrapper: the torch optimizer it holds
+            optimizer = optimizer.optimizer
         with full_state_dict_context(self.model, rank0_only=True):
             state = FSDP.optim_state_dict(self.model, optimizer)
             if self.global_rank == 0:  # keyed by parameter index in the optimizer's order, as a plain run saves it

@@ -19,7 +19,7 @@ import mlflow
 import pytest
 import torch
 
-from t6.evaluation.callback import build_eval_callback
+from t6.evaluation.callback import EvalSettings, build_eval_callback
 from t6.evaluation.harness import flat_metrics, run_harness
 from t6.model.load import load_model
 
@@ -299,7 +299,9 @@ def test_ddp_evaluation_splits_the_requests_and_scores_like_one_process(tmp_path
     assert step_of(last) == 8  # training went on after each evaluation
 
     # The same step-8 weights scored by one process over all 9 documents (the ranks had 5 and 4, padded).
-    callback = build_eval_callback(make_cfg("eval=local", "eval.limit=9", "eval.num_fewshot=[0]").eval)
+    callback = build_eval_callback(
+        EvalSettings.read(make_cfg("eval=local", "eval.limit=9", "eval.num_fewshot=[0]").eval)
+    )
     single = flat_metrics(
         run_harness(load_model(last, device="cpu"), callback.spec, callback.task_manager), callback.spec
     )

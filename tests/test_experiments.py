@@ -119,12 +119,15 @@ def test_a_recipes_declared_sweep_names_its_child_runs():
 @pytest.mark.parametrize("name", RECIPES)
 def test_every_recipe_runs_without_tracking(name):
     """`experiment=NAME logger=none`: a recipe's own `logger.mlflow.*` settings leave no half logger behind."""
-    from t6.run.execute import instantiate_dict
-    from t6.tracking.mlflow import mlflow_config
+    from hydra.core.hydra_config import HydraConfig
 
-    cfg = compose_recipe(name, "logger=none")
-    assert mlflow_config(cfg) is None and instantiate_dict(cfg.get("logger")) == []
-    assert mlflow_config(compose_recipe(name)) is not None  # and with the default logger it is one
+    from t6.run.sections import MLflowSettings, components
+
+    for overrides, tracked in ((["logger=none"], False), ([], True)):  # and with the default logger it is one
+        cfg = compose_recipe(name, *overrides)
+        HydraConfig.instance().set_config(cfg)  # ${hydra:runtime.output_dir} resolves, as under @hydra.main
+        assert (MLflowSettings.read(cfg.get("logger")) is not None) is tracked
+        assert len(components(cfg.get("logger"))) == tracked
 
 
 def test_a_recipe_trains_with_logger_none(tmp_path, shared_data_dir, monkeypatch):

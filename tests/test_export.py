@@ -26,7 +26,7 @@ from t6.hf.export import AUTO_MAP, check_export, sample_tokens, write_export
 from t6.hf.export import run as export_run
 from t6.hf.source import PACKAGE, carried_imports, carried_modules, export_sources, file_stem, relative
 from t6.inference.generate import generate_text
-from t6.inference.generate import run as generate_run
+from t6.inference.generate import main as generate_run
 from t6.model import T6, ModelConfig
 from t6.model.attention import Attention, Mechanism, available, get_mechanism
 from t6.model.facts import kv_elements_per_token

@@ -9,7 +9,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from t6.bench.common import compose
 from t6.data.tokenizer import EOT
-from t6.inference.generate import generate_text, generation_device, run
+from t6.inference.generate import generate_text, generation_device
+from t6.inference.generate import main as run
 from t6.model import T6, ModelConfig
 from t6.model.attention import available, get_attention_class
 from t6.model.facts import kv_elements_per_token

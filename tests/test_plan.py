@@ -151,15 +151,15 @@ def test_a_gpu_trainer_without_a_gpu_says_so(make_cfg, monkeypatch):
 
 
 def test_the_strategy_is_read_from_the_class_it_names(make_cfg):
-    from omegaconf import OmegaConf
+    from t6.run.sections import Component, read_sections
 
     assert strategy_kind(None, 1) is Strategy.SINGLE and strategy_kind("auto", 2) is Strategy.DDP
     assert strategy_kind("ddp_spawn", 2) is Strategy.DDP and strategy_kind("fsdp", 2) is Strategy.FSDP
     for group, kind in (("ddp", Strategy.DDP), ("fsdp", Strategy.FSDP)):
-        assert strategy_kind(make_cfg(f"trainer={group}", small=False).trainer.strategy, 8) is kind
-    subclass = OmegaConf.create({"_target_": "t6.training.fsdp.T6FSDPStrategy"})
+        assert strategy_kind(read_sections(make_cfg(f"trainer={group}", small=False))[0].trainer.strategy, 8) is kind
+    subclass = Component("strategy", "t6.training.fsdp.T6FSDPStrategy")
     assert strategy_kind(subclass, 2) is Strategy.FSDP  # a subclass of FSDPStrategy, whatever it is called
-    tensor_parallel = OmegaConf.create({"_target_": "lightning.pytorch.strategies.ModelParallelStrategy"})
+    tensor_parallel = Component("strategy", "lightning.pytorch.strategies.ModelParallelStrategy")
     with pytest.raises(ConfigError, match="a run is planned for one device, DDP or FSDP"):
         strategy_kind(tensor_parallel, 2)
     with pytest.raises(ConfigError, match="trainer.strategy='ddpp' is not a Lightning strategy name"):

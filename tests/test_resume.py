@@ -17,7 +17,7 @@ from t6.run.closing import closing_summary
 from t6.run.train import main as train
 from t6.training.checkpoint_io import AtomicCheckpointIO
 from t6.training.fsdp import T6FSDPStrategy
-from t6.training.stop import RunStopped, StopProtocol
+from t6.training.stop import STOP_SIGNALS, RunStopped, StopProtocol
 
 
 class Recorder(L.Callback):
@@ -76,16 +76,31 @@ def recorder(objects) -> Recorder:
     return next(cb for cb in objects["trainer"].callbacks if isinstance(cb, Recorder))
 
 
+@pytest.fixture
+def stopped():
+    """`main` ends a stop as the process does: it hands the signal over (the stop signals ignored from then on, exit
+    128 + signum). Yields a check of that exit; the signals' handlers are put back afterwards."""
+    saved = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+
+    def check(exit_: pytest.ExceptionInfo, signum: int = signal.SIGTERM) -> None:
+        assert exit_.value.code == 128 + signum and isinstance(exit_.value.__context__, RunStopped)
+
+    yield check
+    for signum, handler in saved.items():
+        signal.signal(signum, handler)
+
+
 @pytest.mark.slow  # three training runs (~6 s)
-def test_sigterm_then_auto_resume_matches_an_uninterrupted_run(make_cfg, tmp_path, monkeypatch):
+def test_sigterm_then_auto_resume_matches_an_uninterrupted_run(make_cfg, tmp_path, monkeypatch, stopped):
     _, full = train(in_dir(make_cfg(), tmp_path / "full", "rec=test_resume.Recorder"))
     full_rec = recorder(full)
 
     run_dir = tmp_path / "preempted"
     agreements, agree = [], StopProtocol.agree  # the protocol's own all_reduce: T6LitModule's check carries it
     monkeypatch.setattr(StopProtocol, "agree", lambda self, trainer: agreements.append(trainer.global_step) or 0)
-    with pytest.raises(RunStopped):
+    with pytest.raises(SystemExit) as exit_:
         train(in_dir(make_cfg(), run_dir, "rec=test_resume.Recorder", "term=test_resume.SigtermAt(4)"))
+    stopped(exit_)
     assert agreements == []
     last = run_dir / "checkpoints" / "last.ckpt"
     ckpt = torch.load(last, map_location="cpu", weights_only=True)
@@ -296,7 +311,7 @@ def test_a_gpu_checkpoint_is_written_in_the_background_by_default(tmp_path, monk
     assert torch.equal(io.load_checkpoint(tmp_path / "a.ckpt")["w"], torch.zeros(4))
 
 
-def test_sigterm_save_in_the_background_is_on_disk_before_the_run_exits(make_cfg, tmp_path, monkeypatch):
+def test_sigterm_save_in_the_background_is_on_disk_before_the_run_exits(make_cfg, tmp_path, monkeypatch, stopped):
     import threading
 
     save = AtomicCheckpointIO.save_checkpoint
@@ -308,8 +323,9 @@ def test_sigterm_save_in_the_background_is_on_disk_before_the_run_exits(make_cfg
 
     monkeypatch.setattr(AtomicCheckpointIO, "save_checkpoint", slow)
     cfg = make_cfg("trainer.plugins.0.background=true", "callbacks.model_checkpoint.every_n_train_steps=0")
-    with pytest.raises(RunStopped):
+    with pytest.raises(SystemExit) as exit_:
         train(in_dir(cfg, tmp_path / "run", "term=test_resume.SigtermAt(3)"))
+    stopped(exit_)
     ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert ckpt["global_step"] == 4 and "optimizer_states" in ckpt  # the step the stop was agreed at, whole
 

@@ -119,7 +119,7 @@ def test_evaluation_in_the_models_tokenizer_equals_lm_eval_hf(llama_dir):
 def test_generation_in_the_models_tokenizer_equals_transformers(llama_dir):
     from omegaconf import OmegaConf
 
-    from t6.inference.generate import run
+    from t6.inference.generate import main as run
 
     path, hf = llama_dir
     tok = tiny_tokenizer()
@@ -175,7 +175,7 @@ def test_lm_eval_hf_scores_a_converted_pretrained_export_as_the_t6_adapter(conve
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
-    from t6.evaluation.callback import build_eval_callback
+    from t6.evaluation.callback import EvalSettings, build_eval_callback
     from t6.evaluation.evaluate import evaluate_checkpoint
     from t6.evaluation.harness import flat_metrics
 
@@ -187,7 +187,7 @@ def test_lm_eval_hf_scores_a_converted_pretrained_export_as_the_t6_adapter(conve
     ]
     ecfg = make_cfg(*tasks, f"ckpt_path={out}", "eval.limit=8", config_name="evaluate", small=False)
     ours, _ = evaluate_checkpoint(ecfg)  # eval.py: the t6 adapter, in the tokenizer it reads back from the directory
-    callback = build_eval_callback(ecfg.eval)
+    callback = build_eval_callback(EvalSettings.read(ecfg.eval))
     spec = callback.spec
     hf = HFLM(pretrained=str(out), trust_remote_code=True, logits_cache=False, batch_size=4, device="cpu")
     results = {

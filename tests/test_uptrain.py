@@ -198,7 +198,7 @@ def test_a_warm_starts_block_size_is_the_datas_sequence_length_unless_set(make_c
     plan = plan_run(make_cfg(f"init_from={out}"))  # the config's size.block_size is 64, the model's 32
     assert plan.batch.seq_len == SMALL["block_size"] == plan.model.block_size
     assert plan.cfg.size.block_size == plan.cfg.data.seq_len == 64  # the config as given, nothing written back
-    assert plan.logged_config().data.seq_len == SMALL["block_size"]  # what MLflow records is what runs
+    assert plan.logged_cfg.data.seq_len == SMALL["block_size"]  # what MLflow records is what runs
     assert plan_run(make_cfg(f"init_from={out}", "data.seq_len=16")).batch.seq_len == 16  # set: kept
 
 

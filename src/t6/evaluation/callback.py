@@ -1,8 +1,8 @@
 """Downstream evaluation during training, configured by the `eval` group.
 
-`check_eval_tasks(cfg.eval)` runs in the run's plan: it checks every task name and loads every
+`check_eval_tasks(EvalSettings.read(cfg.eval))` runs in the run's plan: it checks every task name and loads every
 dataset, so a typo or a machine without the datasets fails in seconds rather than after hours of
-training. `build_eval_callback(cfg.eval)` writes the embedded tasks and builds the callback, which
+training. `build_eval_callback(settings)` writes the embedded tasks and builds the callback, which
 evaluates every `every_n_steps` optimizer steps and/or at the end of training.
 
 Under DDP and FSDP every rank evaluates a whole, unwrapped T6 (the DDP replica itself; under FSDP
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field, replace
 
 import lightning as L
 from hydra.utils import instantiate
@@ -97,29 +98,43 @@ class DownstreamEval(L.Callback):
         return metrics
 
 
-def check_eval_tasks(eval_cfg: DictConfig | dict | None) -> None:
+@dataclass(frozen=True)
+class EvalSettings:
+    """The `eval` group (conf/eval/*.yaml), read once: what to evaluate (`spec`; the directories of the tasks built
+    from the shipped text join its include path when `build_eval_callback` writes them), those tasks' builders (name
+    -> the builder's node, for the tasks listed), and when to evaluate."""
+
+    spec: EvalSpec
+    local_tasks: dict = field(default_factory=dict)
+    every_n_steps: int | None = None
+    at_end: bool = True
+
+    @classmethod
+    def read(cls, eval_cfg: DictConfig | dict | None) -> EvalSettings | None:
+        """None for `eval=none`."""
+        if not eval_cfg:
+            return None
+        cfg = OmegaConf.to_container(eval_cfg, resolve=True) if isinstance(eval_cfg, DictConfig) else dict(eval_cfg)
+        local = {k: v for k, v in (cfg.get("local_tasks") or {}).items() if k in (cfg.get("tasks") or [])}
+        return cls(spec_from_config(cfg), local, cfg.get("every_n_steps"), bool(cfg.get("at_end", True)))
+
+
+def check_eval_tasks(settings: EvalSettings | None) -> None:
     """Before training, reading only: every task of the `eval` group that is not built from the shipped
     text (eval.local_tasks) exists, and its dataset loads."""
-    if not eval_cfg:
+    if settings is None:
         return
-    cfg = OmegaConf.to_container(eval_cfg, resolve=True) if isinstance(eval_cfg, DictConfig) else dict(eval_cfg)
-    others = [t for t in cfg.get("tasks") or [] if t not in (cfg.get("local_tasks") or {})]
+    others = [t for t in settings.spec.tasks if t not in settings.local_tasks]
     if others:
-        resolve_tasks(spec_from_config({**cfg, "tasks": others}))
+        resolve_tasks(replace(settings.spec, tasks=others))
 
 
-def build_eval_callback(eval_cfg: DictConfig | dict | None, tokenizer=None) -> DownstreamEval | None:
+def build_eval_callback(settings: EvalSettings | None, tokenizer=None) -> DownstreamEval | None:
     """The callback of the `eval` group, with its local tasks written and every task checked, evaluating in
     `tokenizer` (the run's; None: GPT-2); None for `eval=none`."""
-    if not eval_cfg:
+    if settings is None:
         return None
-    cfg = OmegaConf.to_container(eval_cfg, resolve=True) if isinstance(eval_cfg, DictConfig) else dict(eval_cfg)
-    include = []
-    for name, builder in (cfg.get("local_tasks") or {}).items():  # each writes its task YAML + JSONL, offline
-        if name in (cfg.get("tasks") or []):
-            include.append(instantiate(builder))
-    spec = spec_from_config(cfg, include)
+    include = [instantiate(builder) for builder in settings.local_tasks.values()]  # each writes its YAML + JSONL
+    spec = replace(settings.spec, include_path=[*settings.spec.include_path, *map(str, include)])
     tm = resolve_tasks(spec)
-    return DownstreamEval(
-        spec, tm, every_n_steps=cfg.get("every_n_steps"), at_end=bool(cfg.get("at_end", True)), tokenizer=tokenizer
-    )
+    return DownstreamEval(spec, tm, settings.every_n_steps, settings.at_end, tokenizer=tokenizer)

@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from t6.data.tokenizer import Tokenizer, checkpoint_tokenizer
 from t6.errors import MissingFile, SettingError
-from t6.evaluation.callback import build_eval_callback
+from t6.evaluation.callback import EvalSettings, build_eval_callback
 from t6.evaluation.harness import log_results, run_harness
 from t6.model.load import build_model, read_checkpoint
 from t6.tracking.mlflow import check_tracking_uri
@@ -47,7 +47,7 @@ def prepare_evaluation(cfg: DictConfig) -> Evaluation:
     ckpt = read_checkpoint(path, "ckpt_path", mmap=True)  # a corrupted file fails here, naming it, in a second
     tokenizer = checkpoint_tokenizer(ckpt)
     check_tracking_uri(cfg.tracking_uri)
-    callback = build_eval_callback(cfg.eval)  # tasks and datasets (seconds to minutes), before the model is built
+    callback = build_eval_callback(EvalSettings.read(cfg.eval))  # tasks, datasets (seconds to minutes); then the model
     run_config, step = ckpt.get("run_config") or {}, int(ckpt.get("global_step", 0))
     run_id = ckpt.get("mlflow_run_id") if cfg.run_id == "train" else cfg.run_id
     if cfg.run_id == "train" and not run_id:

@@ -1,15 +1,14 @@
 """The problems of a training config itself, every one at once, each naming the field and the fix.
 
-`config_problems(cfg, tokenizer)` runs every check that needs nothing but the config and the run's tokenizer (no
-data, checkpoint, store or device): the model and its vocabulary against the tokenizer, every number's sign and
-range, the learning rate, the batch and sequence settings, the samples, the loss, the Trainer's settings, the
-evaluation and the directories the run writes. `t6.run.plan.plan_run` raises them together as one ConfigError.
+`config_problems(cfg, sections, tokenizer)` runs every check that needs nothing but the config and the run's
+tokenizer (no data, checkpoint, store or device): the model and its vocabulary against the tokenizer, the learning
+rate, the batch and sequence settings, the samples, the loss, the evaluation and the directories the run writes. The
+typed sections check their own settings (t6.run.sections: the Trainer's, the schedule's, MLflow's).
+`t6.run.plan.plan_run` raises every problem of both together as one ConfigError.
 """
 
 from __future__ import annotations
 
-import difflib
-import inspect
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -23,14 +22,17 @@ from t6.errors import ConfigError
 from t6.model.config import ModelConfig
 from t6.model.loss import IMPLS
 from t6.run.samples import check_samples
-from t6.tracking.mlflow import log_model_choice, mlflow_config
+from t6.run.sections import Sections, is_int, is_number
+from t6.training.callbacks import RunCheckpoint
 
 NONFINITE = ("stop", "skip")
 
 
-def config_problems(cfg: DictConfig, tokenizer: Tokenizer | None = None) -> tuple[ModelConfig | None, list[str]]:
-    """(the model config, or None when it has problems; every problem of the config). tokenizer: the run's
-    (t6.run.plan.plan_tokenizer; None: GPT-2 BPE), whose ids the model's vocabulary must hold."""
+def config_problems(
+    cfg: DictConfig, sections: Sections, tokenizer: Tokenizer | None = None
+) -> tuple[ModelConfig | None, list[str]]:
+    """(the model config, or None when it has problems; every problem of the config besides the sections' own).
+    tokenizer: the run's (t6.run.plan.plan_tokenizer; None: GPT-2 BPE), whose ids the model's vocabulary must hold."""
     problems: list[str] = []
     mcfg = None
     try:
@@ -39,17 +41,13 @@ def config_problems(cfg: DictConfig, tokenizer: Tokenizer | None = None) -> tupl
         problems += err.problems
     problems += vocabulary_problems(cfg, tokenizer)
     problems += number_problems(cfg)
-    problems += learning_rate_problems(cfg)
+    problems += learning_rate_problems(cfg, sections)
     problems += dataset_problems(cfg)
     problems += data_problems(cfg)
     problems += raised(check_samples, cfg)
-    problems += training_problems(cfg)
-    problems += trainer_problems(cfg.trainer)
-    problems += checkpoint_format_problems(cfg.trainer)
+    problems += training_problems(cfg, sections)
     problems += eval_problems(cfg.get("eval"))
-    if mlflow_config(cfg) is not None:
-        problems += raised(log_model_choice, cfg.logger.mlflow.get("log_model", False))
-    problems += directory_problems(cfg)
+    problems += directory_problems(cfg, sections)
     return (mcfg if not problems else None), problems
 
 
@@ -60,14 +58,6 @@ def raised(check: Callable, *args) -> list[str]:
     except ValueError as err:
         return [str(err)]
     return []
-
-
-def is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def vocabulary_problems(cfg: DictConfig, tokenizer: Tokenizer | None = None) -> list[str]:
@@ -86,76 +76,34 @@ def vocabulary_problems(cfg: DictConfig, tokenizer: Tokenizer | None = None) -> 
 
 
 def number_problems(cfg: DictConfig) -> list[str]:
-    """Every number's sign and range, named by its field with a value that works."""
+    """The numbers of the groups the sections do not hold, each named by its field with a value that works."""
     problems = []
 
     def need(ok: bool, field: str, value, what: str) -> None:
         if not ok:
             problems.append(f"{field}={value!r} must be {what}")
 
-    trainer, data, lr = cfg.trainer, cfg.data, cfg.lr_ablation
-    steps = trainer.get("max_steps")
-    need(
-        is_int(steps) and steps >= 1,
-        "trainer.max_steps",
-        steps,
-        "a positive number of optimizer steps (-1 would train without end, 0 would train nothing), "
-        "e.g. trainer.max_steps=1000",
-    )
-    every = trainer.get("val_check_interval")
-    need(
-        every is None or (is_int(every) and every >= 1) or (isinstance(every, float) and 0 < every <= 1),
-        "trainer.val_check_interval",
-        every,
-        "a positive number of optimizer steps between validations (or a fraction in (0, 1])",
-    )
-    log_every = trainer.get("log_every_n_steps", 50)
-    need(is_int(log_every) and log_every >= 1, "trainer.log_every_n_steps", log_every, "a positive number of steps")
-    clip = trainer.get("gradient_clip_val")
-    need(clip is None or (is_number(clip) and clip >= 0), "trainer.gradient_clip_val", clip, ">= 0 or null")
-    if "max_lr" in lr:
-        need(is_number(lr.max_lr) and lr.max_lr > 0, "lr_ablation.max_lr", lr.max_lr, "a positive learning rate")
-    if "min_lr" in lr:
-        top = lr.get("max_lr") if is_number(lr.get("max_lr")) else float("inf")
-        need(
-            is_number(lr.min_lr) and 0 <= lr.min_lr <= top,
-            "lr_ablation.min_lr",
-            lr.min_lr,
-            f"between 0 and lr_ablation.max_lr={lr.get('max_lr')}",
-        )
-    if "warmup_steps" in lr:
-        warmup = lr.warmup_steps
-        need(is_int(warmup) and warmup >= 0, "lr_ablation.warmup_steps", warmup, "a number of steps >= 0")
     decay = cfg.optimizer.get("weight_decay", 0.0)
     need(is_number(decay) and decay >= 0, "optimizer.weight_decay", decay, ">= 0")
-    windows = data.get("val_windows")
+    windows = cfg.data.get("val_windows")
     need(windows is None or (is_int(windows) and windows >= 1), "data.val_windows", windows, "positive or null (all)")
     chunk = cfg.get("loss_chunk_tokens")
     need(chunk is None or (is_int(chunk) and chunk >= 1), "loss_chunk_tokens", chunk, "a positive number or null")
     need(is_int(cfg.get("seed")), "seed", cfg.get("seed"), "an integer")
-    mlflow = mlflow_config(cfg)
-    if mlflow is not None:
-        flush = mlflow.get("flush_timeout_s", 30)
-        need(is_number(flush) and flush >= 0, "logger.mlflow.flush_timeout_s", flush, "a number of seconds >= 0")
-        interval = mlflow.get("system_metrics_interval_s", 10)
-        need(
-            is_number(interval) and interval > 0,
-            "logger.mlflow.system_metrics_interval_s",
-            interval,
-            "a positive number of seconds",
-        )
     return problems
 
 
-def directory_problems(cfg: DictConfig) -> list[str]:
+def directory_problems(cfg: DictConfig, sections: Sections) -> list[str]:
     """The directories the run writes (its run directory, checkpoints, outbox) can be written, or made where an
     existing directory above them can be written."""
     from t6.run.resume import checkpoint_dir
 
-    wanted = {"paths.output_dir": cfg.paths.output_dir, "callbacks.model_checkpoint.dirpath": checkpoint_dir(cfg)}
-    mlflow = mlflow_config(cfg)
-    if mlflow is not None and mlflow.get("outbox_dir"):
-        wanted["logger.mlflow.outbox_dir"] = mlflow.outbox_dir
+    wanted = {"paths.output_dir": cfg.paths.output_dir}
+    checkpoints = sections.callback(RunCheckpoint)
+    if checkpoints is not None:
+        wanted[f"callbacks.{checkpoints.name}.dirpath"] = checkpoint_dir(cfg.paths.output_dir, checkpoints)
+    if sections.mlflow is not None and sections.mlflow.outbox_dir:
+        wanted["logger.mlflow.outbox_dir"] = sections.mlflow.outbox_dir
     problems = []
     for field, path in wanted.items():
         why = unwritable(Path(str(path)))
@@ -174,13 +122,13 @@ def unwritable(path: Path) -> str | None:
     return None
 
 
-def learning_rate_problems(cfg: DictConfig) -> list[str]:
+def learning_rate_problems(cfg: DictConfig, sections: Sections) -> list[str]:
     """One source for the peak learning rate: lr_ablation.max_lr. The schedule multiplies the optimizer's
     lr by lr(step) / max_lr, so an optimizer.lr that differs would silently scale the whole schedule."""
-    lr, max_lr = cfg.optimizer.get("lr"), cfg.lr_ablation.get("max_lr")
+    lr, max_lr = cfg.optimizer.get("lr"), sections.schedule.max_lr
     if not (is_number(lr) and lr > 0):
         return [] if lr is None or lr == max_lr else [f"optimizer.lr={lr!r} must be a positive learning rate"]
-    if cfg.lr_ablation.get("scheduler") and lr is not None and max_lr is not None and float(lr) != float(max_lr):
+    if sections.schedule.scheduler and max_lr is not None and float(lr) != float(max_lr):
         return [
             f"optimizer.lr={lr} differs from lr_ablation.max_lr={max_lr}, the schedule's peak; set the peak with "
             f"lr_ablation.max_lr={lr} (and lr_ablation.min_lr), and leave optimizer.lr to follow it"
@@ -211,7 +159,7 @@ def data_problems(cfg: DictConfig) -> list[str]:
     return problems
 
 
-def training_problems(cfg: DictConfig) -> list[str]:
+def training_problems(cfg: DictConfig, sections: Sections) -> list[str]:
     problems = []
     impl = cfg.get("loss_impl", "auto")
     if impl not in IMPLS:
@@ -222,49 +170,19 @@ def training_problems(cfg: DictConfig) -> list[str]:
         problems.append(f"compile={cfg.get('compile')!r} must be auto (on CUDA, off on the CPU), true or false")
     if not isinstance(cfg.get("gradient_checkpointing", False), bool):
         problems.append(f"gradient_checkpointing={cfg.get('gradient_checkpointing')!r} must be true or false")
-    elif cfg.get("gradient_checkpointing") and (cfg.trainer.get("strategy") or {}).get("activation_checkpointing"):
+    elif cfg.get("gradient_checkpointing") and sections.trainer.strategy_option("activation_checkpointing"):
         problems.append(
             "gradient_checkpointing=true and trainer.strategy.activation_checkpointing=true both recompute the "
             "blocks in backward; keep one"
         )
-    every = ((cfg.get("callbacks") or {}).get("model_checkpoint") or {}).get("every_n_train_steps")
-    if every is not None and every != "auto" and (not isinstance(every, int) or isinstance(every, bool) or every < 0):
+    checkpoints = sections.callback(RunCheckpoint)
+    every = checkpoints.arguments.get("every_n_train_steps") if checkpoints is not None else None
+    if every is not None and every != "auto" and (not is_int(every) or every < 0):
         problems.append(
-            f"callbacks.model_checkpoint.every_n_train_steps={every!r} must be auto (from the run's length and "
+            f"callbacks.{checkpoints.name}.every_n_train_steps={every!r} must be auto (from the run's length and "
             "the checkpoint's size), a number of steps (0: only last.ckpt, at the end) or null (after every validation)"
         )
     return problems
-
-
-def trainer_problems(trainer: DictConfig) -> list[str]:
-    """Every trainer.* key is a setting of lightning.Trainer (a misspelled one, given with `+`, would
-    otherwise fail inside Lightning), named with the nearest real setting."""
-    import lightning
-
-    known = sorted(set(inspect.signature(lightning.Trainer.__init__).parameters) - {"self"})
-    problems = []
-    for key in trainer:
-        if key == "_target_" or key in known:
-            continue
-        close = difflib.get_close_matches(str(key), known, n=1)
-        hint = f"; did you mean trainer.{close[0]}?" if close else f"; lightning.Trainer takes {', '.join(known)}"
-        problems.append(f"trainer.{key} is not a setting of lightning.Trainer{hint}")
-    return problems
-
-
-def checkpoint_format_problems(trainer: DictConfig) -> list[str]:
-    """FSDP's `state_dict_type: sharded` writes each checkpoint as a directory of shards, in place, by every rank:
-    resuming (ckpt_path, ckpt_path=last, auto_resume), the MLflow model upload, eval.py and generate.py read one
-    file, and a directory cannot replace the previous checkpoint atomically."""
-    strategy = trainer.get("strategy")
-    kind = strategy.get("state_dict_type", "full") if isinstance(strategy, DictConfig) else "full"
-    if kind == "full":
-        return []
-    return [
-        f"trainer.strategy.state_dict_type={kind}: T6 Lab checkpoints are single files (resume, ckpt_path=last, "
-        "auto_resume, the MLflow model upload, eval.py and generate.py read one file, replaced atomically); "
-        "use trainer.strategy.state_dict_type=full (rank 0 gathers the model and optimizer into one file)"
-    ]
 
 
 def eval_problems(eval_cfg: DictConfig | None) -> list[str]:

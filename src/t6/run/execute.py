@@ -1,15 +1,15 @@
-"""`execute(plan)`: turn a `RunPlan`'s fields into the Lightning objects and fit. Every decision was made by
-`t6.run.plan.plan_run`; this builds, in order:
+"""`execute(plan)`: build the plan's components and fit. Every decision was made by `t6.run.plan.plan_run`, every
+argument of every component too; this builds, in order:
 
 0. the run directory, held by this run alone (t6.run.process.run_directory), what a killed run left half written
    in it removed;
 1. the data (the embedded corpus is tokenized on first use), the MLflow store, the LightningModule (with a warm
    start's weights);
-2. the callbacks (the config's, with the plan's arguments; then the plan's own: the downstream evaluation, the
-   system metrics of every node, the ranks' micro-batch check, the stop protocol), the loggers and the Trainer;
+2. the callbacks (the plan's, and the downstream evaluation, which writes its tasks), the loggers, the plugins and
+   the Trainer;
 3. the announcement and the run's parameters in MLflow (its writes go through an outbox, t6.tracking.outbox);
 4. fit; a stop signal ends it at a step every rank agreed on, with last.ckpt saved there (t6.training.stop), and the
-   MLflow run ends as KILLED before `RunStopped` leaves;
+   MLflow run ends as KILLED before `RunStopped` leaves; a failure leaves it FAILED with its last step and error;
 5. the model upload and the greedy samples.
 """
 
@@ -23,7 +23,7 @@ from typing import Any
 import lightning as L
 from hydra.utils import instantiate
 from lightning.pytorch.utilities import rank_zero_only
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from t6.config import flatten
 from t6.evaluation.callback import build_eval_callback
@@ -35,11 +35,9 @@ from t6.run.process import destroy_process_group, run_directory, run_settings
 from t6.run.samples import log_samples
 from t6.tracking.logger import OutboxMLFlowLogger
 from t6.tracking.mlflow import open_tracking_store, save_and_upload_model, tag_training_experiment
-from t6.tracking.system_metrics import SystemMetrics
-from t6.training.callbacks import SameMicroBatch
 from t6.training.checkpoint_io import remove_stale_writes
 from t6.training.module import T6LitModule
-from t6.training.stop import RunStopped, StopProtocol
+from t6.training.stop import RunStopped
 
 log = logging.getLogger(__name__)
 
@@ -66,12 +64,6 @@ def fit(plan: RunPlan) -> tuple[dict[str, float], dict[str, Any]]:
     model = build_module(plan)
     eval_callback = build_eval_callback(plan.evaluation, plan.tokenizer)
     trainer = build_trainer(plan, eval_callback)
-    if trainer.world_size != plan.parallel.world_size:
-        raise RuntimeError(
-            f"Lightning started {trainer.world_size} processes where the plan counted {plan.parallel.world_size} "
-            f"(trainer.devices={plan.parallel.devices}, trainer.num_nodes={plan.parallel.nodes}); "
-            "give trainer.devices as a number"
-        )
     announce(plan)
 
     mlflow = next((lg for lg in trainer.loggers if isinstance(lg, OutboxMLFlowLogger)), None)
@@ -144,7 +136,7 @@ def build_module(plan: RunPlan) -> T6LitModule:
         optimizer=instantiate(cfg.optimizer, **plan.training.optimizer_args),
         scheduler=schedule(plan),
         compile=plan.hardware.compile,
-        run_config=OmegaConf.to_container(plan.logged_config(), resolve=True),
+        run_config=OmegaConf.to_container(plan.logged_cfg, resolve=True),
         nonfinite_loss=plan.training.nonfinite_loss,
         loss_chunk_tokens=plan.training.loss_chunk_tokens,
         loss_impl=plan.training.loss_impl,
@@ -165,9 +157,7 @@ def schedule(plan: RunPlan):
     if plan.schedule is None:
         return None
     s = plan.schedule
-    return instantiate(
-        plan.cfg.lr_ablation.scheduler, warmup_steps=s.warmup, total_steps=s.total, max_lr=s.max_lr, min_lr=s.min_lr
-    )
+    return s.scheduler.build(warmup_steps=s.warmup, total_steps=s.total, max_lr=s.max_lr, min_lr=s.min_lr)
 
 
 def failure_note(trainer: L.Trainer, plan: RunPlan, err: BaseException) -> str:
@@ -187,53 +177,18 @@ def failure_note(trainer: L.Trainer, plan: RunPlan, err: BaseException) -> str:
     )
 
 
-def instantiate_dict(group: DictConfig | None, arguments: dict[str, dict] | None = None) -> list[Any]:
-    """Instantiate every `_target_` entry of a dict-of-configs group (callbacks, loggers), each with the plan's
-    `arguments` for it by name."""
-    if not group:
-        return []
-    arguments = arguments or {}
-    return [
-        instantiate(conf, **arguments.get(str(name), {}))
-        for name, conf in group.items()
-        if isinstance(conf, DictConfig) and "_target_" in conf
-    ]
-
-
 def build_trainer(plan: RunPlan, eval_callback: L.Callback | None) -> L.Trainer:
-    """The Trainer of the plan: the config's callbacks and loggers with the plan's arguments, the plan's own
-    callbacks after them, the accumulation that keeps data.global_batch_size, validation counted in optimizer
-    steps."""
-    cfg = plan.cfg
-    arguments = {"throughput": {"peak_tflops": plan.hardware.peak_flops / 1e12, "peak_source": plan.hardware.peak_why}}
-    if plan.checkpoints is not None:
-        arguments["model_checkpoint"] = {"every_n_train_steps": plan.checkpoints.every_n_steps}
-    callbacks = instantiate_dict(cfg.get("callbacks"), arguments)
+    """The plan's Trainer: its device, processes, precision and strategy, its plugins, the plan's callbacks (the
+    downstream evaluation before the stop protocol, which is last) and loggers."""
+    callbacks = [c.build() for c in plan.callbacks]
     if eval_callback is not None:
-        callbacks.append(eval_callback)
-    if plan.tracking is not None and plan.tracking.system_metrics_s:
-        callbacks.append(SystemMetrics(plan.tracking.system_metrics_s))  # one monitor per node
-    if plan.batch.memory is not None and plan.batch.memory.auto and plan.parallel.world_size > 1:
-        callbacks.append(SameMicroBatch(plan.batch.micro_batch, plan.batch.memory.available))  # ranks compare plans
-    callbacks.append(StopProtocol(Path(plan.checkpoint_dir) / "last.ckpt"))
-    loggers = {}
-    if plan.tracking is not None:
-        track = plan.tracking
-        loggers["mlflow"] = {
-            "experiment_name": track.experiment,
-            "run_name": track.run_name,
-            "tags": track.tags,
-            "run_id": track.run_id,
-            "logged_steps": track.logged,
-        }
-    return instantiate(
-        cfg.trainer,
-        precision=plan.hardware.precision,
+        callbacks.insert(len(callbacks) - 1, eval_callback)
+    strategy = plan.parallel.lightning_strategy
+    return plan.trainer.build(
+        strategy=strategy if isinstance(strategy, str) else strategy.build(),
+        plugins=[p.build() for p in plan.plugins],
         callbacks=callbacks,
-        logger=instantiate_dict(cfg.get("logger"), loggers) or False,
-        accumulate_grad_batches=plan.batch.accumulation,
-        val_check_interval=plan.training.val_check_interval,
-        max_steps=plan.training.max_steps,
+        logger=[lg.build() for lg in plan.loggers] or False,
     )
 
 
@@ -249,7 +204,7 @@ def log_run_config(logger: OutboxMLFlowLogger, plan: RunPlan) -> None:
     """Once per run: the flattened, resolved config (with a warm start's model shape) and the plan's decisions as
     params, the model's size and KV cache per token (`model/...`, measured on the built model, cache in bf16) for
     the report, the YAML as an artifact, the checkpoint dir as a tag."""
-    config = plan.logged_config()
+    config = plan.logged_cfg
     resolved = OmegaConf.to_container(config, resolve=True)
     facts = model_facts(plan.model)  # KV cache counted in bf16
     logger.log_hyperparams({**flatten(resolved), **plan.params(), **{f"model/{k}": v for k, v in facts.items()}})

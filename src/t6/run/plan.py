@@ -2,37 +2,40 @@
 
     plan = plan_run(cfg)     # every decision and every check, no Trainer, nothing written
     print(plan.describe())   # what the run announces (and MLflow records, `plan.params()`)
-    execute(plan)            # t6.run.execute: turns the plan's fields into Lightning objects and fits
+    execute(plan)            # t6.run.execute: builds the plan's components and fits
 
 The plan reads what it needs (the warm start, the checkpoint to resume from, the data's manifest, the
 tracking store, the sweep file, the machine's memory) and writes nothing. It decides in this order:
 
-1. the config's own problems, every one at once (`ConfigError`, t6.run.checks);
+1. the config's own problems, every one at once (`ConfigError`: the typed sections' own, t6.run.sections, and the
+   rest of the config's, t6.run.checks);
 2. the device, precision and compilation, and the processes (strategy, devices, nodes);
 3. the schedule, the resume point, the data, the tracking target and the sweep parent;
 4. the micro-batch and its accumulation, by the memory preflight (t6.training.step_memory);
-5. how checkpoints are written and how often (t6.training.callbacks.checkpoint).
+5. how checkpoints are written and how often (t6.training.callbacks.checkpoint);
+6. the components execute builds, each with every argument: the Trainer (its device, processes, strategy and
+   precision the plan's), its plugins, the callbacks (the config's, the plan's arguments bound by their class,
+   then the plan's own) and the loggers.
 
-Each decision has one home, a field of `RunPlan`; `plan.cfg` is the config as given, never changed (execute
-instantiates the components it names, with the plan's decisions as their arguments). `plan.logged_config()` is
-what MLflow and the checkpoints record: the config, with a warm start's model shape.
+Each decision has one home, a field of `RunPlan`. `plan.cfg` is the config as given, never changed;
+`plan.logged_cfg` is what MLflow and the checkpoints record: the config with a warm start's model shape, which the
+decisions read.
 """
 
 from __future__ import annotations
 
 import copy
 import enum
-import inspect
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from t6.data.batching import sequences_per_device, sequences_per_step, world_size
 from t6.data.tokenizer import Tokenizer, checkpoint_tokenizer, load_tokenizer, mismatch, run_tokenizer
 from t6.errors import ConfigError, NoRoom, SettingError
-from t6.evaluation.callback import check_eval_tasks
+from t6.evaluation.callback import EvalSettings, check_eval_tasks
 from t6.hardware import device as hw_device
 from t6.hardware import probes
 from t6.model.config import ModelConfig
@@ -40,10 +43,13 @@ from t6.model.load import HF_FORMAT, WARM_START_FORMAT, model_state
 from t6.model.loss import use_liger
 from t6.run import checks
 from t6.run.resume import checkpoint_dir, find_resume
-from t6.tracking.mlflow import StoreUnreachable, check_tracking_store, log_model_choice, mlflow_config, stored_steps
+from t6.run.samples import Samples
+from t6.run.sections import Component, Sections, read_sections
+from t6.tracking.mlflow import StoreUnreachable, check_tracking_store, log_model_choice, stored_steps
 from t6.tracking.outbox import SYNC_COMMAND, logged_steps
 from t6.tracking.sweep import sweep_job_info, sweep_job_run
 from t6.training import step_memory as memory
+from t6.training.callbacks import RunCheckpoint, ThroughputMonitor
 from t6.uptrain import recipe
 
 
@@ -77,7 +83,8 @@ class Hardware:
 
 @dataclass(frozen=True)
 class Parallel:
-    """The processes: one per device, `devices` per node on `nodes` nodes."""
+    """The processes: one per device, `devices` per node on `nodes` nodes, and how they share the work (`strategy`;
+    `lightning_strategy`: what the Trainer is given, a Lightning strategy name or the config's `_target_` node)."""
 
     strategy: Strategy
     devices: int
@@ -85,6 +92,8 @@ class Parallel:
     device_index: int  # this process's device on its node (CUDA)
     activation_checkpointing: bool = False
     bucket_view: bool = False  # DDP's gradients are views into its all-reduce buckets
+    device_ids: tuple[int, ...] | None = None  # trainer.devices as a list of ids; None: the first `devices`
+    lightning_strategy: str | Component = "auto"
 
     @property
     def world_size(self) -> int:
@@ -123,6 +132,7 @@ class Schedule:
     max_lr: float
     min_lr: float
     max_steps: int
+    scheduler: Component | None = None  # lr_ablation.scheduler, built by execute with the four numbers above
 
     def describe(self) -> str:
         lr = f"learning rate 0 -> {self.max_lr:g} -> {self.min_lr:g} (cosine)"
@@ -196,6 +206,7 @@ class Tracking:
     unreachable: str | None = None  # a resume found the server down: why (the run logs to its outbox meanwhile)
     tags: dict = field(default_factory=dict)  # the run's tags: the config's, a sweep job's, a warm start's
     logged: dict = field(default_factory=dict)  # a continued run's highest step of each metric: not logged twice
+    flush_timeout_s: float = 30.0  # how long the end of the run waits for an unreachable store
 
     def describe(self) -> str:
         run = f"continues run {self.run_id}" if self.run_id else f"new run {self.run_name!r}"
@@ -231,6 +242,7 @@ class Training:
 @dataclass(frozen=True)
 class RunPlan:
     cfg: DictConfig  # the config as given, never changed (see the module docstring)
+    logged_cfg: DictConfig  # what MLflow and the checkpoints record: the config with a warm start's model shape
     model: ModelConfig
     hardware: Hardware
     parallel: Parallel
@@ -242,17 +254,15 @@ class RunPlan:
     training: Training
     run_dir: str  # the run's directory (paths.output_dir), held by one run at a time
     checkpoint_dir: str  # where last.ckpt goes (the checkpoint callback's, and the stop protocol's)
+    trainer: Component  # lightning.Trainer (the config's `_target_`) with every argument but the objects below
+    plugins: tuple[Component, ...]  # the Trainer's plugins (checkpoint IO, background as decided)
+    callbacks: tuple[Component, ...]  # the config's callbacks, the plan's arguments bound, then the plan's own
+    loggers: tuple[Component, ...]  # MLflow's (the run the plan chose) and the config's others
     checkpoints: Checkpoints | None = None  # None: no checkpoint callback
-    evaluation: DictConfig | None = None  # the eval group, checked (None: eval=none)
-    samples: DictConfig | None = None  # the greedy samples after training, checked (None: samples=null)
+    evaluation: EvalSettings | None = None  # the eval group, checked (None: eval=none)
+    samples: Samples | None = None  # the greedy samples after training, checked (None: samples=null)
     warnings: tuple[str, ...] = field(default=())
     tokenizer: Tokenizer | None = None  # the run's (cfg.tokenizer, resolved): data, evaluation, samples, checkpoints
-
-    def logged_config(self) -> DictConfig:
-        """The config MLflow and the checkpoints record: the one given, with a warm start's model shape."""
-        if self.warm_start is None:
-            return self.cfg
-        return recipe.with_model_config(self.cfg, asdict(self.model))
 
     def describe(self) -> str:
         """The opening lines of a run: what it will do and why."""
@@ -312,30 +322,35 @@ def plan_run(cfg: DictConfig) -> RunPlan:
     given = copy.deepcopy(cfg)  # resolvers and the checks read it; nothing writes into it
     warm = plan_warm_start(given)
     # A warm start's model shape is the run's: what follows size.* (data.seq_len's ${size.block_size}, the uptrain
-    # recipe's step count) follows it; the decisions below read this copy, the plan keeps the config as given.
+    # recipe's step count, the MLflow run's name) follows it. The decisions below read this copy.
     cfg = recipe.with_model_config(given, asdict(warm.model)) if warm is not None else given
     tokenizer = plan_tokenizer(cfg)  # tokenizer=null: init_from's own, else GPT-2
-    mcfg, problems = checks.config_problems(cfg, tokenizer)
-    if problems:
-        raise ConfigError("Invalid run config", problems)
+    sections, problems = read_sections(cfg)
+    mcfg, more = checks.config_problems(cfg, sections, tokenizer)
+    if more + problems:
+        raise ConfigError("Invalid run config", more + problems)
     if warm is not None:
         mcfg = warm.model
-    hardware = choose_hardware(cfg)
-    parallel = plan_parallel(cfg, hardware)
-    schedule = plan_schedule(cfg)
-    resume = plan_resume(cfg, mcfg, tokenizer)
-    tracking = plan_tracking(cfg, resume, warm)
+    hardware = choose_hardware(cfg, sections)
+    parallel = plan_parallel(sections, hardware)
+    schedule = plan_schedule(sections)
+    folder = checkpoint_dir(cfg.paths.output_dir, sections.callback(RunCheckpoint))
+    resume = plan_resume(cfg, folder, mcfg, tokenizer)
+    tracking = plan_tracking(sections, resume, warm)
     instantiate_data(cfg, tokenizer).check()  # the shards exist and are whole (or the text they are made from does)
-    check_eval_tasks(cfg.get("eval"))  # unknown tasks, missing datasets
-    batch = plan_batch(cfg, mcfg, hardware, parallel)
-    training = plan_training(cfg, hardware, parallel, batch)
-    checkpoints = plan_checkpoints(cfg, mcfg, hardware, parallel, batch)
+    evaluation = EvalSettings.read(cfg.get("eval"))
+    check_eval_tasks(evaluation)  # unknown tasks, missing datasets
+    batch = plan_batch(cfg, sections, mcfg, hardware, parallel)
+    training = plan_training(cfg, sections, hardware, parallel, batch)
+    background = checkpoint_background(sections, hardware, parallel)
+    checkpoints = plan_checkpoints(cfg, sections, mcfg, hardware, batch, background)
     warnings = tuple(f"init_from sets {change}" for change in (warm.changes if warm else ()))
     warnings += tuple(w for w in [schedule.warning() if schedule else None] if w)
     warnings += (tracking.offline_note(),) if tracking is not None and tracking.unreachable else ()
     warnings += tuple(f"resume: passed over {name}" for name in (resume.passed_over if resume else ()))
     return RunPlan(
         given,
+        cfg,
         mcfg,
         hardware,
         parallel,
@@ -346,60 +361,166 @@ def plan_run(cfg: DictConfig) -> RunPlan:
         tracking,
         training,
         str(cfg.paths.output_dir),
-        str(checkpoint_dir(cfg)),
+        str(folder),
+        trainer_component(cfg, sections, hardware, parallel, batch, training),
+        plan_plugins(sections, background),
+        plan_callbacks(sections, hardware, parallel, batch, tracking, checkpoints, folder),
+        plan_loggers(sections, tracking),
         checkpoints,
-        cfg.get("eval") or None,
-        cfg.get("samples"),
+        evaluation,
+        Samples.read(cfg),
         warnings,
         tokenizer,
     )
 
 
+# ------------------------------------------------------------------------------------ what execute builds
+
+
+def trainer_component(
+    cfg: DictConfig, sections: Sections, hardware: Hardware, parallel: Parallel, batch: BatchPlan, training: Training
+) -> Component:
+    """lightning.Trainer (the config's `_target_`) with the plan's device, processes, precision and length, the
+    accumulation that keeps data.global_batch_size, validation counted in micro-batches, and the config's other
+    settings as given."""
+    trainer = sections.trainer
+    return Component(
+        "trainer",
+        str(cfg.trainer._target_),
+        {
+            **trainer.others,
+            "accelerator": hardware.device,
+            "devices": list(parallel.device_ids) if parallel.device_ids is not None else parallel.devices,
+            "num_nodes": parallel.nodes,
+            "precision": hardware.precision,
+            "max_steps": training.max_steps,
+            "val_check_interval": training.val_check_interval,
+            "accumulate_grad_batches": batch.accumulation,
+            "log_every_n_steps": trainer.log_every_n_steps,
+            "gradient_clip_val": trainer.gradient_clip_val,
+        },
+    )
+
+
+def plan_plugins(sections: Sections, background: bool) -> tuple[Component, ...]:
+    """The Trainer's plugins as configured, the checkpoint IO told whether to write in the background."""
+    from t6.training.checkpoint_io import BackgroundCheckpointIO
+
+    return tuple(
+        p.with_arguments(background=background) if p.builds(BackgroundCheckpointIO) else p
+        for p in sections.trainer.plugins
+    )
+
+
+def plan_callbacks(
+    sections: Sections,
+    hardware: Hardware,
+    parallel: Parallel,
+    batch: BatchPlan,
+    tracking: Tracking | None,
+    checkpoints: Checkpoints | None,
+    folder: Path,
+) -> tuple[Component, ...]:
+    """The config's callbacks, each with the arguments the plan decided for its class (found by class, whatever its
+    key in the config), then the plan's own: the system metrics of every node, the ranks' micro-batch check, the
+    stop protocol (always last: it saves last.ckpt after every other callback's step end). The downstream
+    evaluation is built from `RunPlan.evaluation` (it writes its tasks when built)."""
+    decided = {
+        ThroughputMonitor: {"peak_tflops": hardware.peak_flops / 1e12, "peak_source": hardware.peak_why},
+        RunCheckpoint: {"every_n_train_steps": checkpoints.every_n_steps} if checkpoints is not None else {},
+    }
+    out = [
+        c.with_arguments(**next((args for cls, args in decided.items() if c.builds(cls)), {}))
+        for c in sections.callbacks
+    ]
+    if tracking is not None and tracking.system_metrics_s:  # one monitor per node
+        out.append(Component("system_metrics", SYSTEM_METRICS, {"interval_s": tracking.system_metrics_s}))
+    if batch.memory is not None and batch.memory.auto and parallel.world_size > 1:  # the ranks compare their plans
+        out.append(Component("same_micro_batch", SAME_MICRO_BATCH, {"batch": batch.micro_batch,
+                                                                     "available": batch.memory.available}))  # fmt: skip
+    out.append(Component("stop_protocol", STOP_PROTOCOL, {"path": str(folder / "last.ckpt")}))
+    return tuple(out)
+
+
+# The plan's own callbacks, by the import path their Components build.
+SYSTEM_METRICS = "t6.tracking.system_metrics.SystemMetrics"
+SAME_MICRO_BATCH = "t6.training.callbacks.SameMicroBatch"
+STOP_PROTOCOL = "t6.training.stop.StopProtocol"
+
+
+def plan_loggers(sections: Sections, tracking: Tracking | None) -> tuple[Component, ...]:
+    """MLflow's logger for the run the plan chose (its name, tags, the run a resume continues), then the config's
+    other loggers."""
+    out = list(sections.loggers)
+    if tracking is not None:
+        mlflow = sections.mlflow
+        arguments = {
+            "experiment_name": tracking.experiment,
+            "run_name": tracking.run_name,
+            "tracking_uri": tracking.uri,
+            "outbox_dir": tracking.outbox_dir,
+            "artifact_dir": mlflow.artifact_dir,
+            "log_model": mlflow.log_model,
+            "tags": tracking.tags,
+            "run_id": tracking.run_id,
+            "continue_run": mlflow.continue_run,
+            "system_metrics": mlflow.system_metrics,
+            "system_metrics_interval_s": mlflow.system_metrics_interval_s,
+            "flush_timeout_s": tracking.flush_timeout_s,
+            "logged_steps": tracking.logged,
+        }
+        out.insert(0, Component("mlflow", mlflow.target, arguments))
+    return tuple(out)
+
+
 # ------------------------------------------------------------------------------------ decisions
 
 
-def choose_hardware(cfg: DictConfig) -> Hardware:
+def choose_hardware(cfg: DictConfig, sections: Sections) -> Hardware:
     """trainer.accelerator -> the device; trainer.precision=auto -> what that device computes fast;
-    compile=auto -> whether compiling pays there."""
-    device, device_why = hw_device.choose_device(cfg.trainer.get("accelerator", "auto"))
-    precision, precision_why = hw_device.choose_precision(cfg.trainer.get("precision", "auto"), device)
+    compile=auto -> whether compiling pays there; the device's peak FLOP/s (the throughput callback's
+    peak_tflops where the config gives it)."""
+    trainer = sections.trainer
+    device, device_why = hw_device.choose_device(trainer.accelerator)
+    precision, precision_why = hw_device.choose_precision(trainer.precision, device)
     compile_, compile_why = hw_device.choose_compile(cfg.get("compile", "auto"), device)
     if device == "cuda" and not hw_device.cuda_available():
         raise ConfigError(
             "No CUDA device",
             [
-                f"trainer.accelerator={cfg.trainer.get('accelerator')}: this machine has no CUDA GPU; use "
-                "trainer=default (accelerator auto: the GPU when there is one, else the CPU) or trainer=cpu"
+                f"trainer.accelerator={trainer.accelerator}: this machine has no CUDA GPU; use trainer=default "
+                "(accelerator auto: the GPU when there is one, else the CPU) or trainer=cpu"
             ],
         )
-    given = ((cfg.get("callbacks") or {}).get("throughput") or {}).get("peak_tflops")
+    throughput = sections.callback(ThroughputMonitor)
+    given = throughput.arguments.get("peak_tflops") if throughput is not None else None
     if given:
-        peak, peak_why = float(given) * 1e12, "callbacks.throughput.peak_tflops"
+        peak, peak_why = float(given) * 1e12, f"callbacks.{throughput.name}.peak_tflops"
     else:
         peak, peak_why = hw_device.peak_flops(device, hw_device.compute_dtype(precision))
     return Hardware(device, device_why, precision, precision_why, compile_, compile_why, peak, peak_why)
 
 
-def strategy_kind(strategy: Any, world: int) -> Strategy:
+def strategy_kind(strategy: str | Component | None, world: int) -> Strategy:
     """The kind of a `trainer.strategy` setting: a Lightning strategy name, a `_target_` node, or auto.
     Read from the class it names (FSDPStrategy, DDPStrategy and their subclasses), never from the text."""
-    from hydra.utils import get_object
     from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy, StrategyRegistry
 
     if strategy in (None, "auto"):
         return Strategy.SINGLE if world == 1 else Strategy.DDP
-    if isinstance(strategy, DictConfig):
-        cls = get_object(strategy._target_)
+    if isinstance(strategy, Component):
+        cls = strategy.kind()
     elif isinstance(strategy, str) and strategy in StrategyRegistry:
         cls = StrategyRegistry[strategy]["strategy"]
     else:
         raise ConfigError("Unknown strategy", [f"trainer.strategy={strategy!r} is not a Lightning strategy name"])
-    if inspect.isclass(cls) and issubclass(cls, FSDPStrategy):
-        return Strategy.FSDP
-    if inspect.isclass(cls) and issubclass(cls, DDPStrategy):
-        return Strategy.DDP
-    if inspect.isclass(cls) and issubclass(cls, SingleDeviceStrategy):
-        return Strategy.SINGLE
+    for base, kind in (
+        (FSDPStrategy, Strategy.FSDP),
+        (DDPStrategy, Strategy.DDP),
+        (SingleDeviceStrategy, Strategy.SINGLE),
+    ):
+        if isinstance(cls, type) and issubclass(cls, base):
+            return kind
     raise ConfigError(
         "Unsupported strategy",
         [f"trainer.strategy={strategy!r}: a run is planned for one device, DDP or FSDP (trainer=ddp, trainer=fsdp)"],
@@ -415,49 +536,53 @@ def count_devices(devices: Any, device: str) -> int:
         return (CUDAAccelerator if device == "cuda" else CPUAccelerator).auto_device_count()
     if isinstance(devices, str):
         devices = [d for d in devices.split(",") if d.strip()] if "," in devices else int(devices)
-    count = world_size(list(devices) if OmegaConf.is_list(devices) else devices, 1)
+    count = world_size(list(devices) if isinstance(devices, (list, tuple)) else devices, 1)
     if count is None:
         raise ConfigError("Invalid devices", [f"trainer.devices={devices!r} must be a count, a list of ids or auto"])
     return count
 
 
-def plan_parallel(cfg: DictConfig, hardware: Hardware) -> Parallel:
-    trainer = cfg.trainer
-    devices = count_devices(trainer.get("devices", 1), hardware.device)
-    nodes = int(trainer.get("num_nodes", 1) or 1)
-    strategy = trainer.get("strategy")
-    options = strategy if isinstance(strategy, DictConfig) else {}
+def plan_parallel(sections: Sections, hardware: Hardware) -> Parallel:
+    trainer = sections.trainer
+    devices = count_devices(trainer.devices, hardware.device)
+    ids = trainer.devices
+    if isinstance(ids, str) and "," in ids:
+        ids = [int(d) for d in ids.split(",") if d.strip()]
+    ids = tuple(int(i) for i in ids) if isinstance(ids, (list, tuple)) else None
     local = probes.env_local_rank()
-    ids = trainer.get("devices")
-    index = int(ids[local]) if OmegaConf.is_list(ids) and local < len(ids) else local
+    index = ids[local] if ids is not None and local < len(ids) else local
     return Parallel(
-        strategy_kind(strategy, devices * nodes),
+        strategy_kind(trainer.strategy, devices * trainer.num_nodes),
         devices,
-        nodes,
+        trainer.num_nodes,
         index,
-        activation_checkpointing=bool(options.get("activation_checkpointing", False)),
-        bucket_view=bool(options.get("gradient_as_bucket_view", False)),
+        activation_checkpointing=bool(trainer.strategy_option("activation_checkpointing", False)),
+        bucket_view=bool(trainer.strategy_option("gradient_as_bucket_view", False)),
+        device_ids=ids,
+        lightning_strategy=trainer.strategy if trainer.strategy is not None else "auto",
     )
 
 
-def plan_schedule(cfg: DictConfig) -> Schedule | None:
-    sched = cfg.lr_ablation.get("scheduler")
-    if not sched:
+def plan_schedule(sections: Sections) -> Schedule | None:
+    lr = sections.schedule
+    if lr.scheduler is None:
         return None
+    s = lr.scheduler.arguments
     return Schedule(
-        int(sched.warmup_steps),
-        int(sched.total_steps),
-        float(sched.max_lr),
-        float(sched.min_lr),
-        int(cfg.trainer.max_steps),
+        int(s["warmup_steps"]),
+        int(s["total_steps"]),
+        float(s["max_lr"]),
+        float(s["min_lr"]),
+        int(sections.trainer.max_steps),
+        lr.scheduler,
     )
 
 
-def plan_resume(cfg: DictConfig, mcfg: ModelConfig, tokenizer: Tokenizer | None = None) -> Resume | None:
-    """The checkpoint to continue from (t6.run.resume: ckpt_path, or the run directory's newest whole checkpoint),
-    read (mapped, not loaded): a missing or damaged file, one whose model this config does not build, or one
-    trained with another tokenizer than the run's, fails here naming both."""
-    found = find_resume(cfg)
+def plan_resume(cfg: DictConfig, folder: Path, mcfg: ModelConfig, tokenizer: Tokenizer | None = None) -> Resume | None:
+    """The checkpoint to continue from (t6.run.resume: ckpt_path, or the newest whole checkpoint in the run's
+    checkpoint folder), read (mapped, not loaded): a missing or damaged file, one whose model this config does not
+    build, or one trained with another tokenizer than the run's, fails here naming both."""
+    found = find_resume(cfg.get("ckpt_path"), bool(cfg.get("auto_resume", False)), folder)
     if found.path is None:
         return None
     ckpt = found.ckpt
@@ -522,13 +647,13 @@ def plan_tokenizer(cfg: DictConfig) -> Tokenizer:
     return tokenizer
 
 
-def plan_tracking(cfg: DictConfig, resume: Resume | None, warm: WarmStart | None) -> Tracking | None:
+def plan_tracking(sections: Sections, resume: Resume | None, warm: WarmStart | None) -> Tracking | None:
     """The MLflow store (reachable, and holding the run a resume continues), the run, its name and tags, and the
     sweep parent."""
-    conf = mlflow_config(cfg)
+    conf = sections.mlflow
     if conf is None:
         return None
-    continues = resume.mlflow_run_id if resume is not None and conf.get("continue_run", True) else None
+    continues = resume.mlflow_run_id if resume is not None and conf.continue_run else None
     unreachable = None
     try:
         check_tracking_store(conf.tracking_uri, continues, resume.ckpt_path if resume else None)
@@ -536,20 +661,17 @@ def plan_tracking(cfg: DictConfig, resume: Resume | None, warm: WarmStart | None
         if not continues:
             raise  # a new run needs the server to create it
         unreachable = str(err.__cause__ or err)  # a resume continues its run in the outbox
-    named = recipe.with_model_config(cfg, asdict(warm.model)) if warm is not None else cfg  # the model it trains
-    named_conf = mlflow_config(named)
-    experiment, run_name = str(named_conf.experiment_name), str(named_conf.run_name)
-    tags = {str(k): str(v) for k, v in (OmegaConf.to_container(named_conf.get("tags") or {}, resolve=True)).items()}
+    experiment, run_name, tags = conf.experiment_name, conf.run_name, dict(conf.tags)
     if warm is not None:
         tags.update(source_run_id=warm.source_run_id, init_from=warm.path, conversion=warm.conversion)
     sweep = sweep_job_info()
     if sweep is not None:  # a multirun job: a child run of the sweep's parent run
         experiment, run_name, job_tags = sweep_job_run(sweep)
         tags.update(job_tags)
-    interval = conf.get("system_metrics_interval_s") if conf.get("system_metrics", True) else None
-    run_id = conf.get("run_id") or continues  # a resumed run logs into the same MLflow run
+    interval = conf.system_metrics_interval_s if conf.system_metrics else None
+    run_id = conf.run_id or continues  # a resumed run logs into the same MLflow run
     logged = {}
-    spool = Path(str(conf.outbox_dir)) / "rank0.jsonl"
+    spool = Path(conf.outbox_dir) / "rank0.jsonl"
     if run_id and spool.exists():  # what the run has already: this run directory's spool holds all it wrote
         logged = logged_steps(spool, run_id)
     elif run_id and not unreachable:  # a checkpoint of another directory: the store says
@@ -561,11 +683,12 @@ def plan_tracking(cfg: DictConfig, resume: Resume | None, warm: WarmStart | None
         run_id,
         sweep["parent_run_id"] if sweep else None,
         interval,
-        log_model_choice(conf.get("log_model", False)),
-        str(conf.outbox_dir),
+        log_model_choice(conf.log_model),
+        conf.outbox_dir,
         unreachable,
         tags,
         logged,
+        float(conf.flush_timeout_s),
     )
 
 
@@ -576,17 +699,19 @@ def instantiate_data(cfg: DictConfig, tokenizer: Tokenizer | None = None):
     return instantiate(cfg.data, tokenizer=tokenizer) if tokenizer is not None else instantiate(cfg.data)
 
 
-def plan_training(cfg: DictConfig, hardware: Hardware, parallel: Parallel, batch: BatchPlan) -> Training:
+def plan_training(
+    cfg: DictConfig, sections: Sections, hardware: Hardware, parallel: Parallel, batch: BatchPlan
+) -> Training:
     """The seed, what a non-finite loss does, the loss's implementation on this device (loss_impl=auto: Liger's
     kernel on CUDA; liger where Triton cannot run is an error), validation counted in micro-batches, and the
     optimizer's own arguments for this device and strategy."""
-    every = cfg.trainer.get("val_check_interval")
+    every = sections.trainer.val_check_interval
     return Training(
         int(cfg.seed),
         cfg.get("nonfinite_loss", "stop"),
         "liger" if use_liger(cfg.get("loss_impl", "auto"), hardware.device) else "chunked",
         cfg.get("loss_chunk_tokens"),
-        int(cfg.trainer.max_steps),
+        int(sections.trainer.max_steps),
         every * batch.accumulation if isinstance(every, int) else every,  # Lightning counts micro-batches
         plan_optimizer(cfg, hardware, parallel),
         bool(cfg.get("gradient_checkpointing", False)),
@@ -617,7 +742,9 @@ def plan_optimizer(cfg: DictConfig, hardware: Hardware, parallel: Parallel) -> d
     return {}
 
 
-def plan_batch(cfg: DictConfig, mcfg: ModelConfig, hardware: Hardware, parallel: Parallel) -> BatchPlan:
+def plan_batch(
+    cfg: DictConfig, sections: Sections, mcfg: ModelConfig, hardware: Hardware, parallel: Parallel
+) -> BatchPlan:
     """The micro-batch (data.batch_size=auto: the largest that fits; a number: checked) and its accumulation."""
     from t6.data.batching import accumulation_steps
 
@@ -686,28 +813,35 @@ def preflight(cfg, mcfg, hardware: Hardware, parallel: Parallel, requested, per_
 ASSUMED_MFU = 0.4
 
 
-def plan_checkpoints(
-    cfg: DictConfig, mcfg: ModelConfig, hardware: Hardware, parallel: Parallel, batch: BatchPlan
-) -> Checkpoints | None:
-    """How checkpoints are written (in the background from a GPU, with the Trainer's BackgroundCheckpointIO;
-    FSDP gathers the state into rank 0's host memory, which is written at once) and, for
-    callbacks.model_checkpoint.every_n_train_steps=auto, how often: from the checkpoint's size and an
-    estimate of the step's time (its FLOPs at ASSUMED_MFU of the device's peak),
-    t6.training.callbacks.checkpoint.checkpoint_interval."""
-    from hydra.utils import get_object
+def checkpoint_background(sections: Sections, hardware: Hardware, parallel: Parallel) -> bool:
+    """Whether checkpoints are written by a thread from a host copy (the Trainer's BackgroundCheckpointIO is given
+    this): as its `background` setting says, else (null) from a GPU, where the copy costs far less than the write; not
+    under FSDP, which gathers the state into rank 0's host memory, written at once; not on the CPU, where the copy
+    would take the memory the step was planned with and the cores that would write are the ones training."""
+    from t6.training.checkpoint_io import BackgroundCheckpointIO
 
+    io = next((p for p in sections.trainer.plugins if p.builds(BackgroundCheckpointIO)), None)
+    if io is None:
+        return False
+    if io.arguments.get("background") is not None:
+        return bool(io.arguments["background"])
+    return hardware.device == "cuda" and parallel.strategy is not Strategy.FSDP
+
+
+def plan_checkpoints(
+    cfg: DictConfig, sections: Sections, mcfg: ModelConfig, hardware: Hardware, batch: BatchPlan, background: bool
+) -> Checkpoints | None:
+    """How often checkpoints are written, for callbacks.model_checkpoint.every_n_train_steps=auto from the
+    checkpoint's size and an estimate of the step's time (its FLOPs at ASSUMED_MFU of the device's peak),
+    t6.training.callbacks.checkpoint.checkpoint_interval; a checkpoint larger than the process may write (its
+    file-size limit, `ulimit -f`) stops the run here. None: no checkpoint callback."""
     from t6.model.facts import flops_per_token, meta_model
     from t6.training.callbacks.checkpoint import checkpoint_interval
-    from t6.training.checkpoint_io import BackgroundCheckpointIO, file_size_limit
+    from t6.training.checkpoint_io import file_size_limit
 
-    conf = (cfg.get("callbacks") or {}).get("model_checkpoint")
-    if not conf:
+    component = sections.callback(RunCheckpoint)
+    if component is None:
         return None
-    plugins = [p for p in cfg.trainer.get("plugins") or [] if isinstance(p, DictConfig) and "_target_" in p]
-    kinds = [(p, get_object(p._target_)) for p in plugins]
-    io = next((p for p, kind in kinds if inspect.isclass(kind) and issubclass(kind, BackgroundCheckpointIO)), None)
-    on_gpu = hardware.device == "cuda" and parallel.strategy is not Strategy.FSDP
-    background = io is not None and (on_gpu if io.get("background") is None else io.background)
     model = meta_model(mcfg)
     optimizer, _ = memory.optimizer_state_bytes(model, cfg.optimizer._target_, 4)
     state = model.num_params() * hw_device.param_dtype(hardware.precision).itemsize + optimizer  # ~ a checkpoint file
@@ -718,11 +852,11 @@ def plan_checkpoints(
             f"this process may write no file larger than {limit / 2**20:,.1f} MiB (its file-size limit, `ulimit -f`); "
             "raise the limit (ulimit -f unlimited) and start again"
         )
-    every = conf.get("every_n_train_steps")
+    every = component.arguments.get("every_n_train_steps")
     if every != "auto":
-        return Checkpoints(every, f"callbacks.model_checkpoint.every_n_train_steps={every}", background)
+        return Checkpoints(every, f"callbacks.{component.name}.every_n_train_steps={every}", background)
     peak = hardware.peak_flops
     tokens = batch.micro_batch * batch.accumulation * batch.seq_len  # per device and optimizer step
     step_s = flops_per_token(model, batch.seq_len) * tokens / (peak * ASSUMED_MFU)
-    every, why = checkpoint_interval(state, step_s, background, int(cfg.trainer.max_steps))
+    every, why = checkpoint_interval(state, step_s, background, int(sections.trainer.max_steps))
     return Checkpoints(every, why, background)

@@ -15,17 +15,18 @@ from pathlib import Path
 
 from t6.errors import MissingFile, SettingError
 from t6.model.load import HF_CONFIG, read_checkpoint
+from t6.run.sections import Component
 
 LAST = "last.ckpt"
 TEMPORARY = (".*.tmp", "*.link")  # a write or a link a killed process left (t6.training.checkpoint_io)
 
 
-def checkpoint_dir(cfg) -> Path:
-    """Where this run's checkpoints go (the run directory's checkpoints/ by default)."""
-    ckpt_cb = (cfg.get("callbacks") or {}).get("model_checkpoint")
-    if ckpt_cb and ckpt_cb.get("dirpath"):
-        return Path(ckpt_cb.dirpath)
-    return Path(cfg.paths.output_dir) / "checkpoints"
+def checkpoint_dir(output_dir: str | Path, checkpoints: Component | None) -> Path:
+    """Where this run's checkpoints go: the checkpoint callback's dirpath (`checkpoints`: its Component), else the
+    run directory's checkpoints/."""
+    if checkpoints is not None and checkpoints.arguments.get("dirpath"):
+        return Path(checkpoints.arguments["dirpath"])
+    return Path(output_dir) / "checkpoints"
 
 
 @dataclass(frozen=True)
@@ -62,12 +63,10 @@ def newest_whole_checkpoint(folder: Path) -> Found:
     return Found(str(path), ckpt, how, tuple(passed))
 
 
-def find_resume(cfg) -> Found:
-    """The checkpoint to resume from: `ckpt_path=PATH`; `ckpt_path=last` (this run directory's newest whole
-    checkpoint, which must exist); or, with `auto_resume=true` and no ckpt_path, the run directory's newest whole
-    checkpoint when it has one (a re-run or requeued job with a fixed run dir)."""
-    requested = cfg.get("ckpt_path")
-    folder = checkpoint_dir(cfg)
+def find_resume(requested: str | None, auto_resume: bool, folder: Path) -> Found:
+    """The checkpoint to resume from: `ckpt_path=PATH` (`requested`); `ckpt_path=last` (the newest whole checkpoint
+    in `folder`, the run's checkpoint folder, which must exist); or, with `auto_resume` and no ckpt_path, the newest
+    whole checkpoint in `folder` when it has one (a re-run or requeued job with a fixed run dir)."""
     for path in (folder / LAST, Path(requested) if requested and requested != "last" else None):
         if path is not None and path.is_dir() and not (path / HF_CONFIG).is_file():  # an export: the plan names it
             raise SettingError(
@@ -82,7 +81,7 @@ def find_resume(cfg) -> Found:
                 "logs/train/runs/<time>/checkpoints/last.ckpt), or ckpt_path=last for this run directory's"
             )
         return Found(str(requested), read_checkpoint(requested, "ckpt_path", mmap=True), f"ckpt_path={requested}")
-    if requested != "last" and not cfg.get("auto_resume", False):
+    if requested != "last" and not auto_resume:
         return Found(None, None, "")
     found = newest_whole_checkpoint(folder) if folder.is_dir() else Found(None, None, "")
     if requested == "last" and found.path is None:

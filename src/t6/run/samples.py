@@ -4,6 +4,7 @@ to the MLflow run as `samples.txt` (the closing summary prints the first)."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import lightning as L
 import torch
@@ -18,6 +19,20 @@ from t6.inference.generate import generate_text
 log = logging.getLogger(__name__)
 
 SAMPLES_ARTIFACT = "samples.txt"
+
+
+@dataclass(frozen=True)
+class Samples:
+    """The `samples` setting, read once: the prompts continued greedily after training, and how far."""
+
+    prompts: tuple[str, ...]
+    max_new_tokens: int
+
+    @classmethod
+    def read(cls, cfg: DictConfig) -> Samples | None:
+        """None for samples=null (after check_samples)."""
+        samples = cfg.get("samples")
+        return None if samples is None else cls(tuple(samples.prompts), int(samples.max_new_tokens))
 
 
 def check_samples(cfg: DictConfig) -> None:
@@ -42,7 +57,7 @@ def check_samples(cfg: DictConfig) -> None:
         )
 
 
-def greedy_samples(model: torch.nn.Module, samples: DictConfig, tokenizer: Tokenizer | None = None) -> list[str]:
+def greedy_samples(model: torch.nn.Module, samples: Samples, tokenizer: Tokenizer | None = None) -> list[str]:
     """Each of samples.prompts continued greedily (temperature 0) by samples.max_new_tokens tokens at most
     (fewer where the prompt and they would pass the model's block size), in the run's tokenizer (default
     GPT-2). One prompt at a time: no padding, so every attention option can generate them."""
@@ -67,7 +82,7 @@ def samples_text(texts: list[str], step: int) -> str:
 
 
 def log_samples(
-    samples: DictConfig | None,
+    samples: Samples | None,
     trainer: L.Trainer,
     model: torch.nn.Module,
     mlflow: MLFlowLogger | None,

@@ -17,19 +17,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
-from omegaconf import DictConfig
-
 from t6.errors import DamagedFile, SettingError, Unreachable
 
 if TYPE_CHECKING:
     from lightning.pytorch.loggers import MLFlowLogger
-
-
-def mlflow_config(cfg: DictConfig) -> DictConfig | None:
-    """The MLflow logger's config when one is configured. A recipe may set `logger.mlflow.<key>`
-    for its runs; under `logger=none` that leaves a bare dict without `_target_`, which is no logger."""
-    conf = (cfg.get("logger") or {}).get("mlflow")
-    return conf if isinstance(conf, DictConfig) and "_target_" in conf else None
 
 
 def sqlite_file(uri: str) -> Path:

@@ -48,9 +48,18 @@ def _client(uri: str):
 
 
 class MLflowSweepCallback(Callback):
-    def __init__(self, experiment_name: str | None = None):
-        """experiment_name: the experiment of the sweep; default `<experiment_name>-sweep-<sweep dir name>`."""
-        self.experiment_name = experiment_name
+    def __init__(
+        self,
+        experiment_name: str | None = None,
+        logger: str | None = None,
+        tracking_uri: str | None = None,
+        artifact_dir: str | None = None,
+    ):
+        """experiment_name: the experiment of the sweep; default `<experiment_name>-sweep-<sweep dir name>`.
+        logger, tracking_uri, artifact_dir: the run's MLflow logger (its `_target_`; None: no MLflow logger, no
+        parent run), its store and the artifacts' place, as conf/hydra/default.yaml passes them from logger.mlflow."""
+        self.experiment_name, self.logger = experiment_name, logger
+        self.tracking_uri, self.artifact_dir = tracking_uri, artifact_dir
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from t6.hardware.probes import env_rank
@@ -59,17 +68,15 @@ class MLflowSweepCallback(Callback):
             TRAINING_KIND,
             artifact_location,
             check_tracking_uri,
-            mlflow_config,
             tag_training_experiment,
         )
 
-        mlflow_cfg = mlflow_config(config)
-        if mlflow_cfg is None or env_rank() != 0:
+        if self.logger is None or env_rank() != 0:
             return
         sweep_dir = Path(config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         path = sweep_dir / SWEEP_FILE
-        uri = mlflow_cfg.tracking_uri
+        uri = self.tracking_uri
         check_tracking_uri(uri)
         client = _client(uri)
         if path.is_file():  # the same sweep started again (fixed hydra.sweep.dir, after preemption): reuse it
@@ -79,7 +86,7 @@ class MLflowSweepCallback(Callback):
         name = self.experiment_name or f"{config.experiment_name}-sweep-{sweep_dir.name}"
         experiment = client.get_experiment_by_name(name)
         if experiment is None:
-            artifacts = artifact_location(uri, mlflow_cfg.get("artifact_dir"))
+            artifacts = artifact_location(uri, self.artifact_dir)
             experiment_id = client.create_experiment(
                 name, artifact_location=artifacts, tags={EXPERIMENT_KIND_TAG: TRAINING_KIND}
             )

@@ -69,6 +69,25 @@ def test_each_layer_imports_only_the_layers_before_it():
     assert not upward, upward
 
 
+def test_the_readmes_layout_lists_every_layer_in_the_architectures_order():
+    """The README's layout of src/t6 names each layer (package or top-level module) that exists, each once, in the
+    order docs/architecture.md gives them (the order they import in)."""
+    layout = (ROOT / "README.md").read_text().split("## Layout")[1].split("```")[1].splitlines()
+    start = next(i for i, line in enumerate(layout) if line.startswith("src/t6/"))
+    block = layout[start + 1 : next(i for i in range(start + 1, len(layout)) if not layout[i].startswith(" "))]
+    listed = [
+        name.removesuffix("/").removesuffix(".py")
+        for line in block
+        if re.match(r"^  \S", line)  # a layer: two spaces in; deeper lines are inside one
+        for name in line.strip().split("  ")[0].split()
+    ]
+    src = ROOT / "src" / "t6"
+    layers = {p.name.removesuffix(".py") for p in src.iterdir() if (p.is_dir() and any(p.glob("*.py")))
+              or (p.suffix == ".py" and p.name != "__init__.py")}  # fmt: skip
+    assert sorted(listed) == sorted(layers), "the README's layout and src/t6 differ"
+    assert listed == layer_order(), "the README lists the layers in another order than docs/architecture.md"
+
+
 def facts_table(text: str, first_header: str) -> list[list[str]]:
     """The rows of the markdown table whose first header cell is `first_header`."""
     lines = text.splitlines()

@@ -144,14 +144,6 @@ SKIPS = {
         "test_keep_in_fp32_modules",
         "test_keep_in_fp32_modules_strict_also_hardcode_fp32",
     ],
-    "expects transformers' GradientCheckpointingLayer among the modules: T6's blocks checkpoint themselves "
-    "(T6.gradient_checkpointing; the model knows nothing of transformers), tested in tests/test_hf_transformers.py "
-    "(each block runs again in backward, the same gradients)": [
-        "test_gradient_checkpointing_enable_disable",
-        "test_training_gradient_checkpointing",
-        "test_training_gradient_checkpointing_use_reentrant_false",
-        "test_training_gradient_checkpointing_use_reentrant_true",
-    ],
     "compiles the whole model with inductor (minutes on two CPU cores); T6's own compiled training is tested in "
     "tests/test_model.py": [
         "test_torch_compile_for_training",

@@ -138,29 +138,40 @@ def test_output_attentions_of_a_mechanism_that_records_none_is_an_error(build, m
         hf(tokens(1, 5), output_attentions=True)
 
 
-def test_gradient_checkpointing_recomputes_each_block_and_gives_the_same_gradients(build):
-    hf = build("tpa").train()
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing_applies_transformers_kwargs_to_each_block(build, reentrant):
+    """Each block is a transformers GradientCheckpointingLayer: activation_checkpointing_enable() recomputes it in
+    backward through torch's checkpoint with the given kwargs (use_reentrant: the block's output comes from
+    CheckpointFunction, or not), every_n_layers=2 every other block, and the gradients are the plain ones."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    hf = build("tpa", n_layer=4).train()
+    assert all(isinstance(block, GradientCheckpointingLayer) for block in hf.model.blocks)
     ids = tokens(2, 12)
-    runs = []
+    runs, outputs = [], []
     for block in hf.model.blocks:
-        block.register_forward_pre_hook(lambda *_: runs.append(1))  # a recompute stops once it has what backward needs
+        block.ffn.register_forward_pre_hook(lambda *_: runs.append(1))  # inside the block: runs again in backward
+        block.register_forward_hook(lambda module, args, out: outputs.append(out))  # outside the checkpoint
 
     def grads() -> dict[str, torch.Tensor]:
         hf.zero_grad()
-        runs.clear()
+        runs.clear(), outputs.clear()
         hf(ids, labels=ids).loss.backward()
         return {n: p.grad.clone() for n, p in hf.named_parameters()}
 
     plain = grads()
-    assert len(runs) == hf.config.n_layer
-    hf.gradient_checkpointing_enable()
-    assert hf.model.gradient_checkpointing and hf.is_activation_checkpointing
-    checkpointed = grads()
-    assert len(runs) == 2 * hf.config.n_layer  # each block again in backward
-    for name, grad in plain.items():
-        torch.testing.assert_close(checkpointed[name], grad, rtol=1e-5, atol=1e-7)
-    hf.gradient_checkpointing_disable()
-    assert not hf.model.gradient_checkpointing
+    assert len(runs) == 4 and not hf.is_activation_checkpointing
+    for every, recomputed in ((1, 4), (2, 2)):
+        hf.activation_checkpointing_enable({"use_reentrant": reentrant}, every_n_layers=every)
+        assert hf.is_activation_checkpointing
+        checkpointed = grads()
+        assert len(runs) == 4 + recomputed  # each checkpointed block once more, in backward
+        kinds = [type(out.grad_fn).__name__ == "CheckpointFunctionBackward" for out in outputs]
+        assert kinds == [reentrant and i % every == 0 for i in range(4)]
+        for name, grad in plain.items():
+            torch.testing.assert_close(checkpointed[name], grad, rtol=1e-5, atol=1e-7)
+        hf.activation_checkpointing_disable()
+        assert not any(getattr(m, "gradient_checkpointing", False) for m in hf.modules())
 
 
 def test_missing_weights_are_initialized_as_t6_does_and_reported(build, hf_classes, tmp_path):

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils.deprecation import deprecate_kwarg
 
@@ -33,7 +34,7 @@ from t6.hf.configuration import T6Config
 from t6.model.attention.base import Attention, KVCache
 from t6.model.config import ModelConfig
 from t6.model.layers import Rotary, SwiGLU
-from t6.model.t6 import T6
+from t6.model.t6 import T6, Block
 
 
 def to_model_config(config: T6Config) -> ModelConfig:
@@ -139,17 +140,39 @@ class T6Cache(Cache):
             layer.kv.key_mask = key_mask
 
 
+class T6DecoderLayer(Block, GradientCheckpointingLayer):
+    """A T6 block as transformers' GradientCheckpointingLayer: `gradient_checkpointing_enable()` has it recomputed
+    in backward by transformers' checkpoint function, with its `gradient_checkpointing_kwargs` (use_reentrant) and
+    `every_n_layers`. The block itself, its weights and their names are T6's `Block`."""
+
+
+def run_block(block: T6DecoderLayer, *args) -> torch.Tensor:
+    """T6Backbone's checkpoint function: the block, which checkpoints itself when transformers says so."""
+    return block(*args)
+
+
+class T6Backbone(T6):
+    """The T6 of the export, its blocks T6DecoderLayer. transformers sets every `gradient_checkpointing` flag it
+    finds, T6's own as well; here the blocks recompute themselves, so T6's checkpoint function only runs them."""
+
+    block_class = T6DecoderLayer
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.checkpoint_function = run_block
+
+
 class T6ForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = T6Config
     base_model_prefix = "model"
     main_input_name = "input_ids"
     supports_gradient_checkpointing = True
-    _no_split_modules = ["Block"]
+    _no_split_modules = ["T6DecoderLayer"]
     _tied_weights_keys = {"model.lm_head.weight": "model.embed.weight"}  # applied when tie_embeddings
 
     def __init__(self, config: T6Config):
         super().__init__(config)
-        self.model = T6(to_model_config(config))
+        self.model = T6Backbone(to_model_config(config))
         self.post_init()
 
     @torch.no_grad()

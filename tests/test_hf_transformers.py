@@ -6,6 +6,8 @@ and PEFT LoRA on every projection, training and cached paths alike. The classes 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -127,6 +129,43 @@ def test_hidden_states_attentions_and_inputs_embeds(build):
             assert float(probs[1, :, -1, :3].abs().max()) == 0  # padding unseen
         assert float(out.attentions[0].triu(1).abs().max()) == 0  # causal
         torch.testing.assert_close(cached.attentions[0][:, :, 0], out.attentions[0][:, :, -1], rtol=0, atol=1e-5)
+
+
+def test_attn_implementation_maps_onto_t6s_own_attention(build, hf_classes, tmp_path, monkeypatch):
+    """from_pretrained(attn_implementation=...) as TRL and lm-eval pass it: sdpa (the default) runs each mechanism's
+    kernels, eager the attention written out (no SDPA call, no fused operator), with the same logits and greedy
+    tokens; flash_attention_2 runs as sdpa; set_attn_implementation switches; anything else (transformers' flex and
+    paged attention, a Hub kernel) is refused, naming it, before it is looked for."""
+    _, model_class = hf_classes
+    sdpa, calls = torch.nn.functional.scaled_dot_product_attention, []
+    monkeypatch.setattr(
+        torch.nn.functional, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or sdpa(*a, **k)
+    )
+    ids, mask = tokens(2, 9), torch.ones(2, 9, dtype=torch.long)
+    mask[1, :3] = 0
+    greedy = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=98)
+    for name in ("mha", "tpa", "mla"):
+        build(name).save_pretrained(tmp_path / name)
+        out = {}
+        for asked, runs in ((None, "sdpa"), ("eager", "eager"), ("flash_attention_2", "sdpa")):
+            hf = model_class.from_pretrained(tmp_path / name, **({"attn_implementation": asked} if asked else {}))
+            assert hf.config._attn_implementation == runs
+            calls.clear()
+            with torch.no_grad():
+                out[asked] = hf(ids, attention_mask=mask).logits, hf.generate(ids, **greedy)
+            if name != "mla":  # padded, MLA attends through its absorbed form and fused operator, not SDPA
+                assert bool(calls) == (runs == "sdpa")
+        torch.testing.assert_close(out["eager"][0], out[None][0], rtol=0, atol=1e-5)
+        assert torch.equal(out["eager"][1], out[None][1]) and torch.equal(out["flash_attention_2"][1], out[None][1])
+    hf.set_attn_implementation("eager")
+    assert hf.config._attn_implementation == "eager"
+    for refused in ("flex_attention", "paged|eager", "kernels-community/flash-attn2", "kernels-community/sdpa"):
+        with pytest.raises(
+            ValueError, match=f'Specified `attn_implementation="{re.escape(refused)}"` is not supported by a T6'
+        ):
+            model_class.from_pretrained(tmp_path / "mha", attn_implementation=refused)
+        with pytest.raises(ValueError, match=f'attn_implementation="{re.escape(refused)}"'):
+            hf.set_attn_implementation(refused)
 
 
 def test_output_attentions_of_a_mechanism_that_records_none_is_an_error(build, monkeypatch):

@@ -76,6 +76,13 @@ PRIVATE = [
         "the flag transformers marks a loaded (or already initialized) module with; nothing public says so",
     ),
     (
+        "transformers.configuration_utils:PreTrainedConfig",
+        "_attn_implementation",
+        "t6.hf.modeling.T6ForCausalLM (__init__, forward)",
+        "the attn_implementation transformers resolved (from_pretrained, set_attn_implementation), which each of its "
+        "models reads to choose its attention; no public accessor",
+    ),
+    (
         "torch.nn:Module",
         "_forward_hooks",
         "t6.model.attention.base.plain_linear",

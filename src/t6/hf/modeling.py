@@ -28,6 +28,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.utils import logging
 from transformers.utils.deprecation import deprecate_kwarg
 
 from t6.hf.configuration import T6Config
@@ -35,6 +36,32 @@ from t6.model.attention.base import Attention, KVCache
 from t6.model.config import ModelConfig
 from t6.model.layers import Rotary, SwiGLU
 from t6.model.t6 import T6, Block
+
+logger = logging.get_logger(__name__)
+
+# transformers' attn_implementation -> what a T6 runs. Each mechanism is its own attention, so these name T6's two
+# ways of computing it, not transformers' attention functions:
+ATTN_IMPLEMENTATIONS = {
+    # each mechanism's own kernels (the default): PyTorch's SDPA and the fused decode operators
+    "sdpa": "sdpa",
+    # the attention written out in PyTorch operations (scores, softmax, weighted sum), as output_attentions has it
+    "eager": "eager",
+    # TRL's and lm-eval's usual choice: SDPA, whose FlashAttention backend runs on CUDA in fp16/bf16 (no flash-attn)
+    **{f"flash_attention_{version}": "sdpa" for version in (2, 3, 4)},
+}
+
+
+def t6_attn_implementation(asked: str | None) -> str:
+    """The attn_implementation a T6 runs for the one asked (None: the default, "sdpa"): ATTN_IMPLEMENTATIONS. Any
+    other (transformers' flex or paged attention, a kernel from the Hub) is an error naming it."""
+    name = "sdpa" if asked is None else asked
+    if name not in ATTN_IMPLEMENTATIONS:
+        raise ValueError(
+            f'Specified `attn_implementation="{name}"` is not supported by a T6: each mechanism computes its own '
+            "attention, with its own kernels (sdpa, the default) or written out (eager); flash_attention_2, _3 and _4 "
+            f"run as sdpa. Choose one of {', '.join(ATTN_IMPLEMENTATIONS)}"
+        )
+    return ATTN_IMPLEMENTATIONS[name]
 
 
 def to_model_config(config: T6Config) -> ModelConfig:
@@ -167,10 +194,12 @@ class T6ForCausalLM(PreTrainedModel, GenerationMixin):
     base_model_prefix = "model"
     main_input_name = "input_ids"
     supports_gradient_checkpointing = True
+    _supports_sdpa = True  # attn_implementation="sdpa", the default (ATTN_IMPLEMENTATIONS)
     _no_split_modules = ["T6DecoderLayer"]
     _tied_weights_keys = {"model.lm_head.weight": "model.embed.weight"}  # applied when tie_embeddings
 
     def __init__(self, config: T6Config):
+        t6_attn_implementation(config._attn_implementation)  # refused before transformers looks for a Hub kernel
         super().__init__(config)
         self.model = T6Backbone(to_model_config(config))
         self.post_init()
@@ -210,6 +239,25 @@ class T6ForCausalLM(PreTrainedModel, GenerationMixin):
         embedding (one parameter), so that would also hide a missing embedding: only when the embedding is there."""
         if not any(source in loading_info.missing_keys for source in self.all_tied_weights_keys.values()):
             super().mark_tied_weights_as_initialized(loading_info)
+
+    def get_correct_attn_implementation(self, requested_attention: str | None, is_init_check: bool = False) -> str:
+        """transformers' check of an attn_implementation (at load, and by set_attn_implementation): the one a T6 runs
+        (t6_attn_implementation), which transformers records in the config."""
+        runs = t6_attn_implementation(requested_attention)
+        if requested_attention not in (None, runs):
+            logger.warning_once(
+                f"attn_implementation={requested_attention!r}: a T6 runs its own kernels, recorded as {runs!r} "
+                "(PyTorch's SDPA, whose FlashAttention backend runs on CUDA in fp16/bf16; no flash-attn package needed)"
+            )
+        return runs
+
+    def set_attn_implementation(self, attn_implementation: str | dict, allow_all_kernels: bool = False) -> None:
+        """transformers' own, the implementation checked first (a kernel from the Hub is refused before it is looked
+        for)."""
+        asked = attn_implementation.get("") if isinstance(attn_implementation, dict) else attn_implementation
+        if asked is not None:
+            t6_attn_implementation(asked)
+        super().set_attn_implementation(attn_implementation, allow_all_kernels)
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed
@@ -303,12 +351,16 @@ class T6ForCausalLM(PreTrainedModel, GenerationMixin):
             step.mask_keys(padding)
 
         attns = [block.attn for block in self.model.blocks]
+        written_out = output_attentions or config._attn_implementation == "eager"  # attn_implementation, below
         for attn in attns:
-            attn.recorded = [] if output_attentions else None
+            attn.recorded = [] if written_out else None
         try:
             states = [x]  # the embeddings, then each block's output
-            for h in self.model.hidden_states(x, start, None if step is None else step.kv_caches()):
+            blocks = self.model.hidden_states(x, start, None if step is None else step.kv_caches())
+            for attn, h in zip(attns, blocks):
                 states = [*states, h] if output_hidden_states else [h]
+                if not output_attentions and written_out:
+                    attn.recorded.clear()  # eager: the probabilities were computed, not asked for
             attentions = self.recorded_attentions(attns) if output_attentions else None
         finally:
             for attn in attns:

@@ -70,6 +70,39 @@ def test_the_cache_continues_as_transformers_models_do(build, name):
         assert torch.equal(hf.generate(ids[:1, :6], max_new_tokens=12, prompt_lookup_num_tokens=3, **greedy), want)
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_cache_layers_keys_and_values_are_what_the_attention_uses(build, name, monkeypatch):
+    """Every cache layer has transformers' `keys` [B, h_kv, S, d_k] and `values` [B, h_kv, S, d_v]: exactly the K and
+    V each layer's attention scored and averaged over the whole sequence (its written-out path hands them to
+    Attention.record_attention), whether the cache was filled by one prefill or by cached decoding (the factor,
+    absorbed and fused paths, the cache growing); after crop and beam reordering, those of the tokens it holds. GQA's
+    are its cache itself."""
+    hf, ids = build(name), tokens(2, 20)
+    used = []  # (k, v) of each layer's written-out attention, in layer order
+    for block in hf.model.blocks:
+        record = block.attn.record_attention
+        spy = lambda q, k, v, mask, scale=None, record=record: used.append((k, v)) or record(q, k, v, mask, scale)  # noqa: E731
+        monkeypatch.setattr(block.attn, "record_attention", spy)
+    with torch.no_grad():
+        whole = hf(ids, output_attentions=True).cache  # one prefill of the 20 tokens
+        prefill, used[:] = list(used), []
+        decoded = hf(ids[:, :6]).cache  # 6 tokens, then 1, 3 and 1 at a time: the cache grows from 6 to 12 to 20
+        for chunk in (slice(6, 7), slice(7, 10), slice(10, 11), slice(11, 20)):
+            hf(ids[:, chunk], past_key_values=decoded)
+    for cache in (whole, decoded):
+        for layer, (k, v) in zip(cache.layers, prefill, strict=True):
+            assert layer.keys.shape[:3] == layer.values.shape[:3] == (2, k.shape[1], 20)
+            torch.testing.assert_close(layer.keys, k, rtol=0, atol=1e-6)
+            torch.testing.assert_close(layer.values, v, rtol=0, atol=1e-6)
+    layer, (k, v) = decoded.layers[0], prefill[0]
+    decoded.crop(-5)
+    torch.testing.assert_close(layer.keys, k[:, :, :15], rtol=0, atol=1e-6)
+    decoded.reorder_cache(torch.tensor([1, 0]))
+    torch.testing.assert_close(layer.values, v[[1, 0], :, :15], rtol=0, atol=1e-6)
+    if name in ("mha", "gqa", "mqa"):  # a K/V cache: the tensors decoding reads
+        assert layer.keys.data_ptr() == layer.kv.tensors["k"].data_ptr()
+
+
 @pytest.mark.parametrize("name", ["mha", "tpa", "mla"])  # SDPA over K/V heads, TPA's factors, MLA's latent
 def test_assisted_decoding_gives_the_greedy_tokens(build, name):
     """A draft model (another T6) proposes tokens; each layer's cache is cropped back to the accepted ones."""

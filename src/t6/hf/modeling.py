@@ -82,16 +82,29 @@ def resized(kv: KVCache, max_len: int) -> KVCache:
 
 
 class T6CacheLayer(CacheLayerMixin):
-    """One layer's KVCache, written in place by the attention (KVCache.update); this layer counts the tokens
-    it holds and grows the KVCache when a call brings more than it has room for."""
+    """One layer's KVCache, written in place by its attention `attn` (KVCache.update); this layer counts the tokens
+    it holds and grows the KVCache when a call brings more than it has room for.
+
+    `keys` and `values` are transformers' view of it, [B, h_kv, tokens, d_k] and [B, h_kv, tokens, d_v], as the
+    attention scores and averages them (Attention.cached_keys_values): for a K/V cache (MHA, GQA, MQA; GTA's values)
+    the cached tensors themselves; for factors or latents (TPA's factors, MLA's and GLA's latents, ...) computed from
+    them at each read, a new tensor that decoding never reads (writing into it changes nothing)."""
 
     is_croppable = True
 
-    def __init__(self, kv: KVCache):
-        super().__init__()
-        self.kv = kv
+    def __init__(self, kv: KVCache, attn: Attention):
+        # CacheLayerMixin.__init__ would set keys and values, which are read from the KVCache here
+        self.kv, self.attn = kv, attn
         self.length = 0  # tokens cached
         self.is_initialized = True
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.attn.cached_keys_values(self.kv, self.length)[0]  # [B, h_kv, tokens, d_k]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.attn.cached_keys_values(self.kv, self.length)[1]  # [B, h_kv, tokens, d_v]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Nothing to do: the cache was allocated with the layer."""
@@ -144,7 +157,8 @@ class T6Cache(Cache):
 
     def __init__(self, model: T6, batch_size: int, max_len: int, dtype=None, device=None):
         self.block_size = model.cfg.block_size
-        super().__init__(layers=[T6CacheLayer(kv) for kv in model.build_kv_caches(batch_size, max_len, dtype, device)])
+        caches = model.build_kv_caches(batch_size, max_len, dtype, device)
+        super().__init__(layers=[T6CacheLayer(kv, block.attn) for kv, block in zip(caches, model.blocks)])
 
     def kv_caches(self) -> list[KVCache]:
         return [layer.kv for layer in self.layers]

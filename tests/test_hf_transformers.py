@@ -201,6 +201,22 @@ def test_attn_implementation_maps_onto_t6s_own_attention(build, hf_classes, tmp_
             hf.set_attn_implementation(refused)
 
 
+def test_generation_past_block_size_is_refused_before_it_starts(build):
+    """generate() whose prompt + max_new_tokens (or max_length) passes the model's block_size (64) is an error naming
+    them, before any forward; exactly block_size tokens generate."""
+    hf = build("tpa")
+    forwards = []
+    hf.model.embed.register_forward_hook(lambda *_: forwards.append(1))
+    greedy = dict(do_sample=False, pad_token_id=98)
+    too_long = r"prompt \(60 tokens\) \+ max_new_tokens \(5\) = 65 tokens exceeds the model's block_size \(max_position"
+    with pytest.raises(ValueError, match=too_long + r"_embeddings\) 64; lower max_new_tokens or shorten the prompt"):
+        hf.generate(tokens(1, 60), max_new_tokens=5, **greedy)
+    with pytest.raises(ValueError, match=r"max_length = 70 tokens exceeds the model's block_size"):
+        hf.generate(tokens(1, 60), max_length=70, **greedy)
+    assert not forwards
+    assert hf.generate(tokens(1, 60), max_new_tokens=4, **greedy).shape == (1, 64)
+
+
 def test_output_attentions_of_a_mechanism_that_records_none_is_an_error(build, monkeypatch):
     hf = build("gqa")
     attn = type(hf.model.blocks[0].attn)

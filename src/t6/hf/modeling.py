@@ -410,7 +410,15 @@ class T6ForCausalLM(PreTrainedModel, GenerationMixin):
         self, generation_config, model_kwargs: dict, generation_mode, batch_size: int, max_cache_length: int
     ) -> None:
         """generate()'s cache: a T6Cache for every sequence it decodes, room for the whole generation, unless
-        the caller gave one (it grows as needed)."""
+        the caller gave one (it grows as needed). A generation that would pass the model's block_size is refused
+        here, before its first step."""
+        total, new = generation_config.max_length, generation_config.max_new_tokens
+        if total > self.config.block_size:
+            asked = f"prompt ({total - new} tokens) + max_new_tokens ({new})" if new is not None else "max_length"
+            raise ValueError(
+                f"generate(): {asked} = {total} tokens exceeds the model's block_size (max_position_embeddings) "
+                f"{self.config.block_size}; lower max_new_tokens or shorten the prompt"
+            )
         if model_kwargs.get("cache") is not None or generation_config.use_cache is False:
             return super()._prepare_cache_for_generation(
                 generation_config, model_kwargs, generation_mode, batch_size, max_cache_length

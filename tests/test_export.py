@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import asdict, fields
@@ -218,6 +219,30 @@ def test_what_is_not_a_t6_is_an_error_naming_it(tmp_path):
         load_model(gpt2)
     with pytest.raises(FileNotFoundError, match="init_from='.*' is a directory without config.json"):
         load_warm_start(tmp_path)
+
+
+def test_a_config_field_of_the_wrong_type_is_an_error_naming_it_at_load(exports, tmp_path):
+    """config.json edited by hand: a field of the wrong type is an error naming it when the directory loads, through
+    transformers and through the project, not a TypeError inside a forward."""
+    _, out = exports("mha")
+    for field, value, says in [
+        ("norm_eps", "abc", "size.norm_eps='abc' must be a positive number"),
+        ("init_std", None, "size.init_std=None must be a positive number"),
+        ("tie_embeddings", "yes", "size.tie_embeddings='yes' must be true or false"),
+        ("attention_options", "abc", "attention.options='abc' must be a mapping of options"),
+    ]:
+        bad = tmp_path / field
+        shutil.copytree(out, bad)
+        config = json.loads((bad / "config.json").read_text())
+        (bad / "config.json").write_text(json.dumps({**config, field: value}))
+        with pytest.raises(
+            ValueError,
+            match=f"ckpt_path='{bad}': its config.json does not build a T6 here: Invalid model config:\n  - {says}",
+        ):
+            load_model(bad)
+        if field == "norm_eps":
+            with pytest.raises(ValueError, match=f"{bad}/config.json does not describe a T6:\n  - {says}"):
+                load_hf(bad)
 
 
 class Outsider(Attention):

@@ -33,7 +33,7 @@ from transformers.utils.deprecation import deprecate_kwarg
 
 from t6.hf.configuration import T6Config
 from t6.model.attention.base import Attention, KVCache
-from t6.model.config import ModelConfig
+from t6.model.config import ConfigError, ModelConfig
 from t6.model.layers import Rotary, SwiGLU
 from t6.model.t6 import T6, Block
 
@@ -65,8 +65,13 @@ def t6_attn_implementation(asked: str | None) -> str:
 
 
 def to_model_config(config: T6Config) -> ModelConfig:
-    """The ModelConfig of a T6Config: the ModelConfig fields it holds, ModelConfig's defaults for the others."""
-    return ModelConfig(**{f.name: getattr(config, f.name) for f in fields(ModelConfig) if hasattr(config, f.name)})
+    """The ModelConfig of a T6Config: the ModelConfig fields it holds, ModelConfig's defaults for the others. A field
+    of the wrong type or value (config.json edited by hand) is an error naming it, before anything is built."""
+    try:
+        return ModelConfig(**{f.name: getattr(config, f.name) for f in fields(ModelConfig) if hasattr(config, f.name)})
+    except ConfigError as err:
+        where = f"{config.name_or_path}/config.json" if config.name_or_path else "T6Config"
+        raise ConfigError(f"{where} does not describe a T6", err.problems) from None
 
 
 def resized(kv: KVCache, max_len: int) -> KVCache:

@@ -249,9 +249,7 @@ class T6ForCausalLM(PreTrainedModel, GenerationMixin):
     def _initialize_weights(self, module: nn.Module, is_custom_code: bool = False) -> None:
         """transformers' own, less its shortcut for remote code, which passes over a module without parameters of
         its own: an attention or a SwiGLU initializes its layers itself (`_init_weights`)."""
-        if not getattr(module, "_is_hf_initialized", False):
-            self._init_weights(module)
-            module._is_hf_initialized = True
+        super()._initialize_weights(module, is_custom_code=False)
 
     def mark_tied_weights_as_initialized(self, loading_info) -> None:
         """transformers marks the tied head as loaded, as the embedding will fill it; a T6's head *is* its

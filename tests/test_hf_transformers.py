@@ -217,6 +217,20 @@ def test_generation_past_block_size_is_refused_before_it_starts(build):
     assert hf.generate(tokens(1, 60), max_new_tokens=4, **greedy).shape == (1, 64)
 
 
+def test_labels_and_shift_labels_give_the_causal_lm_loss(build):
+    """labels are shifted by the model (transformers' causal-LM loss); shift_labels, already aligned (sequence-parallel
+    trainers pass them), are used as they are, labels then ignored."""
+    hf = build("gqa")
+    ids, other = tokens(2, 9), tokens(2, 9, seed=3)
+    shifted = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)  # [2, 9], the last position has no target
+    with torch.no_grad():
+        out = hf(ids, labels=ids)
+        want = F.cross_entropy(out.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+        torch.testing.assert_close(out.loss, want)
+        torch.testing.assert_close(hf(ids, labels=other, shift_labels=shifted).loss, want)
+        assert not torch.allclose(hf(ids, labels=ids, shift_labels=other).loss, want)
+
+
 def test_output_attentions_of_a_mechanism_that_records_none_is_an_error(build, monkeypatch):
     hf = build("gqa")
     attn = type(hf.model.blocks[0].attn)

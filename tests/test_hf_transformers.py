@@ -240,14 +240,20 @@ def test_output_attentions_of_a_mechanism_that_records_none_is_an_error(build, m
         hf(tokens(1, 5), output_attentions=True)
 
 
-@pytest.mark.parametrize("reentrant", [False, True])
-def test_gradient_checkpointing_applies_transformers_kwargs_to_each_block(build, reentrant):
+@pytest.mark.parametrize(
+    "reentrant, attn_implementation, output_attentions",
+    [(False, "sdpa", False), (True, "sdpa", False), (False, "eager", False), (False, "sdpa", True)],
+)
+def test_gradient_checkpointing_applies_transformers_kwargs_to_each_block(
+    build, reentrant, attn_implementation, output_attentions
+):
     """Each block is a transformers GradientCheckpointingLayer: activation_checkpointing_enable() recomputes it in
     backward through torch's checkpoint with the given kwargs (use_reentrant: the block's output comes from
-    CheckpointFunction, or not), every_n_layers=2 every other block, and the gradients are the plain ones."""
+    CheckpointFunction, or not), every_n_layers=2 every other block, and the gradients are the plain ones; a block
+    whose attention is written out (eager, output_attentions) is recomputed written out too."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    hf = build("tpa", n_layer=4).train()
+    hf = build("tpa", n_layer=4, attn_implementation=attn_implementation).train()
     assert all(isinstance(block, GradientCheckpointingLayer) for block in hf.model.blocks)
     ids = tokens(2, 12)
     runs, outputs = [], []
@@ -258,7 +264,7 @@ def test_gradient_checkpointing_applies_transformers_kwargs_to_each_block(build,
     def grads() -> dict[str, torch.Tensor]:
         hf.zero_grad()
         runs.clear(), outputs.clear()
-        hf(ids, labels=ids).loss.backward()
+        hf(ids, labels=ids, output_attentions=output_attentions).loss.backward()
         return {n: p.grad.clone() for n, p in hf.named_parameters()}
 
     plain = grads()

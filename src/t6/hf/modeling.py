@@ -64,6 +64,13 @@ def t6_attn_implementation(asked: str | None) -> str:
     return ATTN_IMPLEMENTATIONS[name]
 
 
+class Unkept(list):
+    """Attention.recorded that keeps nothing: the attention is computed written out, its probabilities dropped."""
+
+    def append(self, probs: torch.Tensor) -> None:
+        pass
+
+
 def to_model_config(config: T6Config) -> ModelConfig:
     """The ModelConfig of a T6Config: the ModelConfig fields it holds, ModelConfig's defaults for the others. A field
     of the wrong type or value (config.json edited by hand) is an error naming it, before anything is built."""
@@ -367,21 +374,21 @@ class T6ForCausalLM(PreTrainedModel, GenerationMixin):
             step.reserve(start + T)
             step.mask_keys(padding)
 
+        # The attention is written out (Attention.recorded a list) for output_attentions and for eager
+        # (ATTN_IMPLEMENTATIONS), its probabilities kept only when asked for. A block that gradient checkpointing
+        # recomputes in backward runs after this call and must compute as it did here: the way stays until the next.
         attns = [block.attn for block in self.model.blocks]
-        written_out = output_attentions or config._attn_implementation == "eager"  # attn_implementation, below
+        written_out = output_attentions or config._attn_implementation == "eager"
         for attn in attns:
-            attn.recorded = [] if written_out else None
+            attn.recorded = [] if output_attentions else Unkept() if written_out else None
         try:
             states = [x]  # the embeddings, then each block's output
-            blocks = self.model.hidden_states(x, start, None if step is None else step.kv_caches())
-            for attn, h in zip(attns, blocks):
+            for h in self.model.hidden_states(x, start, None if step is None else step.kv_caches()):
                 states = [*states, h] if output_hidden_states else [h]
-                if not output_attentions and written_out:
-                    attn.recorded.clear()  # eager: the probabilities were computed, not asked for
             attentions = self.recorded_attentions(attns) if output_attentions else None
         finally:
             for attn in attns:
-                attn.recorded = None
+                attn.recorded = Unkept() if written_out else None
         if cache is not None:
             cache.advance(T)
         final = self.model.norm(states[-1])  # [B, T, d]

@@ -164,10 +164,15 @@ NOT_APPLICABLE = {
 }
 
 
+def is_named(test: str, name: str) -> bool:
+    """Whether the mixin's test `test` is `name` or one of its parameterized tests (`name`_<index>_<parameters>)."""
+    return re.fullmatch(rf"{name}(_\d+_\w+)?", test) is not None
+
+
 def left_out(test: str) -> str | None:
-    """The reason the mixin's test `test` (a parameterized one by its base name) does not apply, or None."""
+    """The reason the mixin's test `test` does not apply (NOT_APPLICABLE), or None."""
     for reason, names in NOT_APPLICABLE.items():
-        if any(re.fullmatch(rf"{name}(_\d+_\w+)?", test) for name in names):
+        if any(is_named(test, name) for name in names):
             return reason
     return None
 
@@ -250,7 +255,7 @@ def test_every_test_left_out_is_one_of_the_mixin():
     tests = mixin_tests()
     for names in NOT_APPLICABLE.values():
         for name in names:
-            assert any(re.fullmatch(rf"{name}(_\d+_\w+)?", test) for test in tests), name
+            assert any(is_named(test, name) for test in tests), name
 
 
 QUICK = ("mha", "tpa")  # the mechanisms whose mixin runs stay in the quick subset (-m 'not slow'); CI runs all

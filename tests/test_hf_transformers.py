@@ -6,6 +6,8 @@ and PEFT LoRA on every projection, training and cached paths alike. The classes 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -66,6 +68,39 @@ def test_the_cache_continues_as_transformers_models_do(build, name):
         rest = hf.generate(part.sequences, past_key_values=part.cache, max_new_tokens=7, **greedy)
         assert torch.equal(rest, want)
         assert torch.equal(hf.generate(ids[:1, :6], max_new_tokens=12, prompt_lookup_num_tokens=3, **greedy), want)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_cache_layers_keys_and_values_are_what_the_attention_uses(build, name, monkeypatch):
+    """Every cache layer has transformers' `keys` [B, h_kv, S, d_k] and `values` [B, h_kv, S, d_v]: exactly the K and
+    V each layer's attention scored and averaged over the whole sequence (its written-out path hands them to
+    Attention.record_attention), whether the cache was filled by one prefill or by cached decoding (the factor,
+    absorbed and fused paths, the cache growing); after crop and beam reordering, those of the tokens it holds. GQA's
+    are its cache itself."""
+    hf, ids = build(name), tokens(2, 20)
+    used = []  # (k, v) of each layer's written-out attention, in layer order
+    for block in hf.model.blocks:
+        record = block.attn.record_attention
+        spy = lambda q, k, v, mask, scale=None, record=record: used.append((k, v)) or record(q, k, v, mask, scale)  # noqa: E731
+        monkeypatch.setattr(block.attn, "record_attention", spy)
+    with torch.no_grad():
+        whole = hf(ids, output_attentions=True).cache  # one prefill of the 20 tokens
+        prefill, used[:] = list(used), []
+        decoded = hf(ids[:, :6]).cache  # 6 tokens, then 1, 3 and 1 at a time: the cache grows from 6 to 12 to 20
+        for chunk in (slice(6, 7), slice(7, 10), slice(10, 11), slice(11, 20)):
+            hf(ids[:, chunk], past_key_values=decoded)
+    for cache in (whole, decoded):
+        for layer, (k, v) in zip(cache.layers, prefill, strict=True):
+            assert layer.keys.shape[:3] == layer.values.shape[:3] == (2, k.shape[1], 20)
+            torch.testing.assert_close(layer.keys, k, rtol=0, atol=1e-6)
+            torch.testing.assert_close(layer.values, v, rtol=0, atol=1e-6)
+    layer, (k, v) = decoded.layers[0], prefill[0]
+    decoded.crop(-5)
+    torch.testing.assert_close(layer.keys, k[:, :, :15], rtol=0, atol=1e-6)
+    decoded.reorder_cache(torch.tensor([1, 0]))
+    torch.testing.assert_close(layer.values, v[[1, 0], :, :15], rtol=0, atol=1e-6)
+    if name in ("mha", "gqa", "mqa"):  # a K/V cache: the tensors decoding reads
+        assert layer.keys.data_ptr() == layer.kv.tensors["k"].data_ptr()
 
 
 @pytest.mark.parametrize("name", ["mha", "tpa", "mla"])  # SDPA over K/V heads, TPA's factors, MLA's latent
@@ -129,6 +164,73 @@ def test_hidden_states_attentions_and_inputs_embeds(build):
         torch.testing.assert_close(cached.attentions[0][:, :, 0], out.attentions[0][:, :, -1], rtol=0, atol=1e-5)
 
 
+def test_attn_implementation_maps_onto_t6s_own_attention(build, hf_classes, tmp_path, monkeypatch):
+    """from_pretrained(attn_implementation=...) as TRL and lm-eval pass it: sdpa (the default) runs each mechanism's
+    kernels, eager the attention written out (no SDPA call, no fused operator), with the same logits and greedy
+    tokens; flash_attention_2 runs as sdpa; set_attn_implementation switches; anything else (transformers' flex and
+    paged attention, a Hub kernel) is refused, naming it, before it is looked for."""
+    _, model_class = hf_classes
+    sdpa, calls = torch.nn.functional.scaled_dot_product_attention, []
+    monkeypatch.setattr(
+        torch.nn.functional, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or sdpa(*a, **k)
+    )
+    ids, mask = tokens(2, 9), torch.ones(2, 9, dtype=torch.long)
+    mask[1, :3] = 0
+    greedy = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=98)
+    for name in ("mha", "tpa", "mla"):
+        build(name).save_pretrained(tmp_path / name)
+        out = {}
+        for asked, runs in ((None, "sdpa"), ("eager", "eager"), ("flash_attention_2", "sdpa")):
+            hf = model_class.from_pretrained(tmp_path / name, **({"attn_implementation": asked} if asked else {}))
+            assert hf.config._attn_implementation == runs
+            calls.clear()
+            with torch.no_grad():
+                out[asked] = hf(ids, attention_mask=mask).logits, hf.generate(ids, **greedy)
+            if name != "mla":  # padded, MLA attends through its absorbed form and fused operator, not SDPA
+                assert bool(calls) == (runs == "sdpa")
+        torch.testing.assert_close(out["eager"][0], out[None][0], rtol=0, atol=1e-5)
+        assert torch.equal(out["eager"][1], out[None][1]) and torch.equal(out["flash_attention_2"][1], out[None][1])
+    hf.set_attn_implementation("eager")
+    assert hf.config._attn_implementation == "eager"
+    for refused in ("flex_attention", "paged|eager", "kernels-community/flash-attn2", "kernels-community/sdpa"):
+        with pytest.raises(
+            ValueError, match=f'Specified `attn_implementation="{re.escape(refused)}"` is not supported by a T6'
+        ):
+            model_class.from_pretrained(tmp_path / "mha", attn_implementation=refused)
+        with pytest.raises(ValueError, match=f'attn_implementation="{re.escape(refused)}"'):
+            hf.set_attn_implementation(refused)
+
+
+def test_generation_past_block_size_is_refused_before_it_starts(build):
+    """generate() whose prompt + max_new_tokens (or max_length) passes the model's block_size (64) is an error naming
+    them, before any forward; exactly block_size tokens generate."""
+    hf = build("tpa")
+    forwards = []
+    hf.model.embed.register_forward_hook(lambda *_: forwards.append(1))
+    greedy = dict(do_sample=False, pad_token_id=98)
+    too_long = r"prompt \(60 tokens\) \+ max_new_tokens \(5\) = 65 tokens exceeds the model's block_size \(max_position"
+    with pytest.raises(ValueError, match=too_long + r"_embeddings\) 64; lower max_new_tokens or shorten the prompt"):
+        hf.generate(tokens(1, 60), max_new_tokens=5, **greedy)
+    with pytest.raises(ValueError, match=r"max_length = 70 tokens exceeds the model's block_size"):
+        hf.generate(tokens(1, 60), max_length=70, **greedy)
+    assert not forwards
+    assert hf.generate(tokens(1, 60), max_new_tokens=4, **greedy).shape == (1, 64)
+
+
+def test_labels_and_shift_labels_give_the_causal_lm_loss(build):
+    """labels are shifted by the model (transformers' causal-LM loss); shift_labels, already aligned (sequence-parallel
+    trainers pass them), are used as they are, labels then ignored."""
+    hf = build("gqa")
+    ids, other = tokens(2, 9), tokens(2, 9, seed=3)
+    shifted = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)  # [2, 9], the last position has no target
+    with torch.no_grad():
+        out = hf(ids, labels=ids)
+        want = F.cross_entropy(out.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+        torch.testing.assert_close(out.loss, want)
+        torch.testing.assert_close(hf(ids, labels=other, shift_labels=shifted).loss, want)
+        assert not torch.allclose(hf(ids, labels=ids, shift_labels=other).loss, want)
+
+
 def test_output_attentions_of_a_mechanism_that_records_none_is_an_error(build, monkeypatch):
     hf = build("gqa")
     attn = type(hf.model.blocks[0].attn)
@@ -138,29 +240,46 @@ def test_output_attentions_of_a_mechanism_that_records_none_is_an_error(build, m
         hf(tokens(1, 5), output_attentions=True)
 
 
-def test_gradient_checkpointing_recomputes_each_block_and_gives_the_same_gradients(build):
-    hf = build("tpa").train()
+@pytest.mark.parametrize(
+    "reentrant, attn_implementation, output_attentions",
+    [(False, "sdpa", False), (True, "sdpa", False), (False, "eager", False), (False, "sdpa", True)],
+)
+def test_gradient_checkpointing_applies_transformers_kwargs_to_each_block(
+    build, reentrant, attn_implementation, output_attentions
+):
+    """Each block is a transformers GradientCheckpointingLayer: activation_checkpointing_enable() recomputes it in
+    backward through torch's checkpoint with the given kwargs (use_reentrant: the block's output comes from
+    CheckpointFunction, or not), every_n_layers=2 every other block, and the gradients are the plain ones; a block
+    whose attention is written out (eager, output_attentions) is recomputed written out too."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    hf = build("tpa", n_layer=4, attn_implementation=attn_implementation).train()
+    assert all(isinstance(block, GradientCheckpointingLayer) for block in hf.model.blocks)
     ids = tokens(2, 12)
-    runs = []
+    runs, outputs = [], []
     for block in hf.model.blocks:
-        block.register_forward_pre_hook(lambda *_: runs.append(1))  # a recompute stops once it has what backward needs
+        block.ffn.register_forward_pre_hook(lambda *_: runs.append(1))  # inside the block: runs again in backward
+        block.register_forward_hook(lambda module, args, out: outputs.append(out))  # outside the checkpoint
 
     def grads() -> dict[str, torch.Tensor]:
         hf.zero_grad()
-        runs.clear()
-        hf(ids, labels=ids).loss.backward()
+        runs.clear(), outputs.clear()
+        hf(ids, labels=ids, output_attentions=output_attentions).loss.backward()
         return {n: p.grad.clone() for n, p in hf.named_parameters()}
 
     plain = grads()
-    assert len(runs) == hf.config.n_layer
-    hf.gradient_checkpointing_enable()
-    assert hf.model.gradient_checkpointing and hf.is_activation_checkpointing
-    checkpointed = grads()
-    assert len(runs) == 2 * hf.config.n_layer  # each block again in backward
-    for name, grad in plain.items():
-        torch.testing.assert_close(checkpointed[name], grad, rtol=1e-5, atol=1e-7)
-    hf.gradient_checkpointing_disable()
-    assert not hf.model.gradient_checkpointing
+    assert len(runs) == 4 and not hf.is_activation_checkpointing
+    for every, recomputed in ((1, 4), (2, 2)):
+        hf.activation_checkpointing_enable({"use_reentrant": reentrant}, every_n_layers=every)
+        assert hf.is_activation_checkpointing
+        checkpointed = grads()
+        assert len(runs) == 4 + recomputed  # each checkpointed block once more, in backward
+        kinds = [type(out.grad_fn).__name__ == "CheckpointFunctionBackward" for out in outputs]
+        assert kinds == [reentrant and i % every == 0 for i in range(4)]
+        for name, grad in plain.items():
+            torch.testing.assert_close(checkpointed[name], grad, rtol=1e-5, atol=1e-7)
+        hf.activation_checkpointing_disable()
+        assert not any(getattr(m, "gradient_checkpointing", False) for m in hf.modules())
 
 
 def test_missing_weights_are_initialized_as_t6_does_and_reported(build, hf_classes, tmp_path):

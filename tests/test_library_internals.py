@@ -70,10 +70,11 @@ PRIVATE = [
         "initializes its layers itself, so the export keeps the rest of it without that shortcut",
     ),
     (
-        "transformers.modeling_utils:PreTrainedModel",
-        "_is_hf_initialized",
-        "t6.hf.modeling.T6ForCausalLM._initialize_weights",
-        "the flag transformers marks a loaded (or already initialized) module with; nothing public says so",
+        "transformers.configuration_utils:PreTrainedConfig",
+        "_attn_implementation",
+        "t6.hf.modeling.T6ForCausalLM (__init__, forward)",
+        "the attn_implementation transformers resolved (from_pretrained, set_attn_implementation), which each of its "
+        "models reads to choose its attention; no public accessor",
     ),
     (
         "torch.nn:Module",

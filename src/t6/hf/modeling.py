@@ -26,19 +26,59 @@ import torch
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.utils import logging
 from transformers.utils.deprecation import deprecate_kwarg
 
 from t6.hf.configuration import T6Config
 from t6.model.attention.base import Attention, KVCache
-from t6.model.config import ModelConfig
+from t6.model.config import ConfigError, ModelConfig
 from t6.model.layers import Rotary, SwiGLU
-from t6.model.t6 import T6
+from t6.model.t6 import T6, Block
+
+logger = logging.get_logger(__name__)
+
+# transformers' attn_implementation -> what a T6 runs. Each mechanism is its own attention, so these name T6's two
+# ways of computing it, not transformers' attention functions:
+ATTN_IMPLEMENTATIONS = {
+    # each mechanism's own kernels (the default): PyTorch's SDPA and the fused decode operators
+    "sdpa": "sdpa",
+    # the attention written out in PyTorch operations (scores, softmax, weighted sum), as output_attentions has it
+    "eager": "eager",
+    # TRL's and lm-eval's usual choice: SDPA, whose FlashAttention backend runs on CUDA in fp16/bf16 (no flash-attn)
+    **{f"flash_attention_{version}": "sdpa" for version in (2, 3, 4)},
+}
+
+
+def t6_attn_implementation(asked: str | None) -> str:
+    """The attn_implementation a T6 runs for the one asked (None: the default, "sdpa"): ATTN_IMPLEMENTATIONS. Any
+    other (transformers' flex or paged attention, a kernel from the Hub) is an error naming it."""
+    name = "sdpa" if asked is None else asked
+    if name not in ATTN_IMPLEMENTATIONS:
+        raise ValueError(
+            f'Specified `attn_implementation="{name}"` is not supported by a T6: each mechanism computes its own '
+            "attention, with its own kernels (sdpa, the default) or written out (eager); flash_attention_2, _3 and _4 "
+            f"run as sdpa. Choose one of {', '.join(ATTN_IMPLEMENTATIONS)}"
+        )
+    return ATTN_IMPLEMENTATIONS[name]
+
+
+class Unkept(list):
+    """Attention.recorded that keeps nothing: the attention is computed written out, its probabilities dropped."""
+
+    def append(self, probs: torch.Tensor) -> None:
+        pass
 
 
 def to_model_config(config: T6Config) -> ModelConfig:
-    """The ModelConfig of a T6Config: the ModelConfig fields it holds, ModelConfig's defaults for the others."""
-    return ModelConfig(**{f.name: getattr(config, f.name) for f in fields(ModelConfig) if hasattr(config, f.name)})
+    """The ModelConfig of a T6Config: the ModelConfig fields it holds, ModelConfig's defaults for the others. A field
+    of the wrong type or value (config.json edited by hand) is an error naming it, before anything is built."""
+    try:
+        return ModelConfig(**{f.name: getattr(config, f.name) for f in fields(ModelConfig) if hasattr(config, f.name)})
+    except ConfigError as err:
+        where = f"{config.name_or_path}/config.json" if config.name_or_path else "T6Config"
+        raise ConfigError(f"{where} does not describe a T6", err.problems) from None
 
 
 def resized(kv: KVCache, max_len: int) -> KVCache:
@@ -54,16 +94,29 @@ def resized(kv: KVCache, max_len: int) -> KVCache:
 
 
 class T6CacheLayer(CacheLayerMixin):
-    """One layer's KVCache, written in place by the attention (KVCache.update); this layer counts the tokens
-    it holds and grows the KVCache when a call brings more than it has room for."""
+    """One layer's KVCache, written in place by its attention `attn` (KVCache.update); this layer counts the tokens
+    it holds and grows the KVCache when a call brings more than it has room for.
+
+    `keys` and `values` are transformers' view of it, [B, h_kv, tokens, d_k] and [B, h_kv, tokens, d_v], as the
+    attention scores and averages them (Attention.cached_keys_values): for a K/V cache (MHA, GQA, MQA; GTA's values)
+    the cached tensors themselves; for factors or latents (TPA's factors, MLA's and GLA's latents, ...) computed from
+    them at each read, a new tensor that decoding never reads (writing into it changes nothing)."""
 
     is_croppable = True
 
-    def __init__(self, kv: KVCache):
-        super().__init__()
-        self.kv = kv
+    def __init__(self, kv: KVCache, attn: Attention):
+        # CacheLayerMixin.__init__ would set keys and values, which are read from the KVCache here
+        self.kv, self.attn = kv, attn
         self.length = 0  # tokens cached
         self.is_initialized = True
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.attn.cached_keys_values(self.kv, self.length)[0]  # [B, h_kv, tokens, d_k]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.attn.cached_keys_values(self.kv, self.length)[1]  # [B, h_kv, tokens, d_v]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Nothing to do: the cache was allocated with the layer."""
@@ -116,7 +169,8 @@ class T6Cache(Cache):
 
     def __init__(self, model: T6, batch_size: int, max_len: int, dtype=None, device=None):
         self.block_size = model.cfg.block_size
-        super().__init__(layers=[T6CacheLayer(kv) for kv in model.build_kv_caches(batch_size, max_len, dtype, device)])
+        caches = model.build_kv_caches(batch_size, max_len, dtype, device)
+        super().__init__(layers=[T6CacheLayer(kv, block.attn) for kv, block in zip(caches, model.blocks)])
 
     def kv_caches(self) -> list[KVCache]:
         return [layer.kv for layer in self.layers]
@@ -139,17 +193,41 @@ class T6Cache(Cache):
             layer.kv.key_mask = key_mask
 
 
+class T6DecoderLayer(Block, GradientCheckpointingLayer):
+    """A T6 block as transformers' GradientCheckpointingLayer: `gradient_checkpointing_enable()` has it recomputed
+    in backward by transformers' checkpoint function, with its `gradient_checkpointing_kwargs` (use_reentrant) and
+    `every_n_layers`. The block itself, its weights and their names are T6's `Block`."""
+
+
+def run_block(block: T6DecoderLayer, *args) -> torch.Tensor:
+    """T6Backbone's checkpoint function: the block, which checkpoints itself when transformers says so."""
+    return block(*args)
+
+
+class T6Backbone(T6):
+    """The T6 of the export, its blocks T6DecoderLayer. transformers sets every `gradient_checkpointing` flag it
+    finds, T6's own as well; here the blocks recompute themselves, so T6's checkpoint function only runs them."""
+
+    block_class = T6DecoderLayer
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.checkpoint_function = run_block
+
+
 class T6ForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = T6Config
     base_model_prefix = "model"
     main_input_name = "input_ids"
     supports_gradient_checkpointing = True
-    _no_split_modules = ["Block"]
+    _supports_sdpa = True  # attn_implementation="sdpa", the default (ATTN_IMPLEMENTATIONS)
+    _no_split_modules = ["T6DecoderLayer"]
     _tied_weights_keys = {"model.lm_head.weight": "model.embed.weight"}  # applied when tie_embeddings
 
     def __init__(self, config: T6Config):
+        t6_attn_implementation(config._attn_implementation)  # refused before transformers looks for a Hub kernel
         super().__init__(config)
-        self.model = T6(to_model_config(config))
+        self.model = T6Backbone(to_model_config(config))
         self.post_init()
 
     @torch.no_grad()
@@ -178,15 +256,32 @@ class T6ForCausalLM(PreTrainedModel, GenerationMixin):
     def _initialize_weights(self, module: nn.Module, is_custom_code: bool = False) -> None:
         """transformers' own, less its shortcut for remote code, which passes over a module without parameters of
         its own: an attention or a SwiGLU initializes its layers itself (`_init_weights`)."""
-        if not getattr(module, "_is_hf_initialized", False):
-            self._init_weights(module)
-            module._is_hf_initialized = True
+        super()._initialize_weights(module, is_custom_code=False)
 
     def mark_tied_weights_as_initialized(self, loading_info) -> None:
         """transformers marks the tied head as loaded, as the embedding will fill it; a T6's head *is* its
         embedding (one parameter), so that would also hide a missing embedding: only when the embedding is there."""
         if not any(source in loading_info.missing_keys for source in self.all_tied_weights_keys.values()):
             super().mark_tied_weights_as_initialized(loading_info)
+
+    def get_correct_attn_implementation(self, requested_attention: str | None, is_init_check: bool = False) -> str:
+        """transformers' check of an attn_implementation (at load, and by set_attn_implementation): the one a T6 runs
+        (t6_attn_implementation), which transformers records in the config."""
+        runs = t6_attn_implementation(requested_attention)
+        if requested_attention not in (None, runs):
+            logger.warning_once(
+                f"attn_implementation={requested_attention!r}: a T6 runs its own kernels, recorded as {runs!r} "
+                "(PyTorch's SDPA, whose FlashAttention backend runs on CUDA in fp16/bf16; no flash-attn package needed)"
+            )
+        return runs
+
+    def set_attn_implementation(self, attn_implementation: str | dict, allow_all_kernels: bool = False) -> None:
+        """transformers' own, the implementation checked first (a kernel from the Hub is refused before it is looked
+        for)."""
+        asked = attn_implementation.get("") if isinstance(attn_implementation, dict) else attn_implementation
+        if asked is not None:
+            t6_attn_implementation(asked)
+        super().set_attn_implementation(attn_implementation, allow_all_kernels)
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed
@@ -279,9 +374,13 @@ class T6ForCausalLM(PreTrainedModel, GenerationMixin):
             step.reserve(start + T)
             step.mask_keys(padding)
 
+        # The attention is written out (Attention.recorded a list) for output_attentions and for eager
+        # (ATTN_IMPLEMENTATIONS), its probabilities kept only when asked for. A block that gradient checkpointing
+        # recomputes in backward runs after this call and must compute as it did here: the way stays until the next.
         attns = [block.attn for block in self.model.blocks]
+        written_out = output_attentions or config._attn_implementation == "eager"
         for attn in attns:
-            attn.recorded = [] if output_attentions else None
+            attn.recorded = [] if output_attentions else Unkept() if written_out else None
         try:
             states = [x]  # the embeddings, then each block's output
             for h in self.model.hidden_states(x, start, None if step is None else step.kv_caches()):
@@ -289,7 +388,7 @@ class T6ForCausalLM(PreTrainedModel, GenerationMixin):
             attentions = self.recorded_attentions(attns) if output_attentions else None
         finally:
             for attn in attns:
-                attn.recorded = None
+                attn.recorded = Unkept() if written_out else None
         if cache is not None:
             cache.advance(T)
         final = self.model.norm(states[-1])  # [B, T, d]
@@ -321,7 +420,15 @@ class T6ForCausalLM(PreTrainedModel, GenerationMixin):
         self, generation_config, model_kwargs: dict, generation_mode, batch_size: int, max_cache_length: int
     ) -> None:
         """generate()'s cache: a T6Cache for every sequence it decodes, room for the whole generation, unless
-        the caller gave one (it grows as needed)."""
+        the caller gave one (it grows as needed). A generation that would pass the model's block_size is refused
+        here, before its first step."""
+        total, new = generation_config.max_length, generation_config.max_new_tokens
+        if total > self.config.block_size:
+            asked = f"prompt ({total - new} tokens) + max_new_tokens ({new})" if new is not None else "max_length"
+            raise ValueError(
+                f"generate(): {asked} = {total} tokens exceeds the model's block_size (max_position_embeddings) "
+                f"{self.config.block_size}; lower max_new_tokens or shorten the prompt"
+            )
         if model_kwargs.get("cache") is not None or generation_config.use_cache is False:
             return super()._prepare_cache_for_generation(
                 generation_config, model_kwargs, generation_mode, batch_size, max_cache_length

@@ -48,6 +48,14 @@ def hf_tokenizer(model_max_length: int, tokenizer: Tokenizer | None = None):
             chat_template=tokenizer.chat_template,
             model_max_length=model_max_length,
         )
+    return gpt2_hf_tokenizer(model_max_length)
+
+
+@functools.cache
+def gpt2_hf_tokenizer(model_max_length: int):
+    """GPT-2's BPE as a transformers fast tokenizer (made once per process and length: each takes about a second)."""
+    from transformers import PreTrainedTokenizerFast
+
     hf = PreTrainedTokenizerFast(
         tokenizer_object=copy.deepcopy(gpt2_backend()),
         bos_token=EOT_TEXT,

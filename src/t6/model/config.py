@@ -60,22 +60,30 @@ class ModelConfig:
     tie_embeddings: bool = True
 
     def __post_init__(self) -> None:
-        self.attention_options = dict(self.attention_options or {})
+        problems = []  # named as the config names them: size.<field>, attention.options.<option>
+        given = self.attention_options or {}
+        if not isinstance(given, dict):
+            problems.append(f"attention.options={given!r} must be a mapping of options")
+            given = {}
+        self.attention_options = dict(given)
         if isinstance(self.rope_remap, dict):  # one spelling, stored as plain data
             self.rope_remap = {"rope_type": self.rope_remap.get("rope_type", self.rope_remap.get("type"))} | {
                 k: self.rope_remap[k] for k in ROPE_REMAP_KEYS if k in self.rope_remap
             }
         if self.ffn_hidden is None:
             self.ffn_hidden = int(8 * self.d_model / 3)
-        problems = []  # named as the config names them: size.<field>, attention.options.<option>
         for name in ("vocab_size", "block_size", "n_layer", "d_model", "n_head", "head_dim", "ffn_hidden"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 problems.append(f"size.{name}={value!r} must be a positive integer")
         if isinstance(self.head_dim, int) and self.head_dim % 2:
             problems.append(f"size.head_dim={self.head_dim} must be even (RoPE rotates pairs of dimensions)")
-        if not isinstance(self.rope_theta, (int, float)) or self.rope_theta <= 0:
-            problems.append(f"size.rope_theta={self.rope_theta!r} must be positive")
+        for name in ("rope_theta", "norm_eps", "init_std"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                problems.append(f"size.{name}={value!r} must be a positive number")
+        if not isinstance(self.tie_embeddings, bool):
+            problems.append(f"size.tie_embeddings={self.tie_embeddings!r} must be true or false")
         problems += rope_remap_problems(self.rope_remap)
         try:
             mechanism = get_mechanism(self.attention)

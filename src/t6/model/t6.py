@@ -81,11 +81,15 @@ class CompiledLayers:
 
 
 class T6(nn.Module):
+    # The class of every block: Block, or a subclass of it (the Hugging Face export's blocks are transformers'
+    # checkpointing layers, t6.hf.modeling.T6DecoderLayer); the weights and their names are the same.
+    block_class: type[Block] = Block
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(self.block_class(cfg) for _ in range(cfg.n_layer))
         self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:

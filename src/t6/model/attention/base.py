@@ -179,6 +179,11 @@ class KVCache:
                 views.append(cache[:, :end])  # [B, end, ...]
         return views
 
+    def views(self, end: int) -> dict[str, torch.Tensor]:
+        """Each cached quantity's first `end` positions in its own layout, as `update` returns them: [B, end, *shape]
+        (token-major) or [B, n, end, *rest] (head-major); views, no copy."""
+        return {name: tensor.narrow(self.seq_dims[name], 0, end) for name, tensor in self.tensors.items()}
+
     def select(self, index: torch.Tensor) -> KVCache:
         """A new cache holding rows `index` [B'] of this one (e.g. one prefilled context
         repeated for each of its continuations); the padding mask follows."""
@@ -397,6 +402,17 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         raise NotImplementedError
+
+    def cached_keys_values(self, cache: KVCache, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values this attention scores and averages for the first `end` tokens of its cache: keys
+        [B, h_kv, end, d_k], values [B, h_kv, end, d_v], each of the h_kv heads serving h / h_kv query heads (h_kv = h
+        where every head has its own). A mechanism that caches K and V returns them (views of the cache); one that
+        caches factors or latents computes them from those, with its forward's formulas (new tensors). Decoding
+        never calls it: it is what others read as the cache's keys and values (the Hugging Face export's
+        `T6CacheLayer.keys`)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} does not say which keys and values its cache holds (Attention.cached_keys_values)"
+        )
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, cached) -> torch.Tensor:
         """`attend` (the module's function: causal softmax attention, q [B, h, T, d], k, v [B, h_kv, S, d] ->

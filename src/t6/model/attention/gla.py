@@ -38,7 +38,7 @@ from torch import nn
 
 from t6.model.attention.base import Attention, KVCache, linear_weight, plain_linear, register
 from t6.model.attention.fused_decode import latent_decode
-from t6.model.attention.mla import MLAOptions, explicit_attention
+from t6.model.attention.mla import MLAOptions, explicit_attention, latent_keys
 from t6.model.layers import Rotary
 
 if TYPE_CHECKING:  # the model config imports the registry; type hints only
@@ -114,6 +114,18 @@ class GroupedLatentAttention(Attention):
     def _explicit(self, q_nope, q_rope, c_kv, k_rope) -> torch.Tensor:
         """Training path: expand each latent head into its group's keys and values, then SDPA.
         c_kv: [B, S, n, d_c]."""
+        k_nope, v = self.expand_latents(c_kv)  # [B, S, h, nope], [B, S, h, d_v]
+        return explicit_attention(self, q_nope, q_rope, k_nope, v, k_rope, self.scale)  # [B, T, h, d_v]
+
+    def cached_keys_values(self, cache: KVCache, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        views = cache.views(end)
+        k_nope, v = self.expand_latents(views["c_kv"].transpose(1, 2))  # [B, end, h, nope], [B, end, h, d_v]
+        k = latent_keys(k_nope, views["k_rope"])  # [B, end, h, nope+rope]
+        return k.transpose(1, 2), v.transpose(1, 2)  # [B, h, end, nope+rope], [B, h, end, d_v]
+
+    def expand_latents(self, c_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each latent head c_kv [B, S, n, d_c] through its group's W_UK and W_UV -> per-head k_nope [B, S, h, nope],
+        v [B, S, h, d_v]."""
         B, S = c_kv.shape[:2]
         h = self.cfg.n_head
         n, g, m = self.n_lat, self.group, self.d_nope + self.d_v
@@ -126,7 +138,7 @@ class GroupedLatentAttention(Attention):
             kv = kv.diagonal(dim1=2, dim2=3).transpose(2, 3)  # [B, S, n, g*(nope+d_v)]
         kv = kv.reshape(B, S, h, m)  # [B, S, h, nope+d_v]
         k_nope, v = kv.split([self.d_nope, self.d_v], dim=-1)  # [B, S, h, nope], [B, S, h, d_v]
-        return explicit_attention(self, q_nope, q_rope, k_nope, v, k_rope, self.scale)  # [B, T, h, d_v]
+        return k_nope, v
 
     def _absorbed(self, q_nope, q_rope, c_kv, k_rope, mask: torch.Tensor | None, lengths=None) -> torch.Tensor:
         """Decoding path: each group attends over its cached latent head with W_UK and W_UV absorbed.

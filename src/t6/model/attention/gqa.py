@@ -59,6 +59,10 @@ class GroupedQueryAttention(Attention):
     def cache_spec(self) -> dict[str, tuple[int, ...]]:
         return {"k": (self.n_kv, self.cfg.head_dim), "v": (self.n_kv, self.cfg.head_dim)}
 
+    def cached_keys_values(self, cache: KVCache, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        views = cache.views(end)
+        return views["k"], views["v"]  # [B, h_kv, end, d] each: the cache itself (head-major)
+
     def forward(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         h, d = self.cfg.n_head, self.cfg.head_dim

@@ -74,6 +74,17 @@ class GroupedTiedAttention(Attention):
     def cache_spec(self) -> dict[str, tuple[int, ...]]:
         return {"kv": (self.n_kv, self.cfg.head_dim), "k_rope": (self.d_rope,)}
 
+    def tied_keys(self, kv: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor:
+        """Each group's key from its tied state kv [B, G, S, d] and the shared RoPE key k_rope [B, S, d/2] ->
+        [B, G, S, d]: [first half of the tie | RoPE key]."""
+        B, G, S, d = kv.shape
+        k_shared = k_rope[:, None].expand(B, G, S, self.d_rope)  # [B, G, S, d/2], broadcast to every group
+        return torch.cat([kv[..., : d - self.d_rope], k_shared], dim=-1)  # [B, G, S, d]
+
+    def cached_keys_values(self, cache: KVCache, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        views = cache.views(end)
+        return self.tied_keys(views["kv"], views["k_rope"]), views["kv"]  # [B, G, end, d] each; values: the tie
+
     def forward(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         h, d, r = self.cfg.n_head, self.cfg.head_dim, self.d_rope
@@ -85,8 +96,5 @@ class GroupedTiedAttention(Attention):
             kv, k_rope = cache.update(pos, kv=kv, k_rope=k_rope)  # [B, G, S, d] (head-major), [B, S, d/2]
         else:
             kv = kv.transpose(1, 2)  # [B, G, T, d]
-        S = kv.shape[2]
-        k_shared = k_rope[:, None].expand(B, self.n_kv, S, r)  # [B, G, S, d/2], broadcast to every group
-        k = torch.cat([kv[..., : d - r], k_shared], dim=-1)  # [B, G, S, d]: [first half of the tie | RoPE key]
-        y = self.attend(q.transpose(1, 2), k, kv, pos, cache)  # [B, h, T, d], values = the whole tied state
+        y = self.attend(q.transpose(1, 2), self.tied_keys(kv, k_rope), kv, pos, cache)  # [B, h, T, d], values: kv
         return self.out(y.transpose(1, 2).reshape(B, T, h * d))  # [B, T, d_model]

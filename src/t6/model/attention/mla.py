@@ -39,6 +39,13 @@ if TYPE_CHECKING:  # the model config imports the registry; type hints only
     from t6.model.config import ModelConfig
 
 
+def latent_keys(k_nope: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor:
+    """Per-head keys [k_nope_i | k_rope] [B, S, h, nope+rope] of the latent attentions (MLA, GLA): k_nope [B, S, h,
+    nope] expanded from the latent, k_rope [B, S, rope] the one RoPE key shared by all heads."""
+    B, S, h, _ = k_nope.shape
+    return torch.cat([k_nope, k_rope[:, :, None].expand(B, S, h, k_rope.shape[-1])], dim=-1)  # [B, S, h, nope+rope]
+
+
 def explicit_attention(attn: Attention, q_nope, q_rope, k_nope, v, k_rope, scale: float) -> torch.Tensor:
     """Causal SDPA of per-head queries [q_nope | q_rope] [B, T, h, *] against per-head keys
     [k_nope | k_rope] (k_rope [B, S, d_rope] shared by all heads) and values v [B, S, h, d_v]
@@ -46,7 +53,7 @@ def explicit_attention(attn: Attention, q_nope, q_rope, k_nope, v, k_rope, scale
     (written out while it records its probabilities)."""
     B, S, h, d_v = v.shape
     q = torch.cat([q_nope, q_rope], dim=-1)  # [B, T, h, nope+rope]
-    k = torch.cat([k_nope, k_rope[:, :, None].expand(B, S, h, k_rope.shape[-1])], dim=-1)  # [B, S, h, nope+rope]
+    k = latent_keys(k_nope, k_rope)  # [B, S, h, nope+rope]
     if attn.recorded is not None:
         causal = torch.ones(q.shape[1], S, dtype=torch.bool, device=q.device).tril()[None]  # [1, T, S]
         y = attn.record_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal, scale)
@@ -124,11 +131,21 @@ class MultiHeadLatentAttention(Attention):
 
     def _explicit(self, q_nope, q_rope, c_kv, k_rope) -> torch.Tensor:
         """Training path: expand the latent into per-head keys and values, then SDPA."""
-        B, S, _ = c_kv.shape
-        h = self.cfg.n_head
-        kv = self.kv_up(c_kv).view(B, S, h, self.d_nope + self.d_v)  # [B, S, h, nope+d_v]
-        k_nope, v = kv.split([self.d_nope, self.d_v], dim=-1)  # [B, S, h, nope], [B, S, h, d_v]
+        k_nope, v = self.expand_latent(c_kv)  # [B, S, h, nope], [B, S, h, d_v]
         return explicit_attention(self, q_nope, q_rope, k_nope, v, k_rope, self.scale)  # [B, T, h, d_v]
+
+    def expand_latent(self, c_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The latent c_kv [B, S, d_c] through W_UK and W_UV -> per-head k_nope [B, S, h, nope], v [B, S, h, d_v]."""
+        B, S, _ = c_kv.shape
+        kv = self.kv_up(c_kv).view(B, S, self.cfg.n_head, self.d_nope + self.d_v)  # [B, S, h, nope+d_v]
+        k_nope, v = kv.split([self.d_nope, self.d_v], dim=-1)  # [B, S, h, nope], [B, S, h, d_v]
+        return k_nope, v
+
+    def cached_keys_values(self, cache: KVCache, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        views = cache.views(end)
+        k_nope, v = self.expand_latent(views["c_kv"])  # [B, end, h, nope], [B, end, h, d_v]
+        k = latent_keys(k_nope, views["k_rope"])  # [B, end, h, nope+rope]
+        return k.transpose(1, 2), v.transpose(1, 2)  # [B, h, end, nope+rope], [B, h, end, d_v]
 
     def _absorbed(self, q_nope, q_rope, c_kv, k_rope, mask: torch.Tensor | None, lengths=None) -> torch.Tensor:
         """Decoding path: attend over the cached latents with W_UK and W_UV absorbed (one shared KV 'head').

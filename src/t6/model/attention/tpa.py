@@ -203,10 +203,18 @@ class TensorProductAttention(Attention):
     def attend_materialized(self, q, a_k, b_k, a_v, b_v, pos, cache: KVCache | None) -> torch.Tensor:
         """Contract K and V for every cached token [B, S, h, d_h] and attend with SDPA -> [B, T, h, d_h]."""
         q = q if self.kv_only else contract(*q)  # [B, T, h, d_h]
-        k = contract(a_k, b_k)  # [B, S, h, d_h]
-        v = contract(a_v, b_v)  # [B, S, h, d_h]
-        y = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), pos, cache)  # [B, h, T, d_h]
+        k, v = self.keys_values(a_k, b_k, a_v, b_v)  # [B, h, S, d_h] each
+        y = self.attend(q.transpose(1, 2), k, v, pos, cache)  # [B, h, T, d_h]
         return y.transpose(1, 2)  # [B, T, h, d_h]
+
+    @staticmethod
+    def keys_values(a_k, b_k, a_v, b_v) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V contracted from their factors [B, S, R, *] -> [B, h, S, d_h] each."""
+        return contract(a_k, b_k).transpose(1, 2), contract(a_v, b_v).transpose(1, 2)
+
+    def cached_keys_values(self, cache: KVCache, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        views = cache.views(end)
+        return self.keys_values(views["a_k"], views["b_k"], views["a_v"], views["b_v"])  # [B, h, end, d_h] each
 
     def decode_fused(self, q, a_k, b_k, a_v, b_v, mask: torch.Tensor | None, lengths=None) -> torch.Tensor:
         """One new token per row through t6::tpa_decode (the same function as attend_factors).

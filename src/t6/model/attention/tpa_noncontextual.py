@@ -101,6 +101,12 @@ class NonContextualTPA(Attention):
         y = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), pos, cache)  # [B, h, T, d_h]
         return self.out(y.transpose(1, 2).reshape(B, T, -1))  # [B, T, d_model]
 
+    def cached_keys_values(self, cache: KVCache, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        views = cache.views(end)
+        k = self.expand("k", views["k"], torch.arange(end, device=views["k"].device))  # [B, end, h, d_h]
+        v = self.expand("v", views["v"], None)  # [B, end, h, d_h]
+        return k.transpose(1, 2), v.transpose(1, 2)  # [B, h, end, d_h] each
+
     def expand(self, name: str, factor: torch.Tensor, pos: torch.Tensor | None) -> torch.Tensor:
         """(1/R) A^T B from the contextual factor [B, T, R, *] and the constant one -> [B, T, h, d_h]."""
         const = self.const[name]()  # [R, h] (nc_a) or [R, d_h] (nc_b)

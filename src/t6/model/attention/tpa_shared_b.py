@@ -75,7 +75,18 @@ class SharedBTPA(Attention):
         if cache is not None:
             a_k, a_v, b = cache.update(pos, a_k=a_k, a_v=a_v, b=b)  # [B, S, R, *] each
             kv_pos = torch.arange(b.shape[1], device=x.device)  # [S]
-        k = contract(a_k, self.rope(b, kv_pos))  # [B, S, h, d_h]: keys from the rotated B
-        v = contract(a_v, b)  # [B, S, h, d_h]: values from the same B, unrotated
-        y = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), pos, cache)  # [B, h, T, d_h]
+        k, v = self.keys_values(a_k, a_v, b, kv_pos)  # [B, h, S, d_h] each
+        y = self.attend(q.transpose(1, 2), k, v, pos, cache)  # [B, h, T, d_h]
         return self.out(y.transpose(1, 2).reshape(B, T, -1))  # [B, T, d_model]
+
+    def keys_values(self, a_k, a_v, b, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys from the head factors A_K [B, S, R, h] and the token factor B [B, S, R, d_h] rotated to its positions
+        pos [S], values from A_V and the same B unrotated -> [B, h, S, d_h] each."""
+        k = contract(a_k, self.rope(b, pos))  # [B, S, h, d_h]
+        v = contract(a_v, b)  # [B, S, h, d_h]
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+    def cached_keys_values(self, cache: KVCache, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        views = cache.views(end)
+        pos = torch.arange(end, device=views["b"].device)  # [end]
+        return self.keys_values(views["a_k"], views["a_v"], views["b"], pos)  # [B, h, end, d_h] each

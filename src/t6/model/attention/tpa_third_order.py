@@ -111,7 +111,15 @@ class ThirdOrderTPA(Attention):
             a_k, b_k, c_k, a_v, b_v, c_v = cache.update(
                 pos, a_k=a_k, b_k=b_k, c_k=c_k, a_v=a_v, b_v=b_v, c_v=c_v
             )  # [B, S, R, *] each
-        k = contract3(a_k, b_k, c_k)  # [B, S, h, d_h]
-        v = contract3(a_v, b_v, c_v)  # [B, S, h, d_h]
-        y = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), pos, cache)  # [B, h, T, d_h]
+        k, v = self.keys_values(a_k, b_k, c_k, a_v, b_v, c_v)  # [B, h, S, d_h] each
+        y = self.attend(q.transpose(1, 2), k, v, pos, cache)  # [B, h, T, d_h]
         return self.out(y.transpose(1, 2).reshape(B, T, -1))  # [B, T, d_model]
+
+    @staticmethod
+    def keys_values(a_k, b_k, c_k, a_v, b_v, c_v) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V contracted from their three factors [B, S, R, *] -> [B, h, S, d_h] each."""
+        return contract3(a_k, b_k, c_k).transpose(1, 2), contract3(a_v, b_v, c_v).transpose(1, 2)
+
+    def cached_keys_values(self, cache: KVCache, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        views = cache.views(end)
+        return self.keys_values(*(views[n] for n in ("a_k", "b_k", "c_k", "a_v", "b_v", "c_v")))  # [B, h, end, d_h]

@@ -1,9 +1,9 @@
 """Where torch.compile keeps what it compiled, so that a second run of the same shapes loads it instead of
 compiling again: inductor's FX-graph cache, AOTAutograd's cache (forward and backward graphs), the generated
 kernels (C++ on the CPU, Triton on a GPU) and their autotuning results all live under inductor's cache directory
-(`TORCHINDUCTOR_CACHE_DIR`; Triton's kernel cache follows it). By default inductor puts it in /tmp, which a
-fresh machine or a reboot empties; a run points it at a folder of the project (`paths.compile_cache_dir`, default
-`<root>/.cache/compile`), for the run's duration (`compile_cache`).
+(`TORCHINDUCTOR_CACHE_DIR`), and Triton's own kernels (the decode kernels) in Triton's (`TRITON_CACHE_DIR`). By
+default they are in /tmp and ~, which a fresh machine or a reboot empties; a run points both at a folder of the
+project (`paths.compile_cache_dir`, default `<root>/.cache/compile`), for the run's duration (`compile_cache`).
 
 - `cache_state(path)`: before compiling, how many compiled graphs the folder holds (the plan prints warm or cold).
 - `cache_counts()`: after compiling, how many lookups this process hit and missed (`perf/compile_cache_hits`).
@@ -18,27 +18,32 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ENV = "TORCHINDUCTOR_CACHE_DIR"  # inductor's (torch._inductor.runtime.cache_dir_utils.cache_dir reads it at each use)
+# Triton's own kernel cache (the decode kernels, t6.model.attention.triton_decode; inductor's kernels follow it too).
+TRITON_ENV = "TRITON_CACHE_DIR"
 # Its subfolders holding one entry per compiled graph: AOTAutograd's (a forward with its backward) and inductor's.
 GRAPH_FOLDERS = ("aotautograd", "fxgraph")
 
 
 @contextmanager
 def compile_cache(path: str | os.PathLike | None) -> Iterator[None]:
-    """torch.compile's caches in `path` (created) while inside; as they were afterwards. None: left as they are."""
+    """torch.compile's and Triton's caches in `path` (created) while inside; as they were afterwards. None: left as
+    they are."""
     if path is None:
         yield
         return
     path = Path(path).absolute()
     path.mkdir(parents=True, exist_ok=True)
-    saved = os.environ.get(ENV)
-    os.environ[ENV] = str(path)
+    values = {ENV: str(path), TRITON_ENV: str(path / "triton")}
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
     try:
         yield
     finally:
-        if saved is None:
-            os.environ.pop(ENV, None)
-        else:
-            os.environ[ENV] = saved
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 @dataclass(frozen=True)

@@ -95,6 +95,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         print(f"  {attention}: {step * 1e3:.1f} ms/step", flush=True)
         harness.write_json(args.json, result_of(args, rows), quiet=True)  # a run cut short keeps its rows
     ratios_to_mha(rows, "tokens_per_s", "ratio_to_mha")  # > 1: faster than MHA
+    ratios_to_mha(rows, "mfu", "mfu_vs_mha")  # the share of the peak against MHA's: 1 is MHA's efficiency
     for r in rows:
         r["gflops_per_token_train"] = r["flops_per_token_train"] / 1e9
     return rows
@@ -110,6 +111,7 @@ COLUMNS = [
     ("gflops_per_token_train", "GFLOP/tok", ".3f"),
     ("achieved_tflops", "TFLOP/s", ".3f"),
     ("mfu", "MFU", ".1%"),
+    ("mfu_vs_mha", "MFU vs MHA", ".3f"),
 ]
 
 

@@ -20,7 +20,8 @@ The stages on CUDA (medium, bf16):
    of reading the weights and caches once per step (t6.bench.generate);
 5. decode: one layer's step at 32k and 128k cached tokens, with its GPU time (t6.bench.decode);
 6. host: the host's time per step, dynamo's guards against a graph replay (t6.bench.step_overhead);
-7. train_eager, train_compiled: the training step of MHA and TPA, eager and compiled (t6.bench.train_step);
+7. train_eager, train_compiled: the training step of MHA and TPA, eager, and of MHA, TPA, TPA-KVonly, MLA and GLA
+   compiled, with MFU against MHA's and the compiled step's costliest kernels (t6.bench.train_step);
 8. headline: `train.py attention=tpa size=medium` shrunk: compile time, tokens/s, MFU, checkpoint stall,
    evaluation time (t6.bench.headline).
 
@@ -153,6 +154,7 @@ def train_step(compiled: bool) -> Callable[[Settings], list[str]]:
             args += ["--size", "medium", "--batch-size", "16", "--steps", "5", "--warmup", "2", "--dtype", "bfloat16"]
         if compiled:
             args += ["--compile", "--compile-backend", "aot_eager" if s.smoke else "inductor"]
+            args += ["--profile-top", "15"]  # the compiled step's kernels by time, per mechanism (in its JSON)
         return bench("train_step", s, stage, *args)
 
     return command

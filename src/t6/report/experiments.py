@@ -475,6 +475,26 @@ def kernel_fit_table(payload: dict) -> str:
     return columns_table(payload, cols, f"Compiled ahead of time for {payload['target']}; nothing ran.")
 
 
+def fusion_table(payload: dict) -> str:
+    cols = [
+        ("attention", "attention", text),
+        ("n_head", "heads", text),
+        ("forward_kernels", "forward: kernels", text),
+        ("forward_library_calls", "library calls", text),
+        ("forward_kernel_bytes_per_token", "kernels' B/token", num(",.0f")),
+        ("forward_library_bytes_per_token", "library calls' B/token", num(",.0f")),
+        ("backward_kernels", "backward: kernels", text),
+        ("backward_library_calls", "library calls", text),
+        ("backward_kernel_bytes_per_token", "kernels' B/token", num(",.0f")),
+        ("backward_library_bytes_per_token", "library calls' B/token", num(",.0f")),
+    ]
+    note = (
+        f"One attention layer at {payload['size']}, {payload['dtype']}, batch {payload['batch_size']} x "
+        f"{payload['seq_len']}: inductor's graphs scheduled for Triton; nothing ran."
+    )
+    return columns_table(payload, cols, note)
+
+
 RENDERERS: dict[str, Callable[[dict], str]] = {
     "suite": suite_table,
     "machine": machine_table,
@@ -484,6 +504,7 @@ RENDERERS: dict[str, Callable[[dict], str]] = {
     "step_overhead": step_overhead_table,
     "headline": headline_table,
     "kernel_fit": kernel_fit_table,
+    "fusion": fusion_table,
     "decode": decode_table,
     "prefill": prefill_table,
     "kv_memory": kv_memory_table,

@@ -25,6 +25,7 @@ from t6.bench.common import median, model_configs, ratios_to_mha, time_call
 from t6.bench.harness import DTYPES, common_args, parse
 from t6.hardware.device import peak_flops
 from t6.model import T6, ModelConfig
+from t6.model.attention.tpa import TensorProductAttention
 from t6.model.facts import flops_per_token
 from t6.model.loss import IMPLS
 
@@ -103,6 +104,7 @@ def peak(args: argparse.Namespace) -> tuple[float, str]:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
+    TensorProductAttention.triton_contract = args.triton_contract  # this process's TPA layers, every variant
     peak_flops_s, source = peak(args)
     print(f"MFU against {peak_flops_s / 1e12:.4g} TFLOP/s: {source}", flush=True)
     rows = []
@@ -131,6 +133,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                 "peak_tflops": peak_flops_s / 1e12,
                 "peak_source": source,
                 "sdpa_backend": args.sdpa_backend,
+                "triton_contract": args.triton_contract,
                 **({"top_kernels": top} if top else {}),
             }
         )
@@ -196,6 +199,11 @@ def parser() -> argparse.ArgumentParser:
         choices=sorted(SDPA_BACKENDS),
         default="default",
         help="the attention kernels the step may use (default: SDPA's own choice, as training)",
+    )
+    p.add_argument(
+        "--triton-contract",
+        action="store_true",
+        help="TPA's Q, K, V contracted by t6::tpa_contract (Triton on CUDA) instead of inductor's fused code",
     )
     p.add_argument(
         "--profile-top",

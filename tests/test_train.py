@@ -160,6 +160,8 @@ def test_compiled_training_validates_without_recompiling_and_logs_its_compile_ti
     run = mlflow_client(cfg).get_run(objects["mlflow"].run_id)
     first, compile_s = run.data.metrics["perf/first_step_s"], run.data.metrics["perf/compile_s"]
     assert first > compile_s > 0.5 * first  # the first step is mostly compiling
+    cache = {k: run.data.metrics[f"perf/compile_cache_{k}"] for k in ("hits", "misses")}
+    assert cache["hits"] + cache["misses"] == 2  # training's graph and validation's (step 2): loaded, or compiled
 
 
 def test_fsdp_mixed_precision_keeps_fp32_parameters_and_autocasts_on_their_device():

@@ -27,7 +27,8 @@ GRAPH_FOLDERS = ("aotautograd", "fxgraph")
 @contextmanager
 def compile_cache(path: str | os.PathLike | None) -> Iterator[None]:
     """torch.compile's and Triton's caches in `path` (created) while inside; as they were afterwards. None: left as
-    they are."""
+    they are. The setting wins over TORCHINDUCTOR_CACHE_DIR in the environment (unlike t6.run.process.environment's
+    variables): inductor itself sets that variable to its default at its first compile in a process."""
     if path is None:
         yield
         return

@@ -44,7 +44,11 @@ def per_map_forward(attn: TensorProductAttention, x: torch.Tensor, pos: torch.Te
 
 @pytest.mark.parametrize("name", TPA_FAMILY)
 def test_training_path_equals_the_per_map_formulation(name):
-    attn = layer(name)
+    assert_equals_per_map(layer(name))
+
+
+def assert_equals_per_map(attn: TensorProductAttention) -> None:
+    """The layer's training path (no cache), output and every gradient, against `per_map_forward`, in fp64."""
     x = torch.randn(2, 12, 48, dtype=torch.float64, requires_grad=True)
     pos = torch.arange(3, 15)  # not from 0: RoPE at the positions given
     fused = attn(x, pos)  # [B, T, d_model]

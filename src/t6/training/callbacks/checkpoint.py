@@ -10,6 +10,7 @@ from pathlib import Path
 
 import lightning as L
 from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.strategies import FSDPStrategy
 
 from t6.training.checkpoint_io import BackgroundCheckpointIO, unique_tensors
 
@@ -115,6 +116,8 @@ class RunCheckpoint(Checkpoint):
         io = trainer.strategy.checkpoint_io
         if not trainer.is_global_zero or not isinstance(io, BackgroundCheckpointIO) or io.background is False:
             return
+        if isinstance(trainer.strategy, FSDPStrategy):
+            return  # its full state is gathered by every rank together, into host memory: nothing to stage
         state = [pl_module.state_dict(), *(opt.state_dict()["state"] for opt in trainer.optimizers)]
         on_device = [t for t in unique_tensors(state) if t.device.type != "cpu"]
         if on_device:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,11 @@ TEST_RUN = [
 ]
 
 
+# torch.compile's cache for the tests' runs: shared by every test and session on the machine (a run's own default,
+# <root>/.cache/compile, would be a new tmp_path each time, so every compiling test would compile from scratch).
+TEST_COMPILE_CACHE = Path(tempfile.gettempdir()) / "t6-tests-compile-cache"
+
+
 def compose_config(overrides: list[str], root: Path, config_name: str = "train") -> DictConfig:
     """Compose conf/<config_name>.yaml as `python train.py <overrides>` would, with all paths under root."""
     GlobalHydra.instance().clear()
@@ -58,6 +64,8 @@ def compose_config(overrides: list[str], root: Path, config_name: str = "train")
         del cfg["hydra"]  # as in @hydra.main, the job's config has no hydra node
         cfg.paths.root_dir = str(root)
         cfg.paths.output_dir = str(root / "run")
+        if not any(o.startswith("paths.compile_cache_dir=") for o in overrides):
+            cfg.paths.compile_cache_dir = str(TEST_COMPILE_CACHE)  # one across the tests' runs, as across a user's
     return cfg
 
 

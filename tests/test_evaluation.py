@@ -43,9 +43,10 @@ def random_model(block_size: int = 64, seed: int = 0, attention: str = "mha") ->
 
 def direct_logprob(model: T6, ctx: list[int], cont: list[int]) -> tuple[float, bool]:
     full = (ctx + cont)[-(model.cfg.block_size + 1) :]
-    logits = model(torch.tensor([full[:-1]]))[0]  # [T, vocab]
+    device = next(model.parameters()).device  # the model's own device (a CUDA model in the cuda tests)
+    logits = model(torch.tensor([full[:-1]], device=device))[0]  # [T, vocab]
     lp = F.log_softmax(logits[-len(cont) :].double(), dim=-1)  # [len(cont), vocab]
-    target = torch.tensor(cont)
+    target = torch.tensor(cont, device=device)
     return float(lp.gather(-1, target[:, None]).sum()), bool((lp.argmax(-1) == target).all())
 
 

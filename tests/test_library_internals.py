@@ -91,8 +91,18 @@ PRIVATE = [
     (
         "torch",
         "_dynamo",
-        "t6.model.static_decode (mark_static_address, config.recompile_limit), t6.bench.step_overhead (reset)",
-        "a CUDA graph's fixed input addresses and the recompile limit have no torch.compiler equivalent in 2.13",
+        "t6.model.static_decode (mark_static_address, config.recompile_limit), t6.bench.step_overhead and "
+        "t6.bench.fusion (reset), t6.hardware.compile_cache (utils.counters)",
+        "a CUDA graph's fixed input addresses, the recompile limit and the compile caches' hit counts have no "
+        "torch.compiler equivalent in 2.13",
+    ),
+    (
+        "torch",
+        "_inductor",
+        "t6.bench.fusion (compile_fx with its inner compile, config._post_fusion_custom_pass, the scheduler's nodes "
+        "and their bytes)",
+        "what inductor fuses and the bytes each kernel moves, for a GPU's code generator on a machine without one; "
+        "torch.compile's public API runs the code instead of describing it",
     ),
     (
         "torch",

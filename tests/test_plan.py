@@ -107,7 +107,7 @@ def test_compile_auto_is_on_for_cuda_and_off_for_the_cpu():
     assert device.choose_compile(False, "cuda") == (False, "compile=false")
 
 
-def test_the_plan_decides_compile_and_the_checkpoints(make_cfg, monkeypatch):
+def test_the_plan_decides_compile_and_the_checkpoints(make_cfg, monkeypatch, tmp_path):
     monkeypatch.setattr(device, "measured_matmul_flops", lambda *_: 1e11)  # a 100 GFLOP/s CPU
     plan = plan_run(make_cfg("callbacks.model_checkpoint.every_n_train_steps=auto", "trainer.max_steps=100000"))
     assert plan.hardware.compile is False and plan.params()["plan/compile"] is False
@@ -120,9 +120,14 @@ def test_the_plan_decides_compile_and_the_checkpoints(make_cfg, monkeypatch):
     short = plan_run(make_cfg("callbacks.model_checkpoint.every_n_train_steps=auto", "trainer.max_steps=2"))
     assert short.checkpoints.every_n_steps == 0  # only last.ckpt, at the end
     assert "checkpoints     at the end only" in short.describe()
-    on = plan_run(make_cfg("compile=true", "trainer.plugins.0.background=true"))
+    cache = tmp_path / "compile-cache"
+    on = plan_run(make_cfg("compile=true", "trainer.plugins.0.background=true", f"paths.compile_cache_dir={cache}"))
     assert on.hardware.compile is True and on.checkpoints.background is True
     assert "the first step and the first validation compile (expect ~" in on.describe()
+    assert f"cache {cache}: cold (empty" in on.describe() and not cache.exists()  # the plan writes nothing
+    (cache / "aotautograd" / "entry").mkdir(parents=True)  # what an earlier run compiled
+    warm = plan_run(make_cfg("compile=true", f"paths.compile_cache_dir={cache}"))
+    assert f"cache {cache}: warm (1 compiled graph from earlier runs" in warm.describe()
 
 
 def test_checkpoint_interval_is_youngs_rounded_down():

@@ -179,7 +179,9 @@ class Payload:
 def test_checkpoints_never_run_pickled_code(make_cfg, tmp_path, monkeypatch):
     _, first = train(in_dir(make_cfg("trainer.max_steps=4"), tmp_path / "a"))
     assert isinstance(first["trainer"].strategy.checkpoint_io.checkpoint_io, AtomicCheckpointIO)
-    ckpt = torch.load(tmp_path / "a" / "checkpoints" / "last.ckpt", weights_only=True)
+    folder = tmp_path / "a" / "checkpoints"
+    assert os.path.samefile(folder / "last.ckpt", folder / "step000004.ckpt")  # one write, two names (a hard link)
+    ckpt = torch.load(folder / "last.ckpt", weights_only=True)
     marker = tmp_path / "pwned"
     monkeypatch.setenv("T6_PAYLOAD_MARKER", str(marker))
     ckpt["payload"] = Payload()
@@ -287,6 +289,64 @@ def test_background_save_writes_the_state_as_it_was_and_in_order(tmp_path, monke
     io.teardown()
 
 
+def test_staged_saves_copy_the_state_as_it_was_into_buffers_kept_from_save_to_save(tmp_path, monkeypatch):
+    """HostStaging on host tensors (on a GPU the same, its copies on a side stream): a point-in-time copy, tied
+    tensors copied once, the buffers reserved ahead used by the first save, a save while every set is busy given a
+    set of its own, and the sets reused once their writes are done."""
+    from t6.training.checkpoint_io import BackgroundCheckpointIO
+
+    gate = Gate(monkeypatch)
+    io, weight, step = BackgroundCheckpointIO(background=True), torch.zeros(3, 4), torch.tensor(1.0)
+    state = lambda: {"state_dict": {"w": weight, "tied": weight}, "opt": {"step": step}}  # noqa: E731
+    io.reserve([weight, step])
+    io.wait()  # the writer allocated them
+    reserved = {t.data_ptr() for ts in io.staging.free[0].values() for t in ts}
+    io.save_checkpoint(state(), tmp_path / "a.ckpt")
+    assert io.staging.free == []  # the reserved set is a's until a is written
+    weight += 1  # training goes on: in place, as an optimizer step
+    step += 1
+    io.save_checkpoint(state(), tmp_path / "b.ckpt")  # a is not written yet: b gets a set of its own
+    gate.open.set()
+    io.wait()
+    a, b = (io.load_checkpoint(tmp_path / name) for name in ("a.ckpt", "b.ckpt"))
+    assert torch.equal(a["state_dict"]["w"], torch.zeros(3, 4)) and a["opt"]["step"] == 1  # as at a's save
+    assert torch.equal(b["state_dict"]["w"], torch.ones(3, 4)) and b["opt"]["step"] == 2
+    tied = a["state_dict"]["w"], a["state_dict"]["tied"]
+    assert tied[0].untyped_storage().data_ptr() == tied[1].untyped_storage().data_ptr()  # one copy, as in training
+    assert len(io.staging.free) == 2  # both sets back
+    kept = {t.data_ptr() for s in io.staging.free for ts in s.values() for t in ts}
+    assert reserved <= kept
+    io.save_checkpoint(state(), tmp_path / "c.ckpt")
+    io.wait()
+    assert {t.data_ptr() for s in io.staging.free for ts in s.values() for t in ts} == kept  # no new buffer
+    io.teardown()
+    assert io.staging.free == []  # the buffers go with the fit
+
+
+def test_staging_that_fails_falls_back_to_a_copy_on_the_training_thread(tmp_path, monkeypatch):
+    """A staging copy that fails (here: host buffers that cannot be allocated, as pinned memory short) is one
+    fallback, "checkpoint_staging": that save and every later one copy on the training thread, still in the
+    background, and write the state as it was."""
+    from t6.model import fallback
+    from t6.training.checkpoint_io import BackgroundCheckpointIO, HostStaging
+
+    def short(specs):
+        raise RuntimeError("CUDA error: out of memory (pinned host memory)")
+
+    monkeypatch.setattr(HostStaging, "allocate", staticmethod(short))
+    gate = Gate(monkeypatch)
+    io, weight = BackgroundCheckpointIO(background=True), torch.zeros(4)
+    io.reserve([weight])  # fails on the writer: logged, the save decides
+    io.save_checkpoint({"w": weight}, tmp_path / "a.ckpt")
+    weight += 1
+    assert [e.name for e in fallback.events()] == ["checkpoint_staging"]
+    assert not fallback.enabled("checkpoint_staging") and fallback.enabled("background_checkpoint")
+    gate.open.set()
+    io.wait()
+    assert gate.written == ["a.ckpt"] and torch.equal(io.load_checkpoint(tmp_path / "a.ckpt")["w"], torch.zeros(4))
+    io.teardown()
+
+
 def test_a_cpu_checkpoint_is_written_at_once_by_default(tmp_path, monkeypatch):
     from t6.training.checkpoint_io import BackgroundCheckpointIO
 
@@ -309,6 +369,39 @@ def test_a_gpu_checkpoint_is_written_in_the_background_by_default(tmp_path, monk
     gate.open.set()
     io.wait()
     assert torch.equal(io.load_checkpoint(tmp_path / "a.ckpt")["w"], torch.zeros(4))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a side stream needs CUDA")
+def test_a_gpu_checkpoint_is_copied_on_a_side_stream_before_the_next_optimizer_step_changes_it(tmp_path, monkeypatch):
+    """The copy into pinned buffers runs on a side stream after the work queued before the save (a long matmul
+    chain still running on the GPU here), and the next optimizer step waits for it on the GPU: the file holds the
+    state as the queued work left it, never a later one, without the training thread waiting."""
+    from t6.training.checkpoint_io import BackgroundCheckpointIO
+
+    gate = Gate(monkeypatch)
+    io = BackgroundCheckpointIO()
+    param = torch.nn.Parameter(torch.zeros(1024, 1024, device="cuda"))
+    opt = torch.optim.SGD([param], lr=1.0)
+    x = torch.randn(1024, 1024, device="cuda") / 32
+    with torch.no_grad():
+        y = x
+        for _ in range(50):  # queued work the save comes after
+            y = y @ x
+        param.add_(1.0)
+    io.save_checkpoint({"w": param}, tmp_path / "a.ckpt")
+    staged = next(iter(io.staging.free), None)
+    assert staged is None  # the set is a's until its write ends
+    assert io.staging.pending and io.staging.hook is not None  # the next optimizer step waits for the copy
+    param.grad = torch.ones_like(param)
+    opt.step()  # param -= 1, in place, after the copy
+    assert not io.staging.pending and io.staging.hook is None
+    gate.open.set()
+    io.wait()
+    saved = io.load_checkpoint(tmp_path / "a.ckpt")["w"]
+    assert saved.device.type == "cpu" and torch.equal(saved, torch.ones(1024, 1024))
+    assert torch.equal(param.detach().cpu(), torch.zeros(1024, 1024))
+    io.teardown()
 
 
 def test_sigterm_save_in_the_background_is_on_disk_before_the_run_exits(make_cfg, tmp_path, monkeypatch, stopped):

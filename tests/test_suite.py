@@ -51,7 +51,7 @@ def test_the_smoke_run_runs_every_stage_and_renders_their_tables(tmp_path):
         payload = json.loads((tmp_path / f"{outcome['stage']}.json").read_text())
         assert payload["benchmark"] in RENDERERS and payload["records"], outcome["stage"]
     readme = tmp_path / "README.md"
-    assert render(readme) == readme.read_text() and readme.read_text().count("<!-- end table -->") == 10
+    assert render(readme) == readme.read_text() and readme.read_text().count("<!-- end table -->") == 11
     (headline,) = json.loads((tmp_path / "headline.json").read_text())["records"]
     assert headline["fallbacks"] == "none" and headline["eval_s"] > 0 and headline["tokens_per_s"] > 0
     tests = json.loads((tmp_path / "cuda_tests.json").read_text())["records"][0]

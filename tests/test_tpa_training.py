@@ -44,7 +44,11 @@ def per_map_forward(attn: TensorProductAttention, x: torch.Tensor, pos: torch.Te
 
 @pytest.mark.parametrize("name", TPA_FAMILY)
 def test_training_path_equals_the_per_map_formulation(name):
-    attn = layer(name)
+    assert_equals_per_map(layer(name))
+
+
+def assert_equals_per_map(attn: TensorProductAttention) -> None:
+    """The layer's training path (no cache), output and every gradient, against `per_map_forward`, in fp64."""
     x = torch.randn(2, 12, 48, dtype=torch.float64, requires_grad=True)
     pos = torch.arange(3, 15)  # not from 0: RoPE at the positions given
     fused = attn(x, pos)  # [B, T, d_model]
@@ -107,3 +111,18 @@ def test_compiled_training_path_is_one_graph_with_one_projection_and_no_batched_
     assert ops.forward.count(aten.mm.default) == 2
     assert aten.bmm.default not in ops.forward + ops.backward
     assert ops.backward.count(aten.mm.default) == 4  # the input and weight gradients of the two matmuls
+
+
+def test_inductor_scheduled_for_a_gpu_leaves_two_matmuls_and_attention_and_no_batched_matmul():
+    """t6.bench.fusion: inductor's own fusion for Triton (GPU code generation stops after it): TPA's forward leaves
+    the stacked projection, W_O and attention as library calls, its contraction and RoPE in generated kernels; the
+    backward the four matmul gradients and attention's."""
+    from t6.bench.fusion import layer_fusion
+
+    cfg = ModelConfig(attention="tpa", n_layer=1, d_model=48, n_head=5, head_dim=8, block_size=32, vocab_size=64)
+    record = layer_fusion(cfg, 2, 16, torch.float32)
+    forward, backward = record["forward_library_calls"], record["backward_library_calls"]
+    assert forward == "1 _scaled_dot_product_flash_attention_for_cpu, 2 mm"
+    assert backward == "1 _scaled_dot_product_flash_attention_for_cpu_backward, 4 mm"
+    assert record["forward_kernels"] >= 1 and record["backward_kernels"] >= 1
+    assert record["forward_kernel_bytes_per_token"] >= 3 * 5 * 8 * 4  # Q, K, V [h, d_h] in fp32 written once at least

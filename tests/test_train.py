@@ -160,6 +160,8 @@ def test_compiled_training_validates_without_recompiling_and_logs_its_compile_ti
     run = mlflow_client(cfg).get_run(objects["mlflow"].run_id)
     first, compile_s = run.data.metrics["perf/first_step_s"], run.data.metrics["perf/compile_s"]
     assert first > compile_s > 0.5 * first  # the first step is mostly compiling
+    cache = {k: run.data.metrics[f"perf/compile_cache_{k}"] for k in ("hits", "misses")}
+    assert cache["hits"] + cache["misses"] == 2  # training's graph and validation's (step 2): loaded, or compiled
 
 
 def test_fsdp_mixed_precision_keeps_fp32_parameters_and_autocasts_on_their_device():
@@ -202,3 +204,24 @@ def test_throughput_monitor_logs_tokens_and_mfu_from_the_measured_flops(make_cfg
         assert got["device/flops_per_sec"][step] == pytest.approx(
             got["device/items_per_sec"][step] * monitor.flops_per_batch / (cfg.data.seq_len * cfg.data.batch_size)
         )
+
+
+def test_greedy_samples_in_one_padded_batch_are_each_prompts_own_continuation(tmp_path):
+    """The closing samples go in one left-padded generation: each text is what that prompt alone generates. Where
+    the longest prompt leaves too little room in the block for every token, one prompt at a time, each capped."""
+    from omegaconf import OmegaConf
+
+    from t6.data.tokenizer import gpt2
+    from t6.inference.generate import generate_text
+
+    from conftest import random_model
+
+    model = random_model(tmp_path, "attention=tpa")  # block 64
+    prompts = ["ROMEO:", "First Citizen: before we proceed any further, hear me speak", "O"]  # lengths differ
+    alone = [generate_text(model, [p], 6, 0.0)[0] for p in prompts]
+    assert greedy_samples(model, OmegaConf.create({"prompts": prompts, "max_new_tokens": 6})) == alone
+    prompts[1] = "Speak" + " to" * 58  # 60 tokens: room for 4 more in the block of 64
+    capped = greedy_samples(model, OmegaConf.create({"prompts": prompts, "max_new_tokens": 6}))
+    room = [64 - len(gpt2().encode(p)) for p in prompts]  # the block's positions after each prompt
+    assert min(room) == 4 < 6 < max(room)
+    assert capped == [generate_text(model, [p], min(6, r), 0.0)[0] for p, r in zip(prompts, room)]

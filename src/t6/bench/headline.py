@@ -9,7 +9,8 @@ The run is `t6.run.train.train` itself, with a CSV logger instead of MLflow (the
 logs) and one callback of this module, `StepTimes`. The record: the first step and its compile
 (`perf/first_step_s`, `perf/compile_s`), tokens/s and MFU (the median of `train/device/items_per_sec` and
 `train/device/mfu`), the stall of the step after the periodic checkpoint against the median step, the
-evaluation's time (`perf/eval_s`), the closing samples' time, training's share of the wall time from the fit's
+evaluation's time (`perf/eval_s`), the closing samples' time (`perf/samples_s`) and all the time after training
+(the final checkpoint, validation, evaluation and samples), training's share of the wall time from the fit's
 start to the run's end, and the accelerators that fell back (t6.model.fallback).
 """
 
@@ -60,12 +61,12 @@ class StepTimes(L.Callback):
         return {step: end - begin for (_, begin), (step, end) in zip(self.ends, self.ends[1:])}
 
 
-def overrides(size: str, steps: int, eval_limit: int, samples_tokens: int) -> list[str]:
+def overrides(size: str, steps: int, eval_limit: int, samples_tokens: int, compile_: str = "auto") -> list[str]:
     checkpoint_at = max(1, steps // 2)
     return [
         "attention=tpa",
         f"size={size}",
-        "compile=auto",
+        f"compile={compile_}",
         f"trainer.max_steps={steps}",
         f"trainer.val_check_interval={steps}",
         "trainer.log_every_n_steps=1",
@@ -92,13 +93,14 @@ def metrics_of(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return out
 
 
-def measure(size: str, steps: int, eval_limit: int, samples_tokens: int, root: Path) -> dict:
+def measure(size: str, steps: int, eval_limit: int, samples_tokens: int, root: Path, compile_: str = "auto") -> dict:
     from t6.evaluation.callback import DownstreamEval
     from t6.run.train import main as train
 
-    cfg = compose("train", overrides(size, steps, eval_limit, samples_tokens), runtime=True)
+    cfg = compose("train", overrides(size, steps, eval_limit, samples_tokens, compile_), runtime=True)
     with open_dict(cfg):
         cfg.paths.output_dir = str(root / "run")
+        cfg.paths.compile_cache_dir = str(root / "compile-cache")  # cold: a new user's first run on this machine
         cfg.logger = {"csv": {"_target_": "lightning.pytorch.loggers.CSVLogger", "save_dir": str(root), "name": "csv"}}
         cfg.callbacks.step_times = {"_target_": f"{__name__}.StepTimes"}
     metrics, objects = train(cfg)
@@ -113,6 +115,7 @@ def measure(size: str, steps: int, eval_limit: int, samples_tokens: int, root: P
     median_step = statistics.median(steady) if steady else None
     after_checkpoint = durations.get(checkpoint_at + 1)
     stall = None if after_checkpoint is None or median_step is None else after_checkpoint - median_step
+    cache = plan.hardware.compile_cache
     last = lambda name: logged[name][-1][1] if name in logged else None  # noqa: E731
     median = lambda name: statistics.median(v for _, v in logged[name]) if name in logged else None  # noqa: E731
     wall = end - times.fit_start
@@ -127,20 +130,47 @@ def measure(size: str, steps: int, eval_limit: int, samples_tokens: int, root: P
         "seq_len": plan.batch.seq_len,
         "first_step_s": last("perf/first_step_s"),
         "compile_s": last("perf/compile_s"),
+        "compile_cache": None if cache is None else ("warm" if cache.warm else "cold"),
         "step_s": median_step,
         "tokens_per_s": median("train/device/items_per_sec"),
         "mfu": median("train/device/mfu"),
         "checkpoint_stall_s": stall,
+        "checkpoint_stall_ratio": None if stall is None else stall / median_step,  # over the median step
         "checkpoint_background": plan.checkpoints.background if plan.checkpoints else None,
         "eval_s": evaluation.seconds[-1] if evaluation and evaluation.seconds else None,
         "eval_items": 2 * eval_limit,
-        "samples_s": end - times.train_end,
+        "samples_s": last("perf/samples_s"),
+        "closing_s": end - times.train_end,  # the final checkpoint, validation, evaluation and samples
         "wall_s": wall,
         "training_share": sum(durations.values()) / wall,
         "val_loss": metrics.get("val/loss"),
         "fallbacks": ", ".join(e.name for e in fallback.events()) or "none",
     }
+    if plan.hardware.compile:
+        record.update(warm_compile(size, root, compile_))
     return record
+
+
+def warm_compile(size: str, root: Path, compile_: str) -> dict:
+    """The run again with the same shapes, a few steps, nothing else (no evaluation, samples or checkpoint), dynamo
+    reset as in a new process: its compile loads what the first run left in the compile cache folder. Returns
+    `compile_warm_s` (its perf/compile_s) and `warm_cache_hits` (graphs loaded)."""
+    from t6.run.train import train
+
+    steps = 4  # the compile's share: the first step minus the median of the next three
+    cfg = compose("train", overrides(size, steps, 1, 1, compile_), runtime=True)
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(root / "warm")
+        cfg.paths.compile_cache_dir = str(root / "compile-cache")
+        cfg.logger = {"csv": {"_target_": "lightning.pytorch.loggers.CSVLogger", "save_dir": str(root), "name": "warm"}}
+        cfg.eval, cfg.samples, cfg.callbacks.model_checkpoint = None, None, None
+        cfg.trainer.val_check_interval = None
+        cfg.trainer.limit_val_batches = 0
+    torch._dynamo.reset()
+    _, objects = train(cfg)
+    logged = metrics_of(Path(objects["trainer"].loggers[0].log_dir))
+    value = lambda name: logged[name][-1][1] if name in logged else None  # noqa: E731
+    return {"compile_warm_s": value("perf/compile_s"), "warm_cache_hits": value("perf/compile_cache_hits")}
 
 
 COLUMNS = [
@@ -148,12 +178,16 @@ COLUMNS = [
     ("compile", "compile", ""),
     ("first_step_s", "first step s", ".1f"),
     ("compile_s", "compile s", ".1f"),
+    ("compile_cache", "cache", ""),
+    ("compile_warm_s", "compile s, warm", ".1f"),
     ("step_s", "step s", ".3f"),
     ("tokens_per_s", "tokens/s", ",.0f"),
     ("mfu", "MFU", ".1%"),
     ("checkpoint_stall_s", "checkpoint stall s", ".2f"),
+    ("checkpoint_stall_ratio", "stall / step", ".0%"),
     ("eval_s", "eval s", ".1f"),
     ("samples_s", "samples s", ".1f"),
+    ("closing_s", "after training s", ".1f"),
     ("training_share", "training share", ".0%"),
     ("fallbacks", "fell back", ""),
 ]
@@ -165,10 +199,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps (a checkpoint at half of them)")
     parser.add_argument("--eval-limit", type=int, default=150, help="items per local task (two tasks, zero-shot)")
     parser.add_argument("--samples-tokens", type=int, default=40, help="tokens of each closing greedy sample")
+    parser.add_argument("--compile", default="auto", help="the run's compile setting (auto: on for CUDA)")
     parser.add_argument("--json", type=Path, default=None, help="write the record to this JSON file")
     args = harness.parse(parser, argv)
     with tempfile.TemporaryDirectory(prefix="t6-headline-") as root:
-        record = measure(args.size, args.steps, args.eval_limit, args.samples_tokens, Path(root))
+        record = measure(args.size, args.steps, args.eval_limit, args.samples_tokens, Path(root), args.compile)
     result = harness.result("headline", record["device"], [record])
     harness.finish(result, COLUMNS, args.json)
     return result

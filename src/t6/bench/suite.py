@@ -20,8 +20,11 @@ The stages on CUDA (medium, bf16):
    of reading the weights and caches once per step (t6.bench.generate);
 5. decode: one layer's step at 32k and 128k cached tokens, with its GPU time (t6.bench.decode);
 6. host: the host's time per step, dynamo's guards against a graph replay (t6.bench.step_overhead);
-7. train_eager, train_compiled: the training step of MHA and TPA, eager and compiled (t6.bench.train_step);
-8. headline: `train.py attention=tpa size=medium` shrunk: compile time, tokens/s, MFU, checkpoint stall,
+7. train_eager, train_compiled: the training step of MHA and TPA, eager, and of MHA, TPA, TPA-KVonly, MLA and GLA
+   compiled, with MFU against MHA's and the compiled step's costliest kernels (t6.bench.train_step);
+8. train_contract: the compiled step of MHA and TPA with TPA's contraction through t6::tpa_contract's Triton
+   kernels, to set against train_compiled's TPA (t6.bench.train_step --triton-contract);
+9. headline: `train.py attention=tpa size=medium` shrunk: compile time, tokens/s, MFU, checkpoint stall,
    evaluation time (t6.bench.headline).
 
 `--smoke` runs the same stages at tiny shapes on the CPU (its compiled step through aot_eager, no code
@@ -140,10 +143,14 @@ def host(s: Settings) -> list[str]:
     return bench("step_overhead", s, "host", "--attentions", "mha,tpa", "--device", s.device, *size)
 
 
-def train_step(compiled: bool) -> Callable[[Settings], list[str]]:
+def train_step(compiled: bool, triton_contract: bool = False) -> Callable[[Settings], list[str]]:
     def command(s: Settings) -> list[str]:
-        stage = "train_compiled" if compiled else "train_eager"
-        args = ["--attentions", "mha,tpa", "--device", s.device]
+        stage = "train_contract" if triton_contract else "train_compiled" if compiled else "train_eager"
+        # compiled: every mechanism with a target against MHA's MFU (TPA 0.95x; TPA-KVonly, MLA, GLA 0.9x)
+        attentions = "mha,tpa,tpa_kvonly,mla,gla" if compiled and not s.smoke else "mha,tpa"
+        if triton_contract:  # TPA's contraction through t6::tpa_contract's kernels, against MHA in the same run
+            attentions = "mha,tpa"
+        args = ["--attentions", attentions, "--device", s.device]
         if s.smoke:
             args += ["--size", "tiny", "--batch-size", "2", "--seq-len", "32", "--steps", "2", "--warmup", "1"]
             args += ["--dtype", "float32", "--override", "size.n_layer=1"]
@@ -151,6 +158,9 @@ def train_step(compiled: bool) -> Callable[[Settings], list[str]]:
             args += ["--size", "medium", "--batch-size", "16", "--steps", "5", "--warmup", "2", "--dtype", "bfloat16"]
         if compiled:
             args += ["--compile", "--compile-backend", "aot_eager" if s.smoke else "inductor"]
+            args += ["--profile-top", "15"]  # the compiled step's kernels by time, per mechanism (in its JSON)
+        if triton_contract:
+            args += ["--triton-contract"]
         return bench("train_step", s, stage, *args)
 
     return command
@@ -172,7 +182,8 @@ STAGES = [
     Stage("decode", "one layer's decode step at 32k and 128k", 40, 30, decode),
     Stage("host", "the host's time per decode step", 45, 40, host),
     Stage("train_eager", "the training step, eager", 35, 30, train_step(False)),
-    Stage("train_compiled", "the training step, compiled", 100, 40, train_step(True)),
+    Stage("train_compiled", "the training step, compiled", 160, 40, train_step(True)),
+    Stage("train_contract", "the compiled step, TPA's contraction by t6::tpa_contract", 70, 40, train_step(True, True)),
     Stage("headline", "the headline run, shrunk", 150, 90, headline),
 ]
 BY_NAME = {stage.name: stage for stage in STAGES}

@@ -58,6 +58,16 @@ ACCELERATORS = {
     "triton_decode": Accelerator(
         "the Triton decode kernels (t6::tpa_decode, t6::latent_decode)", "their eager reference", f"{ENV}=triton_decode"
     ),
+    "triton_contract": Accelerator(
+        "the Triton kernels of t6::tpa_contract (TPA's contraction in training, where turned on)",
+        "their eager reference",
+        f"{ENV}=triton_contract",
+    ),
+    "checkpoint_staging": Accelerator(
+        "a checkpoint copied off the GPU into pinned buffers on a side stream",
+        "the copy made on the training thread into ordinary host memory",
+        f"{ENV}=checkpoint_staging",
+    ),
     "background_checkpoint": Accelerator(
         "checkpoints written in the background",
         "checkpoints written synchronously",

@@ -126,8 +126,16 @@ def kv_memory_table(payload: dict) -> str:
     return f"{caption(payload)}\n\n{markdown(header, rows)}"
 
 
+def mfu_vs_mha(record: dict, records: list[dict]) -> float | None:
+    """A record's MFU over MHA's in the same run (records written before the benchmark recorded it included)."""
+    mha = next((r for r in records if r["attention"] == "mha" and r.get("mfu")), None)
+    if record.get("mfu_vs_mha") is not None:
+        return record["mfu_vs_mha"]
+    return None if mha is None or record.get("mfu") is None else record["mfu"] / mha["mfu"]
+
+
 def train_step_table(payload: dict) -> str:
-    header = ["attention", "heads", "ms/step", "tokens/s", "vs MHA", "GFLOP/token", "MFU"]
+    header = ["attention", "heads", "ms/step", "tokens/s", "vs MHA", "GFLOP/token", "MFU", "MFU vs MHA"]
     rows = [
         [
             r["attention"],
@@ -137,6 +145,7 @@ def train_step_table(payload: dict) -> str:
             f"{r['ratio_to_mha']:.3f}",
             f"{r['flops_per_token_train'] / 1e9:.3f}",
             "" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%",
+            "" if mfu_vs_mha(r, payload["records"]) is None else f"{mfu_vs_mha(r, payload['records']):.3f}",
         ]
         for r in payload["records"]
     ]
@@ -432,12 +441,16 @@ def headline_table(payload: dict) -> str:
         ("precision", "precision", text),
         ("compile", "compile", text),
         ("compile_s", "compile s", num(".1f")),
+        ("compile_cache", "compile cache", text),
+        ("compile_warm_s", "compile s, warm cache", num(".1f")),
         ("step_s", "step s", num(".3f")),
         ("tokens_per_s", "tokens/s", num(",.0f")),
         ("mfu", "MFU", num(".1%")),
         ("checkpoint_stall_s", "checkpoint stall s", num(".2f")),
+        ("checkpoint_stall_ratio", "stall / median step", num(".0%")),
         ("eval_s", "evaluation s", num(".1f")),
         ("samples_s", "samples s", num(".1f")),
+        ("closing_s", "after training s", num(".1f")),
         ("training_share", "training share of wall", num(".0%")),
         ("fallbacks", "fell back", text),
     ]
@@ -462,6 +475,26 @@ def kernel_fit_table(payload: dict) -> str:
     return columns_table(payload, cols, f"Compiled ahead of time for {payload['target']}; nothing ran.")
 
 
+def fusion_table(payload: dict) -> str:
+    cols = [
+        ("attention", "attention", text),
+        ("n_head", "heads", text),
+        ("forward_kernels", "forward: kernels", text),
+        ("forward_library_calls", "library calls", text),
+        ("forward_kernel_bytes_per_token", "kernels' B/token", num(",.0f")),
+        ("forward_library_bytes_per_token", "library calls' B/token", num(",.0f")),
+        ("backward_kernels", "backward: kernels", text),
+        ("backward_library_calls", "library calls", text),
+        ("backward_kernel_bytes_per_token", "kernels' B/token", num(",.0f")),
+        ("backward_library_bytes_per_token", "library calls' B/token", num(",.0f")),
+    ]
+    note = (
+        f"One attention layer at {payload['size']}, {payload['dtype']}, batch {payload['batch_size']} x "
+        f"{payload['seq_len']}: inductor's graphs scheduled for Triton; nothing ran."
+    )
+    return columns_table(payload, cols, note)
+
+
 RENDERERS: dict[str, Callable[[dict], str]] = {
     "suite": suite_table,
     "machine": machine_table,
@@ -471,6 +504,7 @@ RENDERERS: dict[str, Callable[[dict], str]] = {
     "step_overhead": step_overhead_table,
     "headline": headline_table,
     "kernel_fit": kernel_fit_table,
+    "fusion": fusion_table,
     "decode": decode_table,
     "prefill": prefill_table,
     "kv_memory": kv_memory_table,

@@ -38,6 +38,7 @@ from t6.errors import ConfigError, NoRoom, SettingError
 from t6.evaluation.callback import EvalSettings, check_eval_tasks
 from t6.hardware import device as hw_device
 from t6.hardware import probes
+from t6.hardware.compile_cache import CacheState, cache_state
 from t6.model.config import ModelConfig
 from t6.model.load import HF_FORMAT, WARM_START_FORMAT, model_state
 from t6.model.loss import use_liger
@@ -71,6 +72,7 @@ class Hardware:
     compile_why: str = ""
     peak_flops: float = 0.0  # the device's dense peak FLOP/s at the compute dtype: MFU's denominator
     peak_why: str = ""
+    compile_cache: CacheState | None = None  # torch.compile's cache folder (paths.compile_cache_dir) as it was
 
     def describe_compile(self) -> str:
         if not self.compile:
@@ -78,7 +80,8 @@ class Hardware:
         expect = hw_device.EXPECTED_COMPILE_S.get(self.device)
         expected = f"expect ~{expect:.0f} s, " if expect else ""
         first = f"the first step and the first validation compile ({expected}logged as perf/compile_s)"
-        return f"on ({self.compile_why}); {first}"
+        cache = f"; {self.compile_cache.describe()}" if self.compile_cache is not None else ""
+        return f"on ({self.compile_why}); {first}{cache}"
 
 
 @dataclass(frozen=True)
@@ -498,7 +501,9 @@ def choose_hardware(cfg: DictConfig, sections: Sections) -> Hardware:
         peak, peak_why = float(given) * 1e12, f"callbacks.{throughput.name}.peak_tflops"
     else:
         peak, peak_why = hw_device.peak_flops(device, hw_device.compute_dtype(precision))
-    return Hardware(device, device_why, precision, precision_why, compile_, compile_why, peak, peak_why)
+    cache_dir = cfg.paths.get("compile_cache_dir") if "paths" in cfg else None
+    cache = cache_state(cache_dir) if compile_ and cache_dir else None
+    return Hardware(device, device_why, precision, precision_why, compile_, compile_why, peak, peak_why, cache)
 
 
 def strategy_kind(strategy: str | Component | None, world: int) -> Strategy:

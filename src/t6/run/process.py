@@ -6,8 +6,9 @@
   job alone: the children run `train.py <this job's overrides> hydra.run.dir=<this job's dir>`. Afterwards it
   restores the argv and the rendezvous variables Lightning put into the environment, so the next job of the sweep
   launches its own process group.
-- `run_settings(plan)`, around execute: TF32 for the fp32 matmuls left outside autocast on CUDA, and MLflow's HTTP
-  client failing a request fast (no retries of its own, a 10 s timeout: the run's outbox retries, t6.tracking.outbox).
+- `run_settings(plan)`, around execute: TF32 for the fp32 matmuls left outside autocast on CUDA, MLflow's HTTP
+  client failing a request fast (no retries of its own, a 10 s timeout: the run's outbox retries, t6.tracking.outbox),
+  and torch.compile's caches in the project's folder when the run compiles (t6.hardware.compile_cache).
 - `run_directory(path)`, around execute, and `RunLock`, Hydra's callback, before Hydra writes into the directory:
   the run directory, held by this run alone (a lock file, released when the process ends however it ends); a
   second run started in it names the first and stops (exit 2), changing nothing there.
@@ -31,6 +32,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from t6.hardware.compile_cache import compile_cache
 from t6.hardware.probes import env_rank
 
 RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "PL_GLOBAL_SEED")
@@ -65,8 +67,9 @@ def run_settings(plan) -> Iterator[None]:
     precision = torch.get_float32_matmul_precision()
     if plan.hardware.device == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 (A100 and later)
+    cache = plan.hardware.compile_cache
     try:
-        with environment(MLFLOW_HTTP):
+        with environment(MLFLOW_HTTP), compile_cache(cache.path if cache is not None else None):
             yield
     finally:
         torch.set_float32_matmul_precision(precision)

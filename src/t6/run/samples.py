@@ -4,6 +4,7 @@ to the MLflow run as `samples.txt` (the closing summary prints the first)."""
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import lightning as L
@@ -60,17 +61,20 @@ def check_samples(cfg: DictConfig) -> None:
 def greedy_samples(model: torch.nn.Module, samples: Samples, tokenizer: Tokenizer | None = None) -> list[str]:
     """Each of samples.prompts continued greedily (temperature 0) by samples.max_new_tokens tokens at most
     (fewer where the prompt and they would pass the model's block size), in the run's tokenizer (default
-    GPT-2). One prompt at a time: no padding, so every attention option can generate them."""
+    GPT-2). The prompts go in one left-padded batch, one generation for all (the decoder generation picks: a
+    graph-replayed fixed-shape step on CUDA, t6.model.static_decode), where every attention honours padding
+    and each prompt has room for all its tokens; otherwise one prompt at a time. A padded row computes what
+    it would alone, so either way each text is the prompt's own greedy continuation."""
     was_training = model.training
     model.eval()
-    enc, block = tokenizer or gpt2(), model.cfg.block_size
+    enc, block, new = tokenizer or gpt2(), model.cfg.block_size, int(samples.max_new_tokens)
+    prompts = list(samples.prompts)
+    longest = max(len(enc.encode(p)) for p in prompts)
+    batched = longest + new <= block and all(b.attn.supports_key_mask for b in model.blocks)
     try:
-        return [
-            generate_text(model, [p], min(int(samples.max_new_tokens), block - len(enc.encode(p))), 0.0, tokenizer=enc)[
-                0
-            ]
-            for p in samples.prompts
-        ]
+        if batched:
+            return generate_text(model, prompts, new, 0.0, tokenizer=enc)
+        return [generate_text(model, [p], min(new, block - len(enc.encode(p))), 0.0, tokenizer=enc)[0] for p in prompts]
     finally:
         model.train(was_training)
 
@@ -89,7 +93,7 @@ def log_samples(
     tokenizer: Tokenizer | None = None,
 ) -> list[str]:
     """Rank 0, after training: the greedy samples in the run's tokenizer (default GPT-2), logged as samples.txt in
-    the MLflow run (when there is one)."""
+    the MLflow run (when there is one), and the seconds they took as `perf/samples_s` to the run's loggers."""
     if samples is None or not trainer.is_global_zero:
         return []
     if isinstance(trainer.strategy, FSDPStrategy):
@@ -98,7 +102,12 @@ def log_samples(
             "with python generate.py ckpt_path=... temperature=0"
         )
         return []
+    start = time.perf_counter()
     texts = greedy_samples(model, samples, tokenizer)
+    seconds = time.perf_counter() - start
+    for logger in trainer.loggers:
+        logger.log_metrics({"perf/samples_s": seconds}, step=trainer.global_step)
+        logger.save()
     if mlflow is not None:
         mlflow.experiment.log_text(mlflow.run_id, samples_text(texts, trainer.global_step), SAMPLES_ARTIFACT)
     return texts

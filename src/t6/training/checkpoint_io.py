@@ -8,10 +8,14 @@ copied into each rank's RAM (ranks on one node share its pages). FSDP bypasses t
 `t6.training.fsdp.T6FSDPStrategy` reads the same way.
 
 `BackgroundCheckpointIO` (the Trainer's plugin, conf/trainer/default.yaml) writes through it from one writer
-thread of its own: a checkpoint whose tensors are on a GPU is copied into host memory on the training thread (a
-point-in-time copy: training then changes the weights freely) and written by the writer, so training stalls for
-the copy instead of the write (a 4.2 GB medium state: ~1 s at the 5 GB/s the checkpoint interval assumes,
-HOST_COPY_BYTES_S; not yet measured on a GPU). Saves, removals and links run in the order they were asked for,
+thread of its own. A checkpoint whose tensors are on a GPU is copied into host memory as it is at the save (a
+point-in-time copy) and written by the writer. The copy does not stall the training thread either
+(`HostStaging`): it goes into pinned host buffers kept from one save to the next (reserved ahead of the first
+save by `reserve`, on the writer), issued on a side stream after the work queued so far, so the GPU goes on with
+the next step's forward and backward while it runs; the next optimizer step, the first thing that changes the
+state in place, waits for it on the GPU (a global optimizer pre-step hook), and the writer waits for it before
+reading the buffers. Where pinned buffers cannot be had, the copy is the training thread's, into ordinary host
+memory (`host_copy`: a stall of the copy's time). Saves, removals and links run in the order they were asked for,
 each write still atomic. A checkpoint already in host memory (a CPU run) is written at once: copying it would
 take the memory the step was planned with, and the cores that would write it in the background are the ones
 training. `wait()` returns when every save asked for is on disk; `teardown()` (Lightning's, at the end of fit and
@@ -24,8 +28,10 @@ synchronously, in order, and writes synchronously from then on; an error of a sy
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import shutil
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -36,6 +42,8 @@ from lightning_utilities.core.apply_func import apply_to_collection
 
 from t6.model import fallback
 from t6.model.load import read_checkpoint
+
+log = logging.getLogger(__name__)
 
 FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)  # no room: the disk, the file size limit, the quota
 
@@ -150,6 +158,138 @@ def host_copy(checkpoint: dict[str, Any]) -> dict[str, Any]:
     return apply_to_collection(checkpoint, torch.Tensor, lambda t: t.detach().to("cpu", copy=True))
 
 
+Spec = tuple[tuple[int, ...], torch.dtype]  # a buffer's shape and dtype
+
+
+def tensor_key(t: torch.Tensor) -> tuple:
+    """What makes two tensors of a checkpoint the same one (tied weights: one storage, one view of it)."""
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def unique_tensors(checkpoint: Any) -> list[torch.Tensor]:
+    """The checkpoint's tensors, each once (`tensor_key`), in the order met."""
+    seen: dict[tuple, torch.Tensor] = {}
+    apply_to_collection(checkpoint, torch.Tensor, lambda t: seen.setdefault(tensor_key(t), t))
+    return list(seen.values())
+
+
+class Staged:
+    """One checkpoint's copy in a set of host buffers: `ready()` (the writer) waits for the copy, `release()`
+    (after the write) hands the buffers back for a later save."""
+
+    def __init__(self, staging: HostStaging, buffers: dict[Spec, list[torch.Tensor]], event):
+        self.staging, self.buffers, self.event, self.released = staging, buffers, event, False
+
+    def ready(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.staging.give_back(self.buffers)
+
+
+class HostStaging:
+    """Host buffers a checkpoint is copied into, kept from one save to the next (see the module docstring).
+
+    A set holds one buffer per tensor of a checkpoint (matched by shape and dtype); it is busy from a copy until its
+    write ends (`Staged.release`); a save while every set is busy gets a new one. Tensors on a GPU are copied into
+    pinned buffers on a side stream, after the work queued on the current stream, and the next optimizer step
+    waits for that copy on the GPU; tensors in host memory (a CPU run's, the optimizer's step counts) are copied at
+    once, into ordinary buffers."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.free: list[dict[Spec, list[torch.Tensor]]] = []  # sets of buffers no write is using
+        self.streams: dict[torch.device, Any] = {}  # a side stream per GPU
+        self.pending: list[tuple[torch.device, Any]] = []  # copies the next optimizer step waits for (device, event)
+        self.hook = None  # the optimizer pre-step hook while copies are pending
+
+    @staticmethod
+    def allocate(specs: list[tuple[Spec, bool]]) -> dict[Spec, list[torch.Tensor]]:
+        """Buffers of these (shape, dtype), pinned where asked."""
+        out: dict[Spec, list[torch.Tensor]] = {}
+        for (shape, dtype), pinned in specs:
+            out.setdefault((shape, dtype), []).append(torch.empty(shape, dtype=dtype, pin_memory=pinned))
+        return out
+
+    def reserve(self, tensors: list[torch.Tensor]) -> None:
+        """A free set of buffers for a checkpoint of these tensors, allocated now (the writer, ahead of the first save:
+        pinning gigabytes of host memory takes a while)."""
+        buffers = self.allocate([((tuple(t.shape), t.dtype), t.device.type != "cpu") for t in tensors])
+        with self.lock:
+            self.free.append(buffers)
+
+    def take(self, tensors: list[torch.Tensor]) -> dict[Spec, list[torch.Tensor]]:
+        """A set of buffers holding one per tensor: a free set, topped up where it lacks some, else a new one."""
+        with self.lock:
+            buffers = self.free.pop() if self.free else {}
+        have = {spec: len(b) for spec, b in buffers.items()}
+        missing = []
+        for t in tensors:
+            spec = (tuple(t.shape), t.dtype)
+            if have.get(spec, 0) > 0:
+                have[spec] -= 1
+            else:
+                missing.append((spec, t.device.type != "cpu"))
+        for spec, new in self.allocate(missing).items():
+            buffers.setdefault(spec, []).extend(new)
+        return buffers
+
+    def give_back(self, buffers: dict[Spec, list[torch.Tensor]]) -> None:
+        with self.lock:
+            self.free.append(buffers)
+
+    def copy(self, checkpoint: dict[str, Any]) -> tuple[dict[str, Any], Staged]:
+        """The checkpoint with every tensor in a buffer of a set taken for it, as it is now (a GPU's tensors as the
+        work queued so far leaves them), and its `Staged`."""
+        tensors = unique_tensors(checkpoint)
+        buffers = self.take(tensors)
+        unused = {spec: list(b) for spec, b in buffers.items()}
+        gpu = next((t.device for t in tensors if t.device.type == "cuda"), None)
+        stream = None
+        if gpu is not None:
+            stream = self.streams.setdefault(gpu, torch.cuda.Stream(gpu))
+            stream.wait_stream(torch.cuda.current_stream(gpu))  # after the step that made the state
+        copies: dict[tuple, torch.Tensor] = {}
+        for t in tensors:
+            buf = unused[(tuple(t.shape), t.dtype)].pop()
+            if t.device.type == "cuda":
+                with torch.cuda.stream(stream):
+                    buf.copy_(t.detach(), non_blocking=True)
+                t.record_stream(stream)  # a temporary's memory is not reused before the copy is done
+            else:
+                buf.copy_(t.detach())
+            copies[tensor_key(t)] = buf
+        event = None
+        if stream is not None:
+            event = stream.record_event()
+            self.wait_before_next_update(gpu, event)
+        copied = apply_to_collection(checkpoint, torch.Tensor, lambda t: copies[tensor_key(t)])
+        return copied, Staged(self, buffers, event)
+
+    def wait_before_next_update(self, device: torch.device, event) -> None:
+        """The next optimizer step (any optimizer: it changes the state in place) waits on the GPU for `event`."""
+        self.pending.append((device, event))
+        if self.hook is None:
+            self.hook = torch.optim.optimizer.register_optimizer_step_pre_hook(self.before_update)
+
+    def close(self) -> None:
+        """No optimizer step waits for these copies any more (the writes they served are done)."""
+        self.pending = []
+        if self.hook is not None:
+            self.hook.remove()
+            self.hook = None
+
+    def before_update(self, *_) -> None:
+        for device, event in self.pending:
+            torch.cuda.current_stream(device).wait_event(event)
+        self.pending = []
+        self.hook.remove()
+        self.hook = None
+
+
 class BackgroundCheckpointIO(CheckpointIO):
     """AtomicCheckpointIO's writes from a writer thread (see the module docstring). background: None writes
     checkpoints on a GPU in the background and the others at once; True or False, every one."""
@@ -160,20 +300,56 @@ class BackgroundCheckpointIO(CheckpointIO):
         self.executor: ThreadPoolExecutor | None = None  # one writer, started on the first write it takes
         self.error: BaseException | None = None  # the writer's, raised on the training thread
         self.failed: list[tuple] | None = None  # after a background write failed: it and the calls after it
+        self.staging = HostStaging()  # host buffers a checkpoint is copied into, kept from save to save
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         self.raise_error()
         background = self.background if self.background is not None else on_gpu(checkpoint)
         if background and fallback.enabled("background_checkpoint"):
             try:
-                copy = host_copy(checkpoint)
-            except Exception as err:  # pinned or host memory short: the checkpoint as it is, synchronously
+                copy, staged = self.stage(checkpoint)
+            except Exception as err:  # host memory short: the checkpoint as it is, synchronously
                 fallback.fell_back("background_checkpoint", err)
             else:
-                self.submit(self.checkpoint_io.save_checkpoint, copy, path, storage_options)
+                self.submit(self.write_staged, copy, staged, path, storage_options)
                 return
         self.wait()  # after the saves asked for earlier, in order
         self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options)
+
+    def stage(self, checkpoint: dict[str, Any]) -> tuple[dict[str, Any], Staged | None]:
+        """The checkpoint copied off the device as it is now: into the staging buffers, else (pinned memory short,
+        t6.model.fallback "checkpoint_staging") by `host_copy` on this thread."""
+        if fallback.enabled("checkpoint_staging"):
+            try:
+                return self.staging.copy(checkpoint)
+            except Exception as err:
+                fallback.fell_back("checkpoint_staging", err)
+        return host_copy(checkpoint), None
+
+    def write_staged(self, checkpoint: dict[str, Any], staged: Staged | None, path, storage_options=None) -> None:
+        """The writer's part of a background save: wait for the copy, write, hand the buffers back."""
+        try:
+            if staged is not None:
+                staged.ready()
+            self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options)
+        finally:
+            if staged is not None:
+                staged.release()
+
+    def reserve(self, tensors: list[torch.Tensor]) -> None:
+        """Staging buffers for a checkpoint holding these tensors (a training state's), allocated by the writer ahead
+        of the first save; where that fails, the first save allocates them (or falls back) itself."""
+        if not fallback.enabled("background_checkpoint") or not fallback.enabled("checkpoint_staging"):
+            return
+        tensors = unique_tensors(tensors)
+
+        def reserve() -> None:
+            try:
+                self.staging.reserve(tensors)
+            except Exception as err:  # e.g. pinned memory short: the save's own attempt decides
+                log.info("checkpoint staging buffers not reserved ahead (%s: %s)", type(err).__name__, err)
+
+        self.submit(reserve)
 
     def load_checkpoint(self, path, map_location: Any | None = None, weights_only: bool | None = None) -> dict:
         return self.checkpoint_io.load_checkpoint(path, map_location)
@@ -208,10 +384,12 @@ class BackgroundCheckpointIO(CheckpointIO):
         self.raise_error()
 
     def teardown(self) -> None:
-        """Wait for the writes, then stop the writer (a later write starts another)."""
+        """Wait for the writes, then stop the writer (a later write starts another) and free the staging buffers."""
         if self.executor is not None:
             self.executor.shutdown(wait=True)
             self.executor = None
+        self.staging.close()
+        self.staging = HostStaging()
         self.raise_error()
 
     def raise_error(self) -> None:

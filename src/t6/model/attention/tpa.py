@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from t6.model.attention.base import Attention, KVCache, Options, plain_linear, register
+from t6.model.attention.factor_contract import tpa_contract
 from t6.model.attention.fused_decode import tpa_decode
 from t6.model.layers import Rotary
 
@@ -105,6 +106,11 @@ class TensorProductAttention(Attention):
     # measured faster than attend_factors from 4k cached tokens on (t6.bench.decode). False
     # keeps them on attend_factors (the eager reference).
     fused_decode: bool = True
+    # Materialized Q, K, V (training, prefill) contracted by t6::tpa_contract when True: Triton kernels on CUDA, one
+    # pass each way (t6.model.attention.factor_contract). False, the default: `contract`, which inductor fuses with
+    # RoPE under torch.compile (docs/performance.md, "TPA's training path": the bytes each moves, and how a GPU
+    # decides between them: t6.bench.train_step --triton-contract).
+    triton_contract: bool = False
     supports_key_mask = True
 
     def __init__(self, cfg: ModelConfig):
@@ -202,15 +208,20 @@ class TensorProductAttention(Attention):
 
     def attend_materialized(self, q, a_k, b_k, a_v, b_v, pos, cache: KVCache | None) -> torch.Tensor:
         """Contract K and V for every cached token [B, S, h, d_h] and attend with SDPA -> [B, T, h, d_h]."""
-        q = q if self.kv_only else contract(*q)  # [B, T, h, d_h]
+        pair = self.contraction()  # A [B, S, R, h], B [B, S, R, d_h] -> [B, S, h, d_h]
+        q = q if self.kv_only else pair(*q)  # [B, T, h, d_h]
         k, v = self.keys_values(a_k, b_k, a_v, b_v)  # [B, h, S, d_h] each
         y = self.attend(q.transpose(1, 2), k, v, pos, cache)  # [B, h, T, d_h]
         return y.transpose(1, 2)  # [B, T, h, d_h]
 
-    @staticmethod
-    def keys_values(a_k, b_k, a_v, b_v) -> tuple[torch.Tensor, torch.Tensor]:
+    def contraction(self):
+        """How this layer contracts materialized factors: t6::tpa_contract where `triton_contract`, else `contract`."""
+        return tpa_contract if self.triton_contract else contract
+
+    def keys_values(self, a_k, b_k, a_v, b_v) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V contracted from their factors [B, S, R, *] -> [B, h, S, d_h] each."""
-        return contract(a_k, b_k).transpose(1, 2), contract(a_v, b_v).transpose(1, 2)
+        pair = self.contraction()
+        return pair(a_k, b_k).transpose(1, 2), pair(a_v, b_v).transpose(1, 2)
 
     def cached_keys_values(self, cache: KVCache, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         views = cache.views(end)

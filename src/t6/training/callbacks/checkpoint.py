@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 from pathlib import Path
 
 import lightning as L
 from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.strategies import FSDPStrategy
 
 from t6.errors import SettingError
-from t6.training.checkpoint_io import BackgroundCheckpointIO
+from t6.training.checkpoint_io import BackgroundCheckpointIO, unique_tensors
 
 # What the automatic interval assumes (every_n_train_steps=auto):
 FAILURE_INTERVAL_S = 24 * 3600.0  # mean time between failures that lose unsaved work (SIGTERM saves on its own)
@@ -53,8 +55,10 @@ class RunCheckpoint(Checkpoint):
     - `step{N}.ckpt` (`filename`) every `every_n_train_steps` optimizer steps, at the end of the step's batch (a
       resume from it continues exactly); 0: none; None: after every validation instead. The newest `save_top_k`
       are kept (-1: all), the older ones removed once the newer is written;
-    - `last.ckpt` beside the newest (`save_last: true`: a second file; `link`: a relative symbolic link to the
-      newest periodic file, made after that file is written), the file `ckpt_path=last` and auto_resume read;
+    - `last.ckpt` beside the newest (`save_last: true`: a second file, through the background writer a second name
+      of the periodic file, a hard link made after it is written, so the state is copied and written once; `link`: a
+      relative symbolic link to the newest periodic file, made after that file is written), the file
+      `ckpt_path=last` and auto_resume read;
     - at the end of training, the final step as last.ckpt when the interval did not fall on it (with `link`, as a
       periodic file that last.ckpt links to).
 
@@ -76,6 +80,7 @@ class RunCheckpoint(Checkpoint):
         self.kept: list[str] = []  # the periodic files of this run, oldest first
         self.last_step: int | None = None
         self.step: int | None = None  # the optimizer step the last batch ended in
+        self.reserved = False  # whether the writer was asked for the staging buffers (`reserve`)
 
     @property
     def last_path(self) -> str:
@@ -102,6 +107,22 @@ class RunCheckpoint(Checkpoint):
         every = self.every_n_train_steps
         if every and step % every == 0:
             self.save(trainer)
+        elif every and not self.reserved:
+            self.reserve(trainer, pl_module)
+
+    def reserve(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """After the first optimizer step (the optimizer's state exists): the background writer allocates the host
+        buffers the periodic saves copy a GPU's state into, so the first save does not wait for them."""
+        self.reserved = True
+        io = trainer.strategy.checkpoint_io
+        if not trainer.is_global_zero or not isinstance(io, BackgroundCheckpointIO) or io.background is False:
+            return
+        if isinstance(trainer.strategy, FSDPStrategy):
+            return  # its full state is gathered by every rank together, into host memory: nothing to stage
+        state = [pl_module.state_dict(), *(opt.state_dict()["state"] for opt in trainer.optimizers)]
+        on_device = [t for t in unique_tensors(state) if t.device.type != "cpu"]
+        if on_device:
+            io.reserve(on_device)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.every_n_train_steps is None and not trainer.sanity_checking and self.last_step != trainer.global_step:
@@ -120,6 +141,8 @@ class RunCheckpoint(Checkpoint):
             self.kept = [p for p in self.kept if p != path] + [path]
         if self.save_last == "link" and periodic:
             self.link(trainer, path)
+        elif self.save_last and periodic and isinstance(trainer.strategy.checkpoint_io, BackgroundCheckpointIO):
+            self.second_name(trainer, path)
         elif self.save_last:
             trainer.save_checkpoint(self.last_path)
         if self.save_last:
@@ -139,6 +162,13 @@ class RunCheckpoint(Checkpoint):
                 replace_link(path, self.last_path)
         trainer.strategy.barrier("last.ckpt linked")
 
+    def second_name(self, trainer: L.Trainer, path: str) -> None:
+        """last.ckpt becomes a second name of the file just saved (a hard link; a copy where the file system has
+        none), after it is written: one copy of the state off the GPU and one write per save instead of two."""
+        if trainer.is_global_zero:
+            trainer.strategy.checkpoint_io.submit(replace_hard_link, path, self.last_path)
+        trainer.strategy.barrier("last.ckpt named")
+
     def state_dict(self) -> dict:
         return {"kept": list(self.kept), "last_step": self.last_step}
 
@@ -148,6 +178,20 @@ class RunCheckpoint(Checkpoint):
 
 
 LAST = "last.ckpt"
+
+
+def replace_hard_link(filepath: str, linkpath: str) -> None:
+    """linkpath becomes a second name of filepath's file (renamed over the old one): a hard link, or a copy written
+    to disk where the file system has no hard links. Checkpoints are never changed in place (each write is a new
+    file renamed over the old), so the two names stay equal until one is replaced."""
+    tmp = f"{linkpath}.{os.getpid()}.link"
+    try:
+        os.link(filepath, tmp)
+    except OSError:
+        shutil.copyfile(filepath, tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+    os.replace(tmp, linkpath)
 
 
 def replace_link(filepath: str, linkpath: str) -> None:

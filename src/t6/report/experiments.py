@@ -495,6 +495,26 @@ def fusion_table(payload: dict) -> str:
     return columns_table(payload, cols, note)
 
 
+def test_durations_table(payload: dict) -> str:
+    """The test suite's time: the run, each file (slowest first), the slowest tests."""
+    wall = f"{payload['wall_s'] / 60:.1f} min for the command" if payload.get("wall_s") else "wall time not recorded"
+    counts = ", ".join(f"{n} {k}" for k, n in sorted(payload["outcomes"].items()))
+    head = f"{caption(payload)} {wall}; {payload['tests_s'] / 60:.1f} min in the tests themselves ({counts})."
+    if payload.get("note"):
+        head += f" {payload['note']}"
+    files = markdown(
+        ["file", "tests", "s", "share"],
+        [
+            [f["file"], str(f["tests"]), f"{f['seconds']:.0f}", f"{f['seconds'] / payload['tests_s']:.0%}"]
+            for f in payload["files"]
+        ],
+    )
+    tests = markdown(
+        ["slowest tests", "s"], [[f"{r['file']}::{r['test']}", f"{r['seconds']:.1f}"] for r in payload["records"]]
+    )
+    return f"{head}\n\n{files}\n\n{tests}"
+
+
 RENDERERS: dict[str, Callable[[dict], str]] = {
     "suite": suite_table,
     "machine": machine_table,
@@ -514,6 +534,7 @@ RENDERERS: dict[str, Callable[[dict], str]] = {
     "pretrained": pretrained_table,
     "faults": faults_table,
     "faults_sigterm": faults_sigterm_table,
+    "test_durations": test_durations_table,
 }
 
 

@@ -238,6 +238,13 @@ def test_benchmarks_run_and_write_their_records(tmp_path):
     for r in records:  # tokens/s is the batch over the step's time; ratios are to MHA at the same context
         assert r["tokens_per_s"] == pytest.approx(1e3 * r["batch"] / r["ms_per_token"])
         assert r["speed_vs_mha"] == pytest.approx(r["tokens_per_s"] / mha[r["context"]]["tokens_per_s"])
+        # the speed-up the rooflines allow: MHA's bound over this one's, what speed_vs_mha is with both at their bound
+        assert r["roofline_vs_mha"] == pytest.approx(mha[r["context"]]["roofline_ms"] / r["roofline_ms"])
+    from t6.report.experiments import decode_table
+
+    tpa64 = next(r for r in records if (r["attention"], r["context"]) == ("tpa", 64))
+    cell = f"{tpa64['speed_vs_mha']:.2f}× of {tpa64['roofline_vs_mha']:.2f}×, {tpa64['fraction_of_roofline']:.2f})"
+    assert cell in decode_table(json.loads((tmp_path / "decode.json").read_text()))
     tpa = next(r for r in records if r["attention"] == "tpa")
     assert tpa["kv_cache_bytes_per_token"] == 4 * (2 + 2) * (tpa["n_head"] + 64)  # fp32 factors, one layer
     kv = {r["attention"]: r for r in json.loads((tmp_path / "kv.json").read_text())["records"]}

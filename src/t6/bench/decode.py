@@ -32,6 +32,7 @@ import torch
 from t6.bench import harness
 from t6.bench.common import gpu_time_call, layer_kv_bytes_per_token, median, model_configs, ratios_to_mha, time_call
 from t6.bench.harness import DTYPES, common_args, ints, layer_args, parse, table, write_json
+from t6.model.attention import REFERENCE
 from t6.model.facts import decode_flops_per_cached_token
 from t6.model.static_decode import CudaGraphs, FixedStep, bucket
 from t6.model.t6 import Block
@@ -50,7 +51,9 @@ def machine_limits(seconds: float = 0.5) -> tuple[float, float]:
 
 def add_roofline(records: list[dict], bandwidth_gbs: float, peak_gflops: float) -> None:
     """Per record: the time the bytes and FLOPs per cached token allow at this machine's limits
-    (max of the two), and the fraction of it reached."""
+    (max of the two), the fraction of it reached, and the speed-up over MHA the two rooflines allow
+    (MHA's roofline time over this one's, at the same context): what `speed_vs_mha` would be with
+    both at their bound."""
     for r in records:
         tokens = r["context"] * r["batch"]
         bound = max(
@@ -59,6 +62,9 @@ def add_roofline(records: list[dict], bandwidth_gbs: float, peak_gflops: float) 
         )
         r["roofline_ms"] = 1e3 * bound
         r["fraction_of_roofline"] = r["roofline_ms"] / r["ms_per_token"]
+    mha = {r["context"]: r["roofline_ms"] for r in records if r["attention"] == REFERENCE}
+    for r in records:
+        r["roofline_vs_mha"] = mha[r["context"]] / r["roofline_ms"] if r["context"] in mha else None
 
 
 def build_layer(cfg, scope: str, device: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -225,6 +231,7 @@ ROOFLINE = [
     ("flops_per_cached_token", "FLOP/cached token", "d"),
     ("roofline_ms", "roofline ms", ".3f"),
     ("fraction_of_roofline", "of roofline", ".2f"),
+    ("roofline_vs_mha", "rooflines allow vs MHA", ".2f"),
 ]
 
 

@@ -83,10 +83,13 @@ def decode_table(payload: dict) -> str:
             if r is None:
                 row.append("")
                 continue
+            allowed = f" of {r['roofline_vs_mha']:.2f}×" if r.get("roofline_vs_mha") is not None else ""
             extra = f", {r['fraction_of_roofline']:.2f}" if roofline and "fraction_of_roofline" in r else ""
-            row.append(f"{r['tokens_per_s']:.1f} ({r['speed_vs_mha']:.2f}×{extra})")
+            row.append(f"{r['tokens_per_s']:.1f} ({r['speed_vs_mha']:.2f}×{allowed}{extra})")
         rows.append(row)
-    what = "tokens/s (ratio to MHA" + (", fraction of the mechanism's roofline)" if roofline else ")")
+    allows = any(r.get("roofline_vs_mha") is not None for r in records)
+    what = "tokens/s (ratio to MHA" + (" of the ratio the two rooflines allow" if allows else "")
+    what += ", fraction of the mechanism's roofline)" if roofline else ")"
     return f"{caption(payload)} Cells: {what}, batch {records[0]['batch']}.\n\n{markdown(header, rows)}"
 
 

@@ -220,26 +220,26 @@ void rows_gemm(const float* x, int ldx, int K, const float* z, int hp, int M, fl
   for (; j0 < hp; j0 += VLEN) rows_gemm_tile<4, 1>(x, ldx, K, z, hp, M, j0, y);
 }
 
-// y[c] = x . z[c] for c < C (x [dp], z [C, dp], dp a multiple of VLEN): four rows of z at a time,
-// so that four chains of FMAs run side by side (one chain waits on each FMA's latency).
-inline void dots(const float* x, const float* z, int C, int dp, float* y) {
+// y[c * ys] = x . z[c] for c < C (x [dp], z [C, dp] with row stride ldz, dp a multiple of VLEN): four
+// rows of z at a time, so that four chains of FMAs run side by side (one chain waits on each FMA's latency).
+inline void dots(const float* x, const float* z, int64_t ldz, int C, int dp, float* y, int ys = 1) {
   int c0 = 0;
   for (; c0 + 4 <= C; c0 += 4) {
-    const float* z0 = z + (int64_t)c0 * dp;
+    const float* z0 = z + (int64_t)c0 * ldz;
     vf s0{}, s1{}, s2{}, s3{};
     for (int j = 0; j < dp; j += VLEN) {
       const vf xj = load(x + j);
       s0 += xj * load(z0 + j);
-      s1 += xj * load(z0 + dp + j);
-      s2 += xj * load(z0 + 2 * dp + j);
-      s3 += xj * load(z0 + 3 * dp + j);
+      s1 += xj * load(z0 + ldz + j);
+      s2 += xj * load(z0 + 2 * ldz + j);
+      s3 += xj * load(z0 + 3 * ldz + j);
     }
-    y[c0] = hsum(s0), y[c0 + 1] = hsum(s1), y[c0 + 2] = hsum(s2), y[c0 + 3] = hsum(s3);
+    y[c0 * ys] = hsum(s0), y[(c0 + 1) * ys] = hsum(s1), y[(c0 + 2) * ys] = hsum(s2), y[(c0 + 3) * ys] = hsum(s3);
   }
   for (; c0 < C; ++c0) {
     vf s{};
-    for (int j = 0; j < dp; j += VLEN) s += load(x + j) * load(z + (int64_t)c0 * dp + j);
-    y[c0] = hsum(s);
+    for (int j = 0; j < dp; j += VLEN) s += load(x + j) * load(z + (int64_t)c0 * ldz + j);
+    y[c0 * ys] = hsum(s);
   }
 }
 
@@ -397,7 +397,7 @@ void tpa_kernel(const torch::Tensor& q_a, const torch::Tensor& q_b, const torch:
         if (factored)
           for (int row = 0; row < n * RK; ++row) {
             pf.lines(4);
-            dots(bkb + (int64_t)row * dp, qq, RQ, dp, g.data() + (int64_t)row * RQ);
+            dots(bkb + (int64_t)row * dp, qq, dp, RQ, dp, g.data() + (int64_t)row * RQ);
           }
         // qb[t R_K + r, :] = sum_r' g[row, r'] A_Q[r', :]   (factorized query): g [n R_K, R_Q] x A_Q [R_Q, hp]
         //                 = sum_j B_K[row, j] q^T[j, :]    (full query):       B_K [n R_K, d] x q^T [d, hp]
@@ -437,72 +437,114 @@ void tpa_kernel(const torch::Tensor& q_a, const torch::Tensor& q_b, const torch:
   out.copy_(out32);
 }
 
+// The block's rows [n, d] of a cache (row stride ld, in its dtype) as float: the rows themselves where they are
+// fp32 and a whole number of vectors wide (`direct`), else converted into buf, zero-padded to dp columns.
 template <typename scalar_t>
-void latent_kernel(const torch::Tensor& q_lat, const torch::Tensor& q_rope, const torch::Tensor& c_kv,
-                   const torch::Tensor& k_rope, const torch::Tensor& mask, torch::Tensor& out) {
-  const int64_t B = c_kv.size(0), S = c_kv.size(1);
-  const int h = q_lat.size(1), dc = c_kv.size(2), dr = k_rope.size(2);
-  const int hp = padded(h), cp = padded(dc), rp = padded(dr);  // zero padding, as in tpa_kernel
+inline const float* float_rows(const scalar_t* src, int64_t ld, int n, int d, int dp, bool direct, float* buf,
+                               int64_t& ld_out) {
+  if (direct) {
+    ld_out = ld;
+    return reinterpret_cast<const float*>(src);
+  }
+  for (int t = 0; t < n; ++t) to_float(src + t * ld, buf + (int64_t)t * dp, d);
+  ld_out = dp;
+  return buf;
+}
+
+// Grouped decoding: h query heads in n groups of g = h / n; group j reads K/V head j of the cache.
+//   scores[t, i] = q[i] . k[j, t] (+ q_rope[i] . k_rope[t]);  out[i, :] = sum_t P[t, i] v[j, t, :]
+// k [B, n, S, d_k] and v [B, n, S, d_v] (strided: each token's row contiguous), v possibly k itself (the
+// latent form: MLA's one latent, read once for scores and values); k_rope [B, S, d_rope] shared by every
+// head, or undefined. One task per (row, group, split of the cached tokens); each a block of tokens at a time.
+template <typename scalar_t>
+void grouped_kernel(const torch::Tensor& q, const torch::Tensor& q_rope, const torch::Tensor& k, const torch::Tensor& v,
+                    const torch::Tensor& k_rope, const torch::Tensor& mask, torch::Tensor& out) {
+  const int64_t B = k.size(0), S = k.size(2);
+  const int n = k.size(1), dk = k.size(3), dv = v.size(3), h = q.size(1), g = h / n;
+  const bool rope = k_rope.defined();
+  const int dr = rope ? k_rope.size(2) : 0;
+  const int gp = padded(g), kp = padded(dk), vp = padded(dv), rp = padded(std::max(dr, 1));
   const bool is_float = std::is_same<scalar_t, float>::value;
-  const bool c_direct = is_float && dc == cp, r_direct = is_float && dr == rp;  // rows used in place
-  const int parts = splits_for(B, S);
+  const bool shared = v.is_same(k);  // the values are the keys' rows: read and converted once
+  const bool k_direct = is_float && dk == kp, v_direct = is_float && dv == vp, r_direct = is_float && dr == rp;
+  // scores by one dot per (token, head) where the group is small (MHA: one head per group; a dot costs its
+  // FMAs and ~8 more to sum its vector), else as a [tokens, d_k] x [d_k, gp] product (each row of k read
+  // once for every head of the group)
+  const bool by_dots = g * (kp / VLEN + 8) < dk * (gp / VLEN);
+  const int parts = splits_for(B * n, S);
   const int64_t per = (S + parts - 1) / parts;
-  std::vector<float> m(B * parts * hp, NEG_INF), l(B * parts * hp, 0.f), acc(B * parts * hp * cp, 0.f);
-  auto zl = torch::zeros({B, dc, hp}, torch::kFloat);  // q_lat^T [B, d_c, hp]
-  zl.narrow(2, 0, h).copy_(q_lat.transpose(1, 2));
-  auto zr = torch::zeros({B, std::max(dr, 1), hp}, torch::kFloat);  // q_rope^T [B, d_rope, hp]
-  if (dr > 0) zr.narrow(2, 0, h).copy_(q_rope.transpose(1, 2));
+  const int64_t programs = B * n * parts;
+  std::vector<float> m(programs * gp, NEG_INF), l(programs * gp, 0.f), acc(programs * gp * vp, 0.f);
+  // each group's queries as float: rows [h, kp] (dots) and transposed [n, d_k, gp] (products); zero padding
+  auto qrows = torch::zeros({B, h, kp}, torch::kFloat);
+  qrows.narrow(2, 0, dk).copy_(q);
+  auto zq = torch::zeros({B, n, dk, gp}, torch::kFloat);
+  zq.narrow(3, 0, g).copy_(q.reshape({B, n, g, dk}).transpose(2, 3));
+  auto zr = torch::zeros({B, n, std::max(dr, 1), gp}, torch::kFloat);
+  if (rope) zr.narrow(3, 0, g).copy_(q_rope.reshape({B, n, g, dr}).transpose(2, 3));
   const bool* mk = mask.defined() ? mask.data_ptr<bool>() : nullptr;
   const int64_t mk_b = mask.defined() ? mask.stride(0) : 0;
-  at::parallel_for(0, B * parts, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> c(BLOCK * cp, 0.f), kr(BLOCK * rp, 0.f), sc(BLOCK * hp);
-    std::vector<float> s1(BLOCK * hp), s2(BLOCK * hp);
+  const scalar_t* kd = k.data_ptr<scalar_t>();
+  const scalar_t* vd = v.data_ptr<scalar_t>();
+  const scalar_t* rd = rope ? k_rope.data_ptr<scalar_t>() : nullptr;
+  at::parallel_for(0, programs, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> kb(BLOCK * kp, 0.f), vb(BLOCK * vp, 0.f), rb(BLOCK * rp, 0.f), sc(BLOCK * gp, 0.f);
+    std::vector<float> s2(BLOCK * gp);
     for (int64_t task = lo; task < hi; ++task) {
-      const int64_t b = task / parts, part = task % parts;
+      const int64_t b = task / (n * parts), j = task / parts % n, part = task % parts;
       const int64_t s_lo = part * per, s_hi = std::min(S, s_lo + per);
-      float* m_ = m.data() + task * hp;
-      float* l_ = l.data() + task * hp;
-      float* acc_ = acc.data() + task * hp * cp;
-      const float* zlb = zl.data_ptr<float>() + b * zl.stride(0);
-      const float* zrb = zr.data_ptr<float>() + b * zr.stride(0);
+      float* m_ = m.data() + task * gp;
+      float* l_ = l.data() + task * gp;
+      float* acc_ = acc.data() + task * gp * vp;
+      const float* qr = qrows.data_ptr<float>() + (b * h + j * g) * kp;
+      const float* zqb = zq.data_ptr<float>() + (b * n + j) * dk * gp;
+      const float* zrb = zr.data_ptr<float>() + (b * n + j) * std::max(dr, 1) * gp;
       for (int64_t s0 = s_lo; s0 < s_hi; s0 += BLOCK) {
-        const int n = (int)std::min<int64_t>(BLOCK, s_hi - s0);
-        const scalar_t* cpt = c_kv.data_ptr<scalar_t>() + b * c_kv.stride(0) + s0 * c_kv.stride(1);
-        const scalar_t* rpt = k_rope.data_ptr<scalar_t>() + b * k_rope.stride(0) + s0 * k_rope.stride(1);
-        // the block's latents [n, d_c] and RoPE keys [n, d_rope] as float rows: in place, or
-        // converted into zero-padded rows
-        const float* cb = c_direct ? reinterpret_cast<const float*>(cpt) : c.data();
-        const float* rb = r_direct ? reinterpret_cast<const float*>(rpt) : kr.data();
-        const int64_t ldc = c_direct ? c_kv.stride(1) : cp, ldr = r_direct ? k_rope.stride(1) : rp;
-        for (int t = 0; t < n && !c_direct; ++t) to_float(cpt + t * c_kv.stride(1), c.data() + t * cp, dc);
-        for (int t = 0; t < n && !r_direct; ++t) to_float(rpt + t * k_rope.stride(1), kr.data() + t * rp, dr);
+        const int nt = (int)std::min<int64_t>(BLOCK, s_hi - s0);
+        const scalar_t* kpt = kd + b * k.stride(0) + j * k.stride(1) + s0 * k.stride(2);
+        const scalar_t* vpt = vd + b * v.stride(0) + j * v.stride(1) + s0 * v.stride(2);
+        const scalar_t* rpt = rope ? rd + b * k_rope.stride(0) + s0 * k_rope.stride(1) : nullptr;
+        int64_t ldk, ldv, ldr = rp;
+        const float* kf = float_rows(kpt, k.stride(2), nt, dk, kp, k_direct, kb.data(), ldk);
+        const float* vf_ = shared ? kf : float_rows(vpt, v.stride(2), nt, dv, vp, v_direct, vb.data(), ldv);
+        if (shared) ldv = ldk;
+        const float* rf = rope ? float_rows(rpt, k_rope.stride(1), nt, dr, rp, r_direct, rb.data(), ldr) : nullptr;
         Prefetch pf;  // the next block, where its rows are contiguous
-        if (s0 + n < s_hi) {
-          const int64_t n2 = std::min<int64_t>(BLOCK, s_hi - s0 - n), e = sizeof(scalar_t);
-          if (c_kv.stride(1) == dc) pf.add(cpt + n * c_kv.stride(1), n2 * dc * e);
-          if (k_rope.stride(1) == dr && dr > 0) pf.add(rpt + n * k_rope.stride(1), n2 * dr * e);
+        if (s0 + nt < s_hi) {
+          const int64_t n2 = std::min<int64_t>(BLOCK, s_hi - s0 - nt), e = sizeof(scalar_t);
+          if (k.stride(2) == dk) pf.add(kpt + nt * k.stride(2), n2 * dk * e);
+          if (!shared && v.stride(2) == dv) pf.add(vpt + nt * v.stride(2), n2 * dv * e);
+          if (rope && k_rope.stride(1) == dr) pf.add(rpt + nt * k_rope.stride(1), n2 * dr * e);
         }
-        // scores [n, hp] = c [n, d_c] x q_lat^T [d_c, hp] + k_rope [n, d_rope] x q_rope^T [d_rope, hp]
-        rows_gemm(cb, ldc, dc, zlb, hp, n, s1.data());
-        if (dr > 0) rows_gemm(rb, ldr, dr, zrb, hp, n, s2.data());
-        for (int t = 0; t < n; ++t) {
-          const bool visible = !mk || mk[b * mk_b + s0 + t];
-          for (int i0 = 0; i0 < hp; i0 += VLEN) {
-            const vf x = load(s1.data() + t * hp + i0) + (dr > 0 ? load(s2.data() + t * hp + i0) : splat(0.f));
-            store(sc.data() + t * hp + i0, visible ? x : splat(NEG_INF));
+        // scores [nt, gp]: k [nt, d_k] x q^T [d_k, gp] (+ k_rope [nt, d_rope] x q_rope^T [d_rope, gp])
+        if (by_dots)
+          for (int i = 0; i < g; ++i) {
+            pf.lines(2);
+            dots(qr + (int64_t)i * kp, kf, ldk, nt, kp, sc.data() + i, gp);
           }
+        else
+          rows_gemm(kf, ldk, dk, zqb, gp, nt, sc.data());
+        if (rope) {
+          rows_gemm(rf, ldr, dr, zrb, gp, nt, s2.data());
+          for (int t = 0; t < nt; ++t)
+            for (int i0 = 0; i0 < gp; i0 += VLEN)
+              store(sc.data() + t * gp + i0, load(sc.data() + t * gp + i0) + load(s2.data() + t * gp + i0));
         }
-        softmax_update_v(sc.data(), n, hp, m_, l_, acc_, cp);
-        // acc[i, :] += sum_t P[t, i] c[t, :]
-        accumulate_v(acc_, h, hp, cp, sc.data(), cb, ldc, n, pf);
+        if (mk)
+          for (int t = 0; t < nt; ++t)
+            if (!mk[b * mk_b + s0 + t])
+              for (int i0 = 0; i0 < gp; i0 += VLEN) store(sc.data() + t * gp + i0, splat(NEG_INF));
+        softmax_update_v(sc.data(), nt, gp, m_, l_, acc_, vp);
+        // acc[i, :] += sum_t P[t, i] v[t, :]
+        accumulate_v(acc_, g, gp, vp, sc.data(), vf_, ldv, nt, pf);
       }
     }
   });
-  auto out32 = torch::empty({B, h, dc}, torch::kFloat);
-  at::parallel_for(0, B, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t b = lo; b < hi; ++b)
-      combine(m.data() + b * parts * hp, l.data() + b * parts * hp, acc.data() + b * parts * hp * cp, parts, hp, cp,
-              1.f, out32.data_ptr<float>() + b * h * dc, h, dc);
+  auto out32 = torch::empty({B, h, dv}, torch::kFloat);
+  at::parallel_for(0, B * n, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t bj = lo; bj < hi; ++bj)
+      combine(m.data() + bj * parts * gp, l.data() + bj * parts * gp, acc.data() + bj * parts * gp * vp, parts, gp,
+              vp, 1.f, out32.data_ptr<float>() + bj * g * dv, g, dv);
   });
   out.copy_(out32);
 }
@@ -535,12 +577,30 @@ torch::Tensor latent_decode(const torch::Tensor& q_lat, const torch::Tensor& q_r
   TORCH_CHECK(c_kv.stride(-1) == 1 && k_rope.stride(-1) == 1, "c_kv and k_rope must be contiguous per token");
   auto out = torch::empty(q_lat.sizes(), q_lat.options());
   auto mask = mask_or_empty(key_mask);
+  const auto latent = c_kv.unsqueeze(1);  // one K/V head, its rows both the keys and the values
+  const auto rope = k_rope.size(2) > 0 ? k_rope : torch::Tensor();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, c_kv.scalar_type(), "latent_decode",
-                                  [&] { latent_kernel<scalar_t>(q_lat, q_rope, c_kv, k_rope, mask, out); });
+                                  [&] { grouped_kernel<scalar_t>(q_lat, q_rope, latent, latent, rope, mask, out); });
+  return out;
+}
+
+torch::Tensor gqa_decode(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                         const c10::optional<torch::Tensor>& q_rope, const c10::optional<torch::Tensor>& k_rope,
+                         const c10::optional<torch::Tensor>& key_mask) {
+  TORCH_CHECK(k.stride(-1) == 1 && v.stride(-1) == 1, "k and v must be contiguous per token");
+  TORCH_CHECK(q.size(1) % k.size(1) == 0, "the query heads must be a multiple of the K/V heads");
+  auto out = torch::empty({q.size(0), q.size(1), v.size(3)}, q.options());
+  auto mask = mask_or_empty(key_mask);
+  const auto qr = q_rope.has_value() ? *q_rope : torch::Tensor();
+  const auto kr = k_rope.has_value() ? *k_rope : torch::Tensor();
+  TORCH_CHECK(!kr.defined() || kr.stride(-1) == 1, "k_rope must be contiguous per token");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "gqa_decode",
+                                  [&] { grouped_kernel<scalar_t>(q, qr, k, v, kr, mask, out); });
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tpa_decode", &tpa_decode);
   m.def("latent_decode", &latent_decode);
+  m.def("gqa_decode", &gqa_decode);
 }

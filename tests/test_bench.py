@@ -103,18 +103,19 @@ def test_gpu_time_counts_the_kernels_and_stays_under_the_wall_time():
 
 def test_decode_kernels_bench_times_each_fused_operator_and_reads_the_whole_cache(capsys):
     """The operator calls of each mechanism's decode step, timed alone on the CPU: the bytes they read are
-    the layer's whole cache (the KV fact; GLA reads its shared RoPE key once per latent head), their
-    result is the reference's, the bandwidth fraction is consistent, and no GPU column appears."""
+    the layer's whole cache (the KV fact; GTA's keys are part of its values, read once; GLA reads its shared
+    RoPE key once per latent head), their result is the reference's, the bandwidth fraction is consistent,
+    and no GPU column appears."""
     from t6.bench import decode_kernels
 
     out = decode_kernels.main(
-        "--device cpu --size tiny --dtype float32 --attentions mha,tpa,mla,gla --contexts 40 --batches 1,2 "
-        "--steps 2 --bandwidth-gbs 10".split()
+        "--device cpu --size tiny --dtype float32 --attentions mha,gta,tpa,mla,gla,tpa_nc_a --contexts 40 "
+        "--batches 1,2 --steps 2 --bandwidth-gbs 10".split()
     )
     text = capsys.readouterr().out
     records = {(r["attention"], r["batch"]): r for r in out["records"]}
-    assert sorted(records) == [(n, b) for n in ("gla", "mla", "tpa") for b in (1, 2)]
-    assert "skipped (no fused decode operator): mha" in text and "GPU" not in text
+    assert sorted(records) == [(n, b) for n in ("gla", "gta", "mha", "mla", "tpa") for b in (1, 2)]
+    assert "skipped (no fused decode operator): tpa_nc_a" in text and "GPU" not in text
     for (name, batch), r in records.items():
         cfg = common.model_config_of(name, "tiny")
         cache = batch * 41 * common.layer_kv_bytes_per_token(cfg, torch.float32)  # 40 cached tokens + the new one

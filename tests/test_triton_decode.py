@@ -293,7 +293,7 @@ def test_every_launch_of_every_mechanism_fits_an_h100_compiled_ahead_of_time(tmp
     records = json.loads(out.read_text())["records"]
     assert {r["dtype"] for r in records} == {"float32", "bfloat16"}
     used = {u for r in records for u in r["used_by"].split(", ")}
-    fused = {"tpa", "tpa_kvonly", "tpa_sigmoid", "tpa_softmax", "mla", "gla"}
+    fused = {"mha", "mqa", "gqa", "gta", "tpa", "tpa_kvonly", "tpa_sigmoid", "tpa_softmax", "mla", "gla"}
     assert used == {f"{name}/{size}" for name in fused for size in ("tiny", "small", "medium", "large", "xl")}
     misfits = [r for r in records if not r["fits"]]
     assert not misfits, misfits

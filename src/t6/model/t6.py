@@ -184,6 +184,9 @@ class T6(nn.Module):
         fixed-shape mode (KVCache.static_len) -> logits [B, vocab]. Its shapes do not depend on the
         position, so it compiles once per cache length and replays as a CUDA graph (t6.model.static_decode)."""
         x = self.embed(idx)  # [B, 1, d]
+        lengths = caches[0].count(pos)  # [B]: each row's cached tokens, computed once for every layer
+        for cache in caches:
+            cache.share_lengths(pos, lengths)
         for block, cache in zip(self.blocks, caches):
             x = block(x, pos, cache)  # [B, 1, d]
         return self.lm_head(self.norm(x))[:, -1]  # [B, vocab]

@@ -128,6 +128,7 @@ class KVCache:
         # every eager step, SDPA with the mask of `attn_mask` (t6.model.static_decode.FixedStep sets it).
         self.flex_decode = False
         self._known_end: tuple[torch.Tensor, int] | None = None  # see `expect`
+        self._lengths: tuple[torch.Tensor, torch.Tensor] | None = None  # see `share_lengths`
         self.tensors = {}
         for name, shape in spec.items():
             if name in head_major:
@@ -186,7 +187,7 @@ class KVCache:
         out.max_len, out.spec, out.seq_dims = self.max_len, dict(self.spec), dict(self.seq_dims)
         out.tensors = {name: t.index_select(0, index) for name, t in self.tensors.items()}  # [B', ...]
         out.key_mask = None if self.key_mask is None else self.key_mask.index_select(0, index)  # [B', max_len]
-        out.static_len, out._known_end, out.flex_decode = None, None, False
+        out.static_len, out._known_end, out._lengths, out.flex_decode = None, None, None, False
         return out
 
     def attn_mask(self, pos: torch.Tensor) -> torch.Tensor | None:
@@ -205,11 +206,35 @@ class KVCache:
     def lengths(self, pos: torch.Tensor) -> torch.Tensor | None:
         """The fused decode operators' `lengths` for queries at pos [T]: in a fixed-shape step each row's
         cached tokens up to the newest, int64 [B] on the device, so their kernels skip the rest of the view;
-        None with dynamic shapes, whose views end there already."""
+        None with dynamic shapes, whose views end there already. The tensor the model shared for this pos
+        (`share_lengths`: one for every layer) where it did."""
         if self.static_len is None:
             return None
+        if self._lengths is not None and self._lengths[0] is pos:
+            return self._lengths[1]
+        return self.count(pos)
+
+    def count(self, pos: torch.Tensor) -> torch.Tensor:
+        """Each row's cached tokens up to the newest of pos [T]: int64 [B] on the device, computed now."""
         B = next(iter(self.tensors.values())).shape[0]
         return (pos[-1] + 1).expand(B).contiguous()  # [B]
+
+    def share_lengths(self, pos: torch.Tensor, lengths: torch.Tensor) -> None:
+        """`lengths(pos)`, computed once by the model for every layer's cache of a fixed-shape step (`count`, at
+        each step: pos changes in place): each layer reads that tensor instead of computing its own, two kernels
+        fewer per layer and step."""
+        self._lengths = (pos, lengths)
+
+    def decode_key_mask(self, pos: torch.Tensor) -> torch.Tensor | None:
+        """What a single new token at pos [1] must not see, as the fused decode operators take it: bool [B, S]
+        over the positions `update` returned, or None. A fixed-shape step's is the key mask itself, read where it
+        lies (no work on the device: its new token is never padding, and `lengths` bounds what follows it);
+        otherwise `attn_mask`'s one row."""
+        if self.static_len is not None:
+            return None if self.key_mask is None else self.key_mask[:, : self.static_len]  # [B, S]
+        mask = self.attn_mask(pos)  # [B or 1, 1, S] or None
+        B = next(iter(self.tensors.values())).shape[0]
+        return None if mask is None else mask[:, 0].expand(B, -1)  # [B, S]
 
     def mask_mod(self, pos: torch.Tensor):
         """`attn_mask` as FlexAttention's mask_mod: (batch row b, head h, query index q_idx, key position

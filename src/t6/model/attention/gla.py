@@ -108,7 +108,7 @@ class GroupedLatentAttention(Attention):
             y = self._explicit(q_nope, q_rope, c_kv, k_rope)  # [B, T, h, d_v]
         else:
             c_kv, k_rope = cache.update(pos, c_kv=c_kv, k_rope=k_rope)  # [B, n, S, d_c], [B, S, rope]
-            y = self._absorbed(q_nope, q_rope, c_kv, k_rope, cache.attn_mask(pos), cache.lengths(pos))  # [B, T, h, d_v]
+            y = self._absorbed(q_nope, q_rope, c_kv, k_rope, cache, pos)  # [B, T, h, d_v]
         return self.out(y.reshape(B, T, h * self.d_v))  # [B, T, d_model]
 
     def _explicit(self, q_nope, q_rope, c_kv, k_rope) -> torch.Tensor:
@@ -128,17 +128,17 @@ class GroupedLatentAttention(Attention):
         k_nope, v = kv.split([self.d_nope, self.d_v], dim=-1)  # [B, S, h, nope], [B, S, h, d_v]
         return explicit_attention(self, q_nope, q_rope, k_nope, v, k_rope, self.scale)  # [B, T, h, d_v]
 
-    def _absorbed(self, q_nope, q_rope, c_kv, k_rope, mask: torch.Tensor | None, lengths=None) -> torch.Tensor:
+    def _absorbed(self, q_nope, q_rope, c_kv, k_rope, cache: KVCache, pos: torch.Tensor) -> torch.Tensor:
         """Decoding path: each group attends over its cached latent head with W_UK and W_UV absorbed.
-        c_kv: [B, n, S, d_c]; mask: None (every query sees every cached token) or bool [B or 1, T, S];
-        lengths: None or int [B], each row's valid cached tokens (KVCache.lengths), for the fused operator."""
+        c_kv: [B, n, S, d_c]. The cache gives what the queries at pos may see: one new token's key mask and lengths
+        for the fused operator (KVCache.decode_key_mask, KVCache.lengths), else the mask of `attn_mask`."""
         B, T, h = q_nope.shape[:3]
         n, g, S = self.n_lat, self.group, c_kv.shape[2]
         w = linear_weight(self.kv_up, self.d_c).view(h, self.d_nope + self.d_v, self.d_c)  # [h, nope+d_v, d_c]
         w_uk, w_uv = w.split([self.d_nope, self.d_v], dim=1)  # [h, nope, d_c], [h, d_v, d_c]
         q_lat = torch.einsum("bthn,hnc->bhtc", q_nope, w_uk)  # [B, h, T, d_c]: q_nope^T W_UK, per head
         if T == 1 and self.fused_decode and S > 1 and self.recorded is None:
-            key_mask = None if mask is None else mask[:, 0].expand(B, -1)  # [B, S]
+            key_mask, lengths = cache.decode_key_mask(pos), cache.lengths(pos)  # [B, S] or None, [B] or None
             q_lat = (q_lat * self.scale).reshape(B, n, g, self.d_c)  # [B, n, g, d_c]
             q_rope = (q_rope * self.scale).reshape(B, n, g, self.d_rope)  # [B, n, g, rope]
             o = torch.cat(
@@ -146,6 +146,7 @@ class GroupedLatentAttention(Attention):
                 dim=1,
             )  # [B, h, d_c]: group j against latent head j
             return torch.einsum("bhc,hvc->bhv", o, w_uv)[:, None]  # [B, 1, h, d_v]: W_UV applied after attention
+        mask = cache.attn_mask(pos)  # [B or 1, T, S] or None
         # The g heads of a group share one key/value (their latent head), so they become extra query
         # rows of one batched matmul per latent head: the cache is read once, never copied per head.
         scores = q_lat.reshape(B, n, g * T, self.d_c) @ c_kv.transpose(2, 3)  # [B, n, g*T, S]: latent part

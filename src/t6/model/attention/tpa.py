@@ -193,7 +193,9 @@ class TensorProductAttention(Attention):
         q, a_k, b_k, a_v, b_v = self.module_factors(x, pos)
         a_k, b_k, a_v, b_v = cache.update(pos, a_k=a_k, b_k=b_k, a_v=a_v, b_v=b_v)  # [B, S, R, *] each
         if T == 1 and self.fused_decode and b_k.shape[1] > 1 and self.recorded is None:
-            y = self.decode_fused(q, a_k, b_k, a_v, b_v, cache.attn_mask(pos), cache.lengths(pos))  # [B, 1, h, d_h]
+            y = self.decode_fused(
+                q, a_k, b_k, a_v, b_v, cache.decode_key_mask(pos), cache.lengths(pos)
+            )  # [B, 1, h, d_h]
         elif T <= self.factor_decode_max_tokens and T < b_k.shape[1]:
             y = self.attend_factors(q, a_k, b_k, a_v, b_v, pos, cache.attn_mask(pos))  # [B, T, h, d_h]
         else:
@@ -208,15 +210,14 @@ class TensorProductAttention(Attention):
         y = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), pos, cache)  # [B, h, T, d_h]
         return y.transpose(1, 2)  # [B, T, h, d_h]
 
-    def decode_fused(self, q, a_k, b_k, a_v, b_v, mask: torch.Tensor | None, lengths=None) -> torch.Tensor:
+    def decode_fused(self, q, a_k, b_k, a_v, b_v, key_mask: torch.Tensor | None, lengths=None) -> torch.Tensor:
         """One new token per row through t6::tpa_decode (the same function as attend_factors).
 
         q: (A_Q [B, 1, R_Q, h], B_Q [B, 1, R_Q, d_h]) or a full query [B, 1, h, d_h] (KVonly);
-        the cached factors [B, S, R, *]; mask None or bool [B or 1, 1, S]; lengths None or int [B], each
-        row's valid cached tokens (KVCache.lengths). Returns [B, 1, h, d_h].
+        the cached factors [B, S, R, *]; key_mask None or bool [B, S] (KVCache.decode_key_mask); lengths None or
+        int [B], each row's valid cached tokens (KVCache.lengths). Returns [B, 1, h, d_h].
         """
-        B, R_K, d = a_k.shape[0], a_k.shape[2], b_k.shape[-1]
-        key_mask = None if mask is None else mask[:, 0].expand(B, -1)  # [B, S]
+        R_K, d = a_k.shape[2], b_k.shape[-1]
         if self.kv_only:
             q_a, q_b = None, q[:, 0] * (1.0 / (R_K * math.sqrt(d)))  # [B, h, d_h], scales folded in
         else:

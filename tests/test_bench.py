@@ -182,7 +182,8 @@ def test_generate_bench_reports_decode_speed_against_the_bandwidth_bound(tmp_pat
         assert r["weight_bytes"] == weights and r["cache_bytes_per_step"] == cache
         assert r["bound_tokens_per_s"] == pytest.approx(r["batch"] * 10e9 / (weights + cache))
         assert r["fraction_of_bound"] == pytest.approx(r["tokens_per_s"] / r["bound_tokens_per_s"])
-        assert r["step"] == "eager" and r["tokens_per_s"] > 0 and r["prefill_ms"] > 0
+        assert r["step"] == "eager" and r["tokens_per_s"] > 0 and r["prefill_ms"] > 0 and r["graph"] is False
+        assert r["kernel"] == {"mha": "t6::gqa_decode (C++)", "tpa": "t6::tpa_decode (C++)"}[r["attention"]]
     by = {(r["attention"], r["prompt"], r["batch"]): r for r in records}
     assert by["tpa", 16, 2]["cache_bytes_per_step"] < by["mha", 16, 2]["cache_bytes_per_step"]  # TPA's smaller cache
 
@@ -243,6 +244,11 @@ def test_benchmarks_run_and_write_their_records(tmp_path):
         assert r["roofline_vs_mha"] == pytest.approx(mha[r["context"]]["roofline_ms"] / r["roofline_ms"])
     from t6.report.experiments import decode_table
 
+    # each row names the attention kernel its step ran (the profiler's record of one step), none replayed as a graph
+    assert {(r["attention"], r["kernel"], r["graph"]) for r in records} == {
+        ("mha", "t6::gqa_decode (C++)", False),
+        ("tpa", "t6::tpa_decode (C++)", False),
+    }
     tpa64 = next(r for r in records if (r["attention"], r["context"]) == ("tpa", 64))
     cell = f"{tpa64['speed_vs_mha']:.2f}× of {tpa64['roofline_vs_mha']:.2f}×, {tpa64['fraction_of_roofline']:.2f})"
     assert cell in decode_table(json.loads((tmp_path / "decode.json").read_text()))

@@ -19,7 +19,9 @@ time per token (the kernels' durations, torch.profiler): a wall time far above i
 with views that grow with the context (the CPU's path: the fused C++ decode operators); `static`
 runs it for fixed shapes over the cache-length bucket of the context (t6.model.static_decode), on CUDA
 captured as a CUDA graph and replayed; `compiled` compiles that step with inductor before its capture;
-`auto` (default) is static on CUDA, eager elsewhere.
+`auto` (default) is static on CUDA, eager elsewhere. Each row names the attention kernel the step ran (the
+fused operator and what implements it, SDPA's backend, FlexAttention: `attention_kernel`, from the profiler) and
+whether the step was replayed as a CUDA graph.
 """
 
 from __future__ import annotations
@@ -30,7 +32,15 @@ import dataclasses
 import torch
 
 from t6.bench import harness
-from t6.bench.common import gpu_time_call, layer_kv_bytes_per_token, median, model_configs, ratios_to_mha, time_call
+from t6.bench.common import (
+    attention_kernels,
+    gpu_time_call,
+    layer_kv_bytes_per_token,
+    median,
+    model_configs,
+    ratios_to_mha,
+    time_call,
+)
 from t6.bench.harness import DTYPES, common_args, ints, layer_args, parse, table, write_json
 from t6.model.attention import REFERENCE
 from t6.model.facts import decode_flops_per_cached_token
@@ -91,14 +101,16 @@ def resolve_step(step: str, device: str) -> str:
 def decode_call(layer, step: str, cache, x: torch.Tensor, context: int, max_len: int):
     """The call that decodes x [B, 1, d] at position `context`: the layer itself (step "eager": views growing with
     the context), or its fixed-shape step over the cache bucket of the context (t6.model.static_decode.FixedStep: on
-    CUDA captured as a CUDA graph; "compiled": compiled by inductor first)."""
+    CUDA captured as a CUDA graph; "compiled": compiled by inductor first). Returns (the call, the same step called
+    eagerly once: what the profiler watches for its attention kernel, the FixedStep or None)."""
     pos = torch.tensor([context], device=x.device)  # [1]
+    eager = lambda: layer(x, pos, cache)  # noqa: E731
     if step == "eager":
-        return lambda: layer(x, pos, cache)
+        return eager, eager, None
     cache.static_len = bucket(context + 1, max_len)
     capture = CudaGraphs() if x.device.type == "cuda" else None
     fixed = FixedStep(layer, (x, pos, cache), [cache], compile=step == "compiled", capture=capture)
-    return lambda: fixed(cache.static_len)
+    return (lambda: fixed(cache.static_len)), eager, fixed
 
 
 def measure(
@@ -143,15 +155,18 @@ def measure(
         x = torch.randn(batch, 1, configs[next(iter(configs))].d_model, device=device, dtype=dtype)
         seconds = {name: [] for name in layers}
         with torch.inference_mode():
-            calls = {  # the new token sees context + 1 tokens
+            planned = {  # the new token sees context + 1 tokens
                 name: decode_call(layer, step, caches[name], x, context, max_len) for name, layer in layers.items()
             }
+            calls = {name: call for name, (call, _, _) in planned.items()}
             for call in calls.values():  # warm up (and compile, capture)
                 time_call(call, warmup, device)
             for _ in range(rounds):
                 for name, call in calls.items():
                     seconds[name].append(time_call(call, steps, device))
             gpu = {name: gpu_time_call(call, steps, device) for name, call in calls.items()}
+            kernels = {name: attention_kernels(eager, device) for name, (_, eager, _) in planned.items()}
+            graphed = {name: fixed is not None and bool(fixed.captured) for name, (_, _, fixed) in planned.items()}
         rows = []
         for name in layers:
             s = median(seconds[name])
@@ -161,6 +176,8 @@ def measure(
                     "context": context,
                     "batch": batch,
                     "step": step,
+                    "kernel": kernels[name],
+                    "graph": graphed[name],
                     "cache_view": context + 1 if step == "eager" else caches[name].static_len,
                     "ms_per_token": 1e3 * s,
                     **({} if gpu[name] is None else {"gpu_ms_per_token": 1e3 * gpu[name]}),  # CUDA only
@@ -218,6 +235,8 @@ COLUMNS = [
     ("attention", "attention", ""),
     ("context", "context", "d"),
     ("step", "step", ""),
+    ("kernel", "attention kernel", ""),
+    ("graph", "CUDA graph", ""),
     ("cache_view", "cache view", "d"),
     ("n_head", "heads", "d"),
     ("layer_params", "layer params", ","),

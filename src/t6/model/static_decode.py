@@ -124,6 +124,7 @@ class FixedStep:
         self.fn, self.args, self.caches, self.capture = fn, args, caches, capture
         self.compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=backend) if compile else None
         self.runs: dict[object, Callable[[], torch.Tensor]] = {}  # by key: the step as it runs from then on
+        self.captured: set = set()  # the keys whose step replays a capture (a CUDA graph)
 
     def __call__(self, key) -> torch.Tensor:
         run = self.runs.get(key)
@@ -141,6 +142,7 @@ class FixedStep:
         if capturing:
             try:
                 run = self.capture(run)  # records the step: nothing runs, out stays this call's result
+                self.captured.add(key)
             except Exception as err:
                 fell_back("decode_graph", err)
         self.runs[key] = run

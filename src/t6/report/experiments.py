@@ -70,6 +70,7 @@ def decode_table(payload: dict) -> str:
     roofline = any("fraction_of_roofline" in r for r in records)
     header = ["attention", "heads", f"cache B/token/layer ({payload.get('dtype', 'float32')})"]
     header += ["FLOP/cached token"] if any("flops_per_cached_token" in r for r in records) else []
+    header += ["attention kernel", "CUDA graph"] if any("kernel" in r for r in records) else []
     header += [k(c) for c in contexts]
     rows = []
     for name, group in by_attention(records).items():
@@ -77,6 +78,8 @@ def decode_table(payload: dict) -> str:
         row = [name, str(first["n_head"]), str(first["kv_cache_bytes_per_token"])]
         if "FLOP/cached token" in header:
             row.append(f"{first.get('flops_per_cached_token', 0):.0f}")
+        if "attention kernel" in header:
+            row += [str(first.get("kernel", "")), str(first.get("graph", ""))]
         at = {r["context"]: r for r in group}
         for c in contexts:
             r = at.get(c)
@@ -405,12 +408,15 @@ def generate_table(payload: dict) -> str:
         ("prompt", "prompt", k),
         ("batch", "batch", text),
         ("step", "decoder", text),
+        ("kernel", "attention kernel", text),
+        ("graph", "CUDA graph", text),
         ("prefill_ms", "prefill ms", num(".1f")),
         ("ms_per_token", "ms/step", num(".3f")),
         ("tokens_per_s", "tokens/s", num(",.0f")),
         ("bound_tokens_per_s", "bound tokens/s", num(",.0f")),
         ("fraction_of_bound", "of bound", num(".3f")),
     ]
+    cols = [c for c in cols if c[0] not in ("kernel", "graph") or any(c[0] in r for r in payload["records"])]
     return columns_table(payload, cols, f"Size {payload['size']}, {payload['dtype']}.")
 
 

@@ -361,6 +361,15 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def implementation(device: torch.device | str) -> str:
+    """What runs the fused operators on `device` in this process: "Triton" (CUDA, or Triton's interpreter), "C++"
+    (the CPU's compiled kernels) or "eager reference" (where those could not be built, or the Triton kernels fell
+    back)."""
+    if torch.device(device).type == "cuda" or triton_interpreted():
+        return "Triton" if enabled("triton_decode") else "eager reference"
+    return "C++" if cpu_extension() is not None else "eager reference"
+
+
 def triton_or_reference(name: str, *args) -> torch.Tensor:
     """Operator `name` ("tpa_decode", "latent_decode", "gqa_decode") through its Triton kernel, on the tensors'
     device; where the kernel fails (t6.model.fallback "triton_decode": out of shared memory or registers at its

@@ -108,7 +108,7 @@ def decode_call(layer, step: str, cache, x: torch.Tensor, context: int, max_len:
     if step == "eager":
         return eager, eager, None
     cache.static_len = bucket(context + 1, max_len)
-    capture = CudaGraphs() if x.device.type == "cuda" else None
+    capture = CudaGraphs(x.device) if x.device.type == "cuda" else None
     fixed = FixedStep(layer, (x, pos, cache), [cache], compile=step == "compiled", capture=capture)
     return (lambda: fixed(cache.static_len)), eager, fixed
 

@@ -69,28 +69,52 @@ def unlimited_recompiles():
 
 
 class CudaGraphs:
-    """How `FixedStep` captures a step on CUDA: `warmup()` is where the step first runs (a side stream, as
-    torch.cuda.graph requires), then capture(run) records run() without executing it and returns the replay,
-    which returns the step's output tensor (the graph's own memory, rewritten by the next replay). The graphs
-    of one decoder share one memory pool: they never run at once."""
+    """How `FixedStep` captures a step on CUDA (on `device`, default the current one). `warmup()` is where the
+    step first runs, on the stream every capture of this object then records on (torch.cuda.graph captures on a
+    side stream): what a first call sets up for its stream or device, a cuBLAS workspace, a Triton kernel's
+    compile and first launch, exists before any capture. capture(run) records run() without executing it and
+    returns the replay, which returns the step's output tensor (the graph's own memory, rewritten by the next
+    replay). The graphs of one decoder share one memory pool: they never run at once.
 
-    def __init__(self):
+    A capture that fails (an operation the capture forbids: a host sync, a cudaFree, a module load) leaves the
+    process as it found it: the thread's current stream (torch.cuda.graph leaves its capture stream current
+    when ending the capture raises) and the device's random generator, which a capture switches into capture
+    mode and only a capture that ends well switches back (until then every random op, torch.randint too, raises
+    "Offset increment outside graph capture encountered unexpectedly")."""
+
+    def __init__(self, device: torch.device | str | None = None):
+        self.device = torch.device("cuda" if device is None else device)
         self.pool = None  # made at the first capture
+        self.stream: torch.cuda.Stream | None = None  # made at the first warm-up
+
+    def capture_stream(self) -> torch.cuda.Stream:
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(self.device)
+        return self.stream
 
     @contextlib.contextmanager
     def warmup(self):
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
+        stream = self.capture_stream()
+        stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             yield
-        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
 
     def __call__(self, run: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = run()
+        with torch.cuda.device(self.device):
+            current = torch.cuda.current_stream()
+            generator = torch.cuda.default_generators[torch.cuda.current_device()]
+            saved = generator.clone_state()  # a new state object, out of capture mode
+            try:
+                with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream()):
+                    out = run()
+            except BaseException:
+                torch.cuda.set_stream(current)
+                generator.graphsafe_set_state(saved)
+                raise
 
         def replay() -> torch.Tensor:
             graph.replay()
@@ -213,7 +237,7 @@ class StaticDecoder:
         for t in (self.key_mask, self.tokens, self.pos, *(t for c in self.caches for t in c.tensors.values())):
             torch._dynamo.mark_static_address(t)  # a CUDA graph reads and writes it where it is
         if capture is None and device.type == "cuda":
-            capture = CudaGraphs()
+            capture = CudaGraphs(device)
         self.run = FixedStep(self.advance, (self.tokens, self.pos, self.caches), self.caches, compile, backend, capture)
 
     def advance(self, tokens: torch.Tensor, pos: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:

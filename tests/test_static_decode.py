@@ -1,6 +1,7 @@
 """Fixed-shape decoding (t6.model.static_decode), the CPU-checkable half of the CUDA-graph decoder: for every
-registered mechanism the static step compiles whole (fullgraph), once per cache-length bucket and never
-per token, reads nothing back to the host, and generates the tokens of the eager path.
+registered mechanism the static step's blocks compile whole (fullgraph), one graph for all of them, once per
+cache-length bucket and never per token; the step reads nothing back to the host, passes the capture lint, and
+generates the tokens of the eager path.
 
 Most compiled steps here skip inductor's code generation (tens of seconds of C++ compilation per graph on
 a small CPU): the "eager" backend runs the graph dynamo captures, which is what fullgraph and recompilation
@@ -83,8 +84,8 @@ def padded_batch():
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_the_static_step_compiles_whole_once_for_64_positions_and_generates_todays_tokens(name):
-    model = tiny(name, block_size=128)  # every step in one bucket (min(128, MIN_BUCKET))
+def test_the_static_step_compiles_once_for_every_block_and_64_positions_and_generates_todays_tokens(name):
+    model = tiny(name, block_size=128)  # every step in one bucket (min(128, MIN_BUCKET)); two blocks
     idx, mask = padded_batch()
     counter = CompileCounterWithBackend("eager")
     decoder = StaticDecoder(model, 3, compile=True, backend=counter)
@@ -92,7 +93,7 @@ def test_the_static_step_compiles_whole_once_for_64_positions_and_generates_toda
     assert torch.equal(out, model.generate(idx, 65, temperature=0, prompt_mask=mask, decode="eager"))
     again = torch.tensor([[3, 1, 4, 1, 5, 9, 2]] * 3)  # a new generation, unpadded, in the same decoder
     assert torch.equal(model.generate(again, 5, temperature=0, decode=decoder), model.generate(again, 5, temperature=0))
-    assert counter.frame_count == 1  # one graph: compiled at the first step, replayed at every later one
+    assert counter.frame_count == 1  # one graph: compiled at the first block of the first step, run by every later
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

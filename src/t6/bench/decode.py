@@ -44,7 +44,7 @@ from t6.bench.common import (
 from t6.bench.harness import DTYPES, common_args, ints, layer_args, parse, table, write_json
 from t6.model.attention import REFERENCE
 from t6.model.facts import decode_flops_per_cached_token
-from t6.model.static_decode import CudaGraphs, FixedStep, bucket
+from t6.model.static_decode import CudaGraphs, FixedStep, bucket, compile_step
 from t6.model.t6 import Block
 
 
@@ -109,7 +109,8 @@ def decode_call(layer, step: str, cache, x: torch.Tensor, context: int, max_len:
         return eager, eager, None
     cache.static_len = bucket(context + 1, max_len)
     capture = CudaGraphs(x.device) if x.device.type == "cuda" else None
-    fixed = FixedStep(layer, (x, pos, cache), [cache], compile=step == "compiled", capture=capture)
+    compiled = compile_step(layer) if step == "compiled" else None
+    fixed = FixedStep(layer, (x, pos, cache), [cache], compiled, capture)
     return (lambda: fixed(cache.static_len)), eager, fixed
 
 

@@ -12,7 +12,8 @@ makes such a step:
 - nothing is read back to the host.
 
 `FixedStep` makes such a step fast once per bucket, at its first call: optionally compiled
-(`compile=True`: inductor, FlexAttention for the attention over the bucket), then on CUDA captured
+(`compile=True`: each block by inductor, one graph for all blocks, FlexAttention for the attention over the
+bucket where a mechanism has no fused decode operator), then on CUDA captured
 with `torch.cuda.CUDAGraph` and replayed for every later token of the bucket (as gpt-fast and vLLM
 do): the host's work per token is copying the new tokens in and one `replay()`, no dynamo guards (which
 cost 177-638 us per call of a compiled medium step, measured with a backend that runs nothing). Each
@@ -28,6 +29,7 @@ and only its last position reaches the LM head (`T6.prefill`).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -123,13 +125,25 @@ class CudaGraphs:
         return replay
 
 
+def compile_step(fn: Callable, backend="inductor") -> Callable:
+    """fn compiled as a fixed-shape step compiles: whole (fullgraph), for fixed shapes (one graph per cache bucket)."""
+    return torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
+
+
+def decode_layer(block, x: torch.Tensor, pos: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """One block of a fixed-shape decode step: x [B, 1, d] -> [B, 1, d]. What `StaticDecoder(compile=True)` compiles,
+    once for every block (their code is one, their parameters the graph's inputs): a compile a block long, not a
+    model long, whose kernels the step's capture records for every layer."""
+    return block.layers(x, pos, cache)  # [B, 1, d]
+
+
 class FixedStep:
     """fn(*args), whose tensors live at fixed addresses (marked static for dynamo) and whose caches are in
     fixed-shape mode, made fast once per key (the caches' bucket) at its first call:
 
-    1. compile=True: fn compiled whole for fixed shapes, attention over the bucket through FlexAttention;
-       where that fails, compiled with SDPA's masked attention ("flex_decode"); where that fails, eager
-       ("decode_compile");
+    1. compiled (fn's compiled form, `compile_step`), where given: attention over the bucket through
+       FlexAttention; where that fails, with SDPA's masked attention ("flex_decode"); where that fails, fn
+       eager ("decode_compile");
     2. capture: how the step becomes one replayable call (`CudaGraphs` on CUDA), tried after the step has
        run once in its `warmup()` (lazy initialization and compilation happen outside the capture); where
        it fails, the step runs uncaptured ("decode_graph"). None: the step is called directly.
@@ -141,12 +155,10 @@ class FixedStep:
         fn: Callable[..., torch.Tensor],
         args: tuple,
         caches: list[KVCache],
-        compile: bool = False,
-        backend="inductor",
+        compiled: Callable[..., torch.Tensor] | None = None,
         capture: Callable | None = None,
     ):
-        self.fn, self.args, self.caches, self.capture = fn, args, caches, capture
-        self.compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=backend) if compile else None
+        self.fn, self.args, self.caches, self.capture, self.compiled = fn, args, caches, capture, compiled
         self.runs: dict[object, Callable[[], torch.Tensor]] = {}  # by key: the step as it runs from then on
         self.captured: set = set()  # the keys whose step replays a capture (a CUDA graph)
 
@@ -207,9 +219,10 @@ class FixedStep:
 
 class StaticDecoder:
     """Fixed-shape greedy or sampled decoding for one batch size: the caches (max_len positions, default
-    the model's block_size, in `dtype`), a key mask, and the step (`FixedStep`: compiled if `compile`,
-    captured as a CUDA graph on CUDA). The step's inputs (tokens, position, caches, mask) live at fixed
-    addresses, so a CUDA graph reads and writes them in place.
+    the model's block_size, in `dtype`), a key mask, and the step (`FixedStep`: its blocks compiled if `compile`,
+    one graph for all of them (`decode_layer`), the step around them eager; captured as a CUDA graph on CUDA).
+    The step's inputs (tokens, position, caches, mask) live at fixed addresses, so a CUDA graph reads and writes
+    them in place.
     backend: torch.compile's, a name or a callable ("inductor"; tests use "eager" or "aot_eager", which
     check the same graph without generating code). capture: `FixedStep`'s (default: `CudaGraphs` on CUDA,
     none elsewhere)."""
@@ -238,11 +251,16 @@ class StaticDecoder:
             torch._dynamo.mark_static_address(t)  # a CUDA graph reads and writes it where it is
         if capture is None and device.type == "cuda":
             capture = CudaGraphs(device)
-        self.run = FixedStep(self.advance, (self.tokens, self.pos, self.caches), self.caches, compile, backend, capture)
+        self.layer = compile_step(decode_layer, backend) if compile else None  # every block's, compiled once
+        compiled = functools.partial(self.advance, layer=self.layer) if compile else None
+        self.run = FixedStep(self.advance, (self.tokens, self.pos, self.caches), self.caches, compiled, capture)
 
-    def advance(self, tokens: torch.Tensor, pos: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
-        """The step: tokens [B, 1] at pos [1] -> logits [B, vocab], then pos + 1 (in place)."""
-        logits = self.model.decode_step(tokens, pos, caches)  # [B, vocab]
+    def advance(
+        self, tokens: torch.Tensor, pos: torch.Tensor, caches: list[KVCache], layer: Callable | None = None
+    ) -> torch.Tensor:
+        """The step: tokens [B, 1] at pos [1] -> logits [B, vocab], then pos + 1 (in place). layer: what runs each
+        block (`decode_layer` compiled), or None: the blocks themselves."""
+        logits = self.model.decode_step(tokens, pos, caches, layer)  # [B, vocab]
         pos.add_(1)
         return logits
 

@@ -198,6 +198,48 @@ def test_every_fixed_shape_step_is_safe_to_capture(name):
     assert lint.problems == []
 
 
+class MatmulCount(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in (aten.mm.default, aten.addmm.default, aten.bmm.default)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", ["gqa", "gta", "mla"])
+def test_a_fixed_shape_step_stacks_projections_and_reads_the_weights_of_each_generation(name):
+    """Each layer's projections of one input run as one matmul in the fixed-shape step (Q, K, V; W_gate and W_up;
+    MLA's two down maps); weights trained between generations are the ones the next generation reads, and a
+    projection a hook wraps runs as its module (the hook acts), with the eager path's tokens every time."""
+    model = tiny(name, block_size=64)
+    idx, mask = padded_batch()
+    decoder = StaticDecoder(model, 3, compile=True, backend=CompileCounterWithBackend("eager"))
+
+    def same_tokens():
+        out = model.generate(idx, 6, temperature=0, prompt_mask=mask, decode=decoder)
+        return torch.equal(out, model.generate(idx, 6, temperature=0, prompt_mask=mask, decode="eager"))
+
+    assert same_tokens()
+    with MatmulCount() as stacked, torch.no_grad():
+        decoder.advance(decoder.tokens, decoder.pos.clone(), decoder.caches)
+    caches = model.build_kv_caches(3, 12)
+    model(idx, 0, caches)
+    with MatmulCount() as separate, torch.no_grad():
+        model(idx[:, :1], 7, caches)
+    groups = decoder.projection_groups()[0]
+    assert stacked.count == separate.count - 2 * sum(len(g) - 1 for g in groups.values())  # 2 layers
+    with torch.no_grad():  # trained since: the next generation reads the new weights
+        for group in groups.values():
+            group[-1].weight.mul_(1.5)
+    assert same_tokens()
+    attn = model.blocks[0].attn
+    hooked = next(iter(attn.stackable().values()))[0]
+    hooked.register_forward_hook(lambda module, args, out: out * 0.5)  # an adapter's path: a module of its own
+    assert same_tokens() and model.blocks[0].attn.stackable() == {}
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_under_bf16_autocast_static_steps_choose_todays_tokens_up_to_rounding(name):
     """bf16 autocast, a padded batch: each static step's logits are the eager step's within bf16 rounding, so

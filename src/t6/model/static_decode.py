@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from t6.model.attention.base import StackedLinear
 from t6.model.fallback import enabled, fell_back
 
 if TYPE_CHECKING:
@@ -208,6 +209,11 @@ class FixedStep:
         run = self.call(self.fn)
         return run, run()
 
+    def forget(self) -> None:
+        """Every bucket's step made again at its next call (the model's modules changed)."""
+        self.runs.clear()
+        self.captured.clear()
+
     def call(self, fn: Callable[..., torch.Tensor]) -> Callable[[], torch.Tensor]:
         args = self.args
         return lambda: fn(*args)
@@ -247,6 +253,7 @@ class StaticDecoder:
         self.tokens = torch.zeros(batch_size, 1, dtype=torch.long, device=device)  # [B, 1]
         self.pos = torch.zeros(1, dtype=torch.long, device=device)  # [1]
         self.next_position: int | None = None  # the position self.pos holds (each step advances it)
+        self.stack_projections()
         for t in (self.key_mask, self.tokens, self.pos, *(t for c in self.caches for t in c.tensors.values())):
             torch._dynamo.mark_static_address(t)  # a CUDA graph reads and writes it where it is
         if capture is None and device.type == "cuda":
@@ -264,13 +271,37 @@ class StaticDecoder:
         pos.add_(1)
         return logits
 
+    def projection_groups(self) -> list[dict[str, tuple]]:
+        """Per layer, the projections its step applies as one matmul each (`Attention.stackable`, SwiGLU's)."""
+        return [{**block.attn.stackable(), **block.ffn.stackable()} for block in self.model.blocks]
+
+    def stack_projections(self) -> None:
+        """Each layer's stackable projections as StackedLinear in its cache (`KVCache.stacked`), where the step's
+        attention and feed-forward find them: fewer, larger kernels per step (Q, K and V one matmul, W_gate and
+        W_up one). Their weights are copies, rewritten in place at each prefill (`prefill`)."""
+        for cache, groups in zip(self.caches, self.projection_groups()):
+            cache.stacked = {name: StackedLinear(modules) for name, modules in groups.items()}
+        for t in (s.weight for c in self.caches for s in c.stacked.values()):
+            torch._dynamo.mark_static_address(t)
+
     @torch.no_grad()
     def prefill(self, idx: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Write the prompts idx [B, T0] at positions 0..T0-1 -> logits [B, vocab] at the last one, eagerly.
-        key_mask: None, or bool [B, T0] marking the real tokens of left-padded prompts (T6.check_prompt_mask)."""
+        key_mask: None, or bool [B, T0] marking the real tokens of left-padded prompts (T6.check_prompt_mask).
+
+        First the stacked projections take the weights as they are now (trained since the last generation, or
+        loaded): copied in place, where the captured steps read them; where the model's projections themselves
+        changed (a hook or a LoRA adapter wraps one: it runs as a module from then on), they are stacked anew and
+        every bucket's step is made again (compiled and captured afresh)."""
         B, T0 = idx.shape
         if B != self.batch_size:
             raise ValueError(f"{B} prompts, but this decoder was built for batch_size={self.batch_size}")
+        installed = [{name: s.modules for name, s in c.stacked.items()} for c in self.caches]
+        if installed != self.projection_groups():
+            self.stack_projections()
+            self.run.forget()
+        for stacked in (s for c in self.caches for s in c.stacked.values()):
+            stacked.refresh()
         self.key_mask.fill_(True)
         if key_mask is not None:
             self.key_mask[:, :T0] = key_mask

@@ -42,7 +42,7 @@ class Block(nn.Module):
     def layers(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """The block itself, never compiled: x [B, T, d] -> [B, T, d]."""
         x = x + self.attn(self.attn_norm(x), pos, cache)  # [B, T, d]
-        return x + self.ffn(self.ffn_norm(x))  # [B, T, d]
+        return x + self.ffn(self.ffn_norm(x), None if cache is None else cache.stacked.get("gate_up"))  # [B, T, d]
 
 
 def eager_backward_compile():

@@ -129,6 +129,9 @@ class KVCache:
         self.flex_decode = False
         self._known_end: tuple[torch.Tensor, int] | None = None  # see `expect`
         self._lengths: tuple[torch.Tensor, torch.Tensor] | None = None  # see `share_lengths`
+        # A fixed-shape step's stacked projections of this layer (StaticDecoder sets them: `Attention.stackable`,
+        # SwiGLU's), by the name their module looks them up under; empty: each projection runs as a module.
+        self.stacked: dict[str, StackedLinear] = {}
         self.tensors = {}
         for name, shape in spec.items():
             if name in head_major:
@@ -187,7 +190,7 @@ class KVCache:
         out.max_len, out.spec, out.seq_dims = self.max_len, dict(self.spec), dict(self.seq_dims)
         out.tensors = {name: t.index_select(0, index) for name, t in self.tensors.items()}  # [B', ...]
         out.key_mask = None if self.key_mask is None else self.key_mask.index_select(0, index)  # [B', max_len]
-        out.static_len, out._known_end, out._lengths, out.flex_decode = None, None, None, False
+        out.static_len, out._known_end, out._lengths, out.flex_decode, out.stacked = None, None, None, False, {}
         return out
 
     def attn_mask(self, pos: torch.Tensor) -> torch.Tensor | None:
@@ -266,6 +269,36 @@ def plain_linear(*modules: nn.Module) -> bool:
         type(m) is nn.Linear and not m._forward_hooks and not m._forward_pre_hooks and "forward" not in vars(m)
         for m in modules
     )
+
+
+class StackedLinear:
+    """Bias-free projections of one input applied as one matmul (a fixed-shape decode step's fewer, larger
+    kernels): their weights stacked [sum of their outputs, in] into one buffer at a fixed address, which a CUDA
+    graph reads where it is and `refresh()` rewrites in place (t6.model.static_decode.StaticDecoder refreshes at
+    each generation's start: the weights may have been trained since). Only for plain nn.Linear modules
+    (`plain_linear`): a wrapped or hooked one must be called as a module (`Attention.stackable`)."""
+
+    def __init__(self, modules: tuple[nn.Module, ...]):
+        self.modules = modules
+        self.widths = [m.out_features for m in modules]
+        self.weight = torch.cat([m.weight.detach() for m in modules])  # [sum of the outputs, in]
+
+    def refresh(self) -> None:
+        torch.cat([m.weight.detach() for m in self.modules], out=self.weight)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> every projection's output side by side [..., sum of the outputs]."""
+        return nn.functional.linear(x, self.weight)
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [..., in] -> each projection's output [..., out_i], views of one matmul's."""
+        return self.matmul(x).split(self.widths, dim=-1)
+
+
+def stackable(**groups: tuple[nn.Module, ...]) -> dict[str, tuple[nn.Module, ...]]:
+    """The groups whose modules are all plain nn.Linear (`plain_linear`), each stacked by a fixed-shape decode
+    step (`StackedLinear`); a group with a wrapped or hooked module is left out, so its modules run as modules."""
+    return {name: modules for name, modules in groups.items() if plain_linear(*modules)}
 
 
 def linear_weight(module: nn.Module, in_features: int) -> torch.Tensor:
@@ -414,6 +447,11 @@ class Attention(nn.Module):
     def cache_spec(self) -> dict[str, tuple[int, ...]]:
         """Per-token shape of each tensor this mechanism caches for decoding."""
         raise NotImplementedError
+
+    def stackable(self) -> dict[str, tuple[nn.Module, ...]]:
+        """The projections of one input that a fixed-shape decode step may apply as one matmul, by name (`stackable`
+        of base: plain ones only); the forward finds them in `cache.stacked` under that name. None by default."""
+        return {}
 
     def build_kv_cache(self, batch_size: int, max_len: int, dtype=None, device=None) -> KVCache:
         return KVCache(

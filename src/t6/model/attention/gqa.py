@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from t6.model.attention.base import Attention, KVCache, Options, register
+from t6.model.attention.base import Attention, KVCache, Options, register, stackable
 from t6.model.attention.fused_decode import gqa_decode
 from t6.model.layers import Rotary
 
@@ -64,12 +64,24 @@ class GroupedQueryAttention(Attention):
     def cache_spec(self) -> dict[str, tuple[int, ...]]:
         return {"k": (self.n_kv, self.cfg.head_dim), "v": (self.n_kv, self.cfg.head_dim)}
 
+    def stackable(self) -> dict[str, tuple[nn.Module, ...]]:
+        return stackable(qkv=(self.q, self.k, self.v))
+
     def forward(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         h, d = self.cfg.n_head, self.cfg.head_dim
-        q = self.rope(self.q(x).view(B, T, h, d), pos)  # [B, T, h, d]
-        k = self.rope(self.k(x).view(B, T, self.n_kv, d), pos)  # [B, T, h_kv, d]
-        v = self.v(x).view(B, T, self.n_kv, d)  # [B, T, h_kv, d]
+        stacked = None if cache is None else cache.stacked.get("qkv")
+        if stacked is not None:  # one matmul; Q and K adjacent in its output, rotated in one pass
+            qkv = stacked.matmul(x)  # [B, T, (h + 2 h_kv) d]
+            qk = self.rope(
+                qkv[..., : (h + self.n_kv) * d].unflatten(-1, (h + self.n_kv, d)), pos
+            )  # [B, T, h + h_kv, d]
+            q, k = qk.split([h, self.n_kv], dim=2)  # [B, T, h, d], [B, T, h_kv, d]
+            v = qkv[..., (h + self.n_kv) * d :].unflatten(-1, (self.n_kv, d))  # [B, T, h_kv, d]
+        else:
+            q = self.rope(self.q(x).view(B, T, h, d), pos)  # [B, T, h, d]
+            k = self.rope(self.k(x).view(B, T, self.n_kv, d), pos)  # [B, T, h_kv, d]
+            v = self.v(x).view(B, T, self.n_kv, d)  # [B, T, h_kv, d]
         if cache is not None:
             k, v = cache.update(pos, k=k, v=v)  # [B, h_kv, S, d] each (head-major), S = pos[-1] + 1
             if T == 1 and self.fused_decode and self.recorded is None:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from t6.model.attention.base import Attention, KVCache, Options, register
+from t6.model.attention.base import Attention, KVCache, Options, register, stackable
 from t6.model.attention.fused_decode import gqa_decode
 from t6.model.layers import Rotary
 
@@ -79,13 +79,18 @@ class GroupedTiedAttention(Attention):
     def cache_spec(self) -> dict[str, tuple[int, ...]]:
         return {"kv": (self.n_kv, self.cfg.head_dim), "k_rope": (self.d_rope,)}
 
+    def stackable(self) -> dict[str, tuple[nn.Module, ...]]:
+        return stackable(qkv=(self.q, self.kv, self.k_rope))
+
     def forward(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         h, d, r = self.cfg.n_head, self.cfg.head_dim, self.d_rope
-        q_nope, q_rope = self.q(x).view(B, T, h, d).split([d - r, r], dim=-1)  # [B, T, h, d/2] each
+        stacked = None if cache is None else cache.stacked.get("qkv")
+        q, kv, k_rope = (self.q(x), self.kv(x), self.k_rope(x)) if stacked is None else stacked(x)  # one matmul
+        q_nope, q_rope = q.view(B, T, h, d).split([d - r, r], dim=-1)  # [B, T, h, d/2] each
         q_rope = self.rope(q_rope, pos)  # [B, T, h, d/2]
-        kv = self.kv(x).view(B, T, self.n_kv, d)  # [B, T, G, d]
-        k_rope = self.rope(self.k_rope(x)[:, :, None], pos)[:, :, 0]  # [B, T, d/2], shared by all heads
+        kv = kv.view(B, T, self.n_kv, d)  # [B, T, G, d]
+        k_rope = self.rope(k_rope[:, :, None], pos)[:, :, 0]  # [B, T, d/2], shared by all heads
         if cache is not None:
             kv, k_rope = cache.update(pos, kv=kv, k_rope=k_rope)  # [B, G, S, d] (head-major), [B, S, d/2]
             if T == 1 and self.fused_decode and self.recorded is None:

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from t6.model.attention.base import Attention, KVCache, Options, linear_weight, register, sdpa
+from t6.model.attention.base import Attention, KVCache, Options, linear_weight, register, sdpa, stackable
 from t6.model.attention.fused_decode import latent_decode
 from t6.model.layers import Rotary
 
@@ -100,16 +100,21 @@ class MultiHeadLatentAttention(Attention):
         self.rope = Rotary(self.d_rope, cfg.block_size, cfg.rope_theta, cfg.rope_remap)
         self.scale = (self.d_nope + self.d_rope) ** -0.5
 
+    def stackable(self) -> dict[str, tuple[nn.Module, ...]]:
+        return stackable(down=(self.q_down, self.kv_down))
+
     def cache_spec(self) -> dict[str, tuple[int, ...]]:
         return {"c_kv": (self.d_c,), "k_rope": (self.d_rope,)}
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         h = self.cfg.n_head
-        q = self.q_up(self.q_norm(self.q_down(x))).view(B, T, h, self.d_nope + self.d_rope)  # [B, T, h, nope+rope]
+        stacked = None if cache is None else cache.stacked.get("down")
+        q_lat, kv = (self.q_down(x), self.kv_down(x)) if stacked is None else stacked(x)  # both down maps: one matmul
+        q = self.q_up(self.q_norm(q_lat)).view(B, T, h, self.d_nope + self.d_rope)  # [B, T, h, nope+rope]
         q_nope, q_rope = q.split([self.d_nope, self.d_rope], dim=-1)  # [B, T, h, nope], [B, T, h, rope]
         q_rope = self.rope(q_rope, pos)  # [B, T, h, rope]
-        c_kv, k_rope = self.kv_down(x).split([self.d_c, self.d_rope], dim=-1)  # [B, T, d_c], [B, T, rope]
+        c_kv, k_rope = kv.split([self.d_c, self.d_rope], dim=-1)  # [B, T, d_c], [B, T, rope]
         c_kv = self.kv_norm(c_kv)  # [B, T, d_c]
         k_rope = self.rope(k_rope[:, :, None], pos)[:, :, 0]  # [B, T, rope], one key shared by all heads
         if cache is None:

@@ -208,11 +208,12 @@ class MatmulCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("name", ["gqa", "gta", "mla"])
+@pytest.mark.parametrize("name", ["gqa", "gta", "mla", "tpa"])
 def test_a_fixed_shape_step_stacks_projections_and_reads_the_weights_of_each_generation(name):
     """Each layer's projections of one input run as one matmul in the fixed-shape step (Q, K, V; W_gate and W_up;
-    MLA's two down maps); weights trained between generations are the ones the next generation reads, and a
-    projection a hook wraps runs as its module (the hook acts), with the eager path's tokens every time."""
+    MLA's two down maps; TPA's six factor maps); weights trained between generations are the ones the next
+    generation reads, and a projection a hook wraps runs as its module (the hook acts), with the eager path's tokens
+    every time."""
     model = tiny(name, block_size=64)
     idx, mask = padded_batch()
     decoder = StaticDecoder(model, 3, compile=True, backend=CompileCounterWithBackend("eager"))

@@ -1,6 +1,6 @@
 """Two versions of the fused CPU decode operators (csrc/fused_decode.cpp) timed side by side on the
-medium width's TPA, TPA-KVonly and MLA shapes: the way to tell whether a kernel change helps on a
-noisy machine.
+medium width's MHA, GQA, TPA, TPA-KVonly and MLA shapes (both versions must have each operator): the way
+to tell whether a kernel change helps on a noisy machine.
 
     git show HEAD~1:src/t6/model/attention/csrc/fused_decode.cpp > /tmp/old.cpp
     python experiments/inference/kernel_ab.py /tmp/old.cpp [NEW.cpp] [--contexts 16k,32k] [--threads 1]
@@ -41,7 +41,7 @@ def calls(S: int, size: str) -> dict:
     def r(*shape):
         return torch.randn(*shape, generator=gen) * 0.3
 
-    tpa, kvonly, mla = (model_config_of(n, size) for n in ("tpa", "tpa_kvonly", "mla"))
+    tpa, kvonly, mla, mha, gqa = (model_config_of(n, size) for n in ("tpa", "tpa_kvonly", "mla", "mha", "gqa"))
     h, d, o = tpa.n_head, tpa.head_dim, tpa.attention_options
     q_a, q_b = r(1, o["q_rank"], h), r(1, o["q_rank"], d)  # A_Q [1, R_Q, h], B_Q [1, R_Q, d_h]
     a_k, b_k = r(1, S, o["k_rank"], h), r(1, S, o["k_rank"], d)  # [1, S, R_K, h], [1, S, R_K, d_h]
@@ -52,7 +52,13 @@ def calls(S: int, size: str) -> dict:
     hm, om = mla.n_head, mla.attention_options
     q_lat, q_rope = r(1, hm, om["kv_lora_rank"]), r(1, hm, om["rope_dim"])  # absorbed query [1, h, d_c], [1, h, d_r]
     c, k_rope = r(1, S, om["kv_lora_rank"]), r(1, S, om["rope_dim"])  # latents [1, S, d_c], RoPE keys [1, S, d_r]
+    grouped = {}
+    for name, cfg in (("mha", mha), ("gqa", gqa)):
+        h_kv = cfg.attention_options.get("n_kv_head") or cfg.n_head
+        k, v = r(1, h_kv, S, cfg.head_dim), r(1, h_kv, S, cfg.head_dim)  # head-major K, V [1, h_kv, S, d_h]
+        grouped[name] = (r(1, cfg.n_head, cfg.head_dim), k, v)  # the query [1, h, d_h]
     return {
+        **{n: (lambda ext, a=a: ext.gqa_decode(*a, None, None, None)) for n, a in grouped.items()},
         "tpa": lambda ext: ext.tpa_decode(q_a, q_b, a_k, b_k, a_v, b_v, None),
         "tpa_kvonly": lambda ext: ext.tpa_decode(None, q, *kv, None),
         "mla": lambda ext: ext.latent_decode(q_lat, q_rope, c, k_rope, None),

@@ -331,7 +331,7 @@ def test_a_kernel_out_of_shared_memory_falls_back_to_the_reference_with_the_same
     eager = model.generate(idx, 6, temperature=0, prompt_mask=mask)
     monkeypatch.delenv("T6_EAGER")
     assert fallback.events() == []
-    kernel = "_tpa_kernel" if name == "tpa" else "_latent_kernel"
+    kernel = "_tpa_kernel" if name == "tpa" else "_gqa_kernel"
     monkeypatch.setattr(kernels, kernel, OutOfSharedMemory())
     assert torch.equal(model.generate(idx, 6, temperature=0, prompt_mask=mask), eager)
     (event,) = fallback.events()
@@ -364,7 +364,7 @@ def test_a_call_allocates_its_workspace_and_output_and_does_nothing_else_on_the_
     result) and the mask's reinterpretation as bytes; no copies, dtype conversions or host reads, which
     cost host time per call and would stop a CUDA graph's capture."""
     launches = []
-    for name in ("_tpa_kernel", "_latent_kernel", "_gqa_kernel", "_combine_kernel"):
+    for name in ("_tpa_kernel", "_gqa_kernel", "_combine_kernel"):
         monkeypatch.setattr(kernels_module, name, _Launches(name, launches))
     gen = torch.Generator().manual_seed(5)
     mask, lengths = padding_mask(2, 40, gen), torch.tensor([40, 33])
@@ -379,8 +379,10 @@ def test_a_call_allocates_its_workspace_and_output_and_does_nothing_else_on_the_
         call = lambda: kernels_module.gqa_decode(*args, mask, lengths)  # noqa: E731
     with Calls() as calls:
         out = call()
-    assert calls.ops.count("new_empty") == 2 and set(calls.ops) <= {"new_empty", "view", "detach"}, calls.ops
-    assert launches == [f"_{kernel}_kernel", "_combine_kernel"] and out.dtype == torch.bfloat16
+    views = {"view", "detach", "unsqueeze"}  # the mask as bytes; the latent as one K/V head
+    assert calls.ops.count("new_empty") == 2 and set(calls.ops) <= {"new_empty", *views}, calls.ops
+    assert launches == [f"_{'tpa' if kernel == 'tpa' else 'gqa'}_kernel", "_combine_kernel"]
+    assert out.dtype == torch.bfloat16
 
 
 class _Launches:
@@ -426,7 +428,7 @@ def test_one_compiled_kernel_serves_every_context_length(kernels, monkeypatch):
     every length."""
     gen = torch.Generator().manual_seed(2)
     tuning = TUNINGS["tpa"][0]  # one launch configuration for every kernel here
-    names = ("_tpa_kernel", "_latent_kernel", "_gqa_kernel", "_combine_kernel")
+    names = ("_tpa_kernel", "_gqa_kernel", "_combine_kernel")
     logs = {name: CompileLog(getattr(kernels, name)) for name in names}
     for name, log in logs.items():
         monkeypatch.setattr(kernels, name, log)
@@ -447,7 +449,7 @@ def test_one_compiled_kernel_serves_every_context_length(kernels, monkeypatch):
     assert {kernels.splits(1, S, tuning, torch.device("cpu")) for S in contexts} == {1, 2, 6}
     assert {kernels.splits(2, S, tuning, torch.device("cpu")) for S in contexts} == {1, 2, 4}  # rows: K/V heads
     assert len(logs["_tpa_kernel"].seen) == 1, logs["_tpa_kernel"].seen
-    assert len(logs["_latent_kernel"].seen) == 2, logs["_latent_kernel"].seen  # with a mask, with lengths
-    assert len(logs["_gqa_kernel"].seen) == 2, logs["_gqa_kernel"].seen  # with a mask, with lengths
-    # the partials' widths: 16 (TPA's and the grouped kernel's: one compiled combine) and 32 (the latent's)
+    # the latent form and the grouped heads, each with a mask and with lengths
+    assert len(logs["_gqa_kernel"].seen) == 4, logs["_gqa_kernel"].seen
+    # the partials' widths: 16 (TPA's and the grouped heads': one compiled combine) and 32 (the latent's)
     assert len(logs["_combine_kernel"].seen) == 2, logs["_combine_kernel"].seen

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from t6.model.attention.base import Attention, KVCache, linear_weight, plain_linear, register, stackable
-from t6.model.attention.fused_decode import latent_decode
+from t6.model.attention.fused_decode import gqa_decode
 from t6.model.attention.mla import MLAOptions, explicit_attention
 from t6.model.layers import Rotary
 
@@ -66,8 +66,8 @@ class GroupedLatentAttention(Attention):
     # Latent heads cached [B, n, max_len, d_c]: each latent head's tokens contiguous, so a group
     # reads its own latent as one block (and the fused operator takes it as a strided view).
     head_major_cache = ("c_kv",)
-    # As MultiHeadLatentAttention.fused_decode: True runs t6::latent_decode once per latent head on
-    # single-token cached steps, False the eager absorbed form.
+    # True runs single-token cached steps through t6::gqa_decode, each latent head the keys and values of its
+    # group's query heads (read once), the RoPE key shared; False the eager absorbed form.
     fused_decode: bool = True
 
     def __init__(self, cfg: ModelConfig):
@@ -143,12 +143,14 @@ class GroupedLatentAttention(Attention):
         w_uk, w_uv = w.split([self.d_nope, self.d_v], dim=1)  # [h, nope, d_c], [h, d_v, d_c]
         q_lat = torch.einsum("bthn,hnc->bhtc", q_nope, w_uk)  # [B, h, T, d_c]: q_nope^T W_UK, per head
         if T == 1 and self.fused_decode and S > 1 and self.recorded is None:
-            key_mask, lengths = cache.decode_key_mask(pos), cache.lengths(pos)  # [B, S] or None, [B] or None
-            q_lat = (q_lat * self.scale).reshape(B, n, g, self.d_c)  # [B, n, g, d_c]
-            q_rope = (q_rope * self.scale).reshape(B, n, g, self.d_rope)  # [B, n, g, rope]
-            o = torch.cat(
-                [latent_decode(q_lat[:, j], q_rope[:, j], c_kv[:, j], k_rope, key_mask, lengths) for j in range(n)],
-                dim=1,
+            o = gqa_decode(
+                (q_lat * self.scale).reshape(B, h, self.d_c),  # group j's heads adjacent: [B, h, d_c]
+                c_kv,  # keys: latent head j for group j [B, n, S, d_c]
+                c_kv,  # values: the same rows, read once
+                (q_rope * self.scale).reshape(B, h, self.d_rope),  # [B, h, rope]
+                k_rope,  # the shared RoPE key [B, S, rope]
+                cache.decode_key_mask(pos),
+                cache.lengths(pos),
             )  # [B, h, d_c]: group j against latent head j
             return torch.einsum("bhc,hvc->bhv", o, w_uv)[:, None]  # [B, 1, h, d_v]: W_UV applied after attention
         mask = cache.attn_mask(pos)  # [B or 1, T, S] or None

@@ -390,6 +390,22 @@ def medium_latent(B, S, gen, h=23, d_c=256, d_r=32):
     return [t.cuda() for t in (q_lat, q_rope, c_kv.to(torch.bfloat16), k_rope.to(torch.bfloat16))]
 
 
+# (h, h_kv, d_k, d_v, d_rope) at medium: MHA, GQA (15 query heads per K/V head), MQA (31), GTA
+MEDIUM_GROUPED = {
+    "mha": (16, 16, 64, 64, 0),
+    "gqa": (30, 2, 64, 64, 0),
+    "mqa": (31, 1, 64, 64, 0),
+    "gta": (30, 2, 32, 64, 32),
+}
+
+
+def medium_grouped(form: str, B: int, S: int, gen: torch.Generator) -> list:
+    """A grouped form's medium shapes in bf16 on CUDA: query, whole head-major K/V caches, the RoPE part or None."""
+    h, h_kv, d_k, d_v, d_rope = MEDIUM_GROUPED[form]
+    args = gqa_inputs(B, S, torch.bfloat16, gen, h=h, h_kv=h_kv, d=d_k, d_v=d_v, d_rope=d_rope, max_len=S)
+    return [None if a is None else a.cuda() for a in args]
+
+
 def cuda_lengths(B: int, S: int, gen: torch.Generator) -> torch.Tensor:
     lengths = torch.randint(1, S + 1, (B,), generator=gen)
     lengths[0] = S
@@ -414,6 +430,11 @@ def test_cuda_kernels_equal_the_eager_reference():
             fast = kernels.latent_decode(*args, mask, lengths, tuning=tuning)
             ref = reference_latent_decode(*(a.float() for a in args), mask, lengths)
             torch.testing.assert_close(fast.float(), ref, **TOL[torch.bfloat16], msg=f"{tuning} B={B} S={S}")
+            for form in MEDIUM_GROUPED:
+                args = medium_grouped(form, B, S, gen)
+                fast = kernels.gqa_decode(*args, mask, lengths, tuning=tuning)
+                ref = reference_gqa_decode(*(a if a is None else a.float() for a in args), mask, lengths)
+                torch.testing.assert_close(fast.float(), ref, **TOL[torch.bfloat16], msg=f"{form} {tuning} B={B} S={S}")
 
 
 @pytest.mark.cuda
@@ -430,9 +451,11 @@ def test_cuda_operators_run_their_tables_tuning_at_medium_in_fp32_and_bf16(dtype
     lengths = cuda_lengths(B, S, gen)
     tpa_args = [None if a is None else a.to(dtype) for a in medium_tpa(B, S, True, gen)]
     latent_args = [a.to(dtype) for a in medium_latent(B, S, gen)]
+    grouped = [[None if a is None else a.to(dtype) for a in medium_grouped(f, B, S, gen)] for f in MEDIUM_GROUPED]
     for op, ref, args in (
         (tpa_decode, reference_tpa_decode, tpa_args),
         (latent_decode, reference_latent_decode, latent_args),
+        *((gqa_decode, reference_gqa_decode, args) for args in grouped),
     ):
         fast = op(*args, None, lengths)
         expected = ref(*(a if a is None else a.float() for a in args), None, lengths)
@@ -447,11 +470,19 @@ def test_cuda_decode_replays_in_a_cuda_graph_with_new_lengths_and_cache():
     compiled_kernels()
     gen = torch.Generator().manual_seed(9)
     B, S = 3, 2048
-    tpa_args, latent_args = medium_tpa(B, S, True, gen), medium_latent(B, S, gen)
+    tpa_args, latent_args, mha_args = (
+        medium_tpa(B, S, True, gen),
+        medium_latent(B, S, gen),
+        medium_grouped("mha", B, S, gen),
+    )
     lengths = cuda_lengths(B, S, gen)
 
     def step():
-        return tpa_decode(*tpa_args, None, lengths), latent_decode(*latent_args, None, lengths)
+        return (
+            tpa_decode(*tpa_args, None, lengths),
+            latent_decode(*latent_args, None, lengths),
+            gqa_decode(*mha_args, None, lengths),
+        )
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -463,7 +494,7 @@ def test_cuda_decode_replays_in_a_cuda_graph_with_new_lengths_and_cache():
         outs = step()
     for _ in range(3):
         lengths.copy_(cuda_lengths(B, S, gen))
-        for t in (*tpa_args[2:], *latent_args[2:]):
+        for t in (*tpa_args[2:], *latent_args[2:], *mha_args[1:3]):
             t.normal_()
         graph.replay()
         for graphed, eager in zip(outs, step()):

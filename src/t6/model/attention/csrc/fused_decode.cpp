@@ -151,6 +151,14 @@ inline float hsum(vf x) {  // older compilers: through memory
 }
 #endif
 
+inline float hmax(vf x) {  // through memory: once per block and head
+  float s[VLEN];
+  std::memcpy(s, &x, sizeof(s));
+  float t = s[0];
+  for (int i = 1; i < VLEN; ++i) t = std::max(t, s[i]);
+  return t;
+}
+
 // Keeps a vector in a register: where a loaded vector feeds several FMAs, the compiler otherwise folds the load
 // into each of them, and a zmm load per FMA halves their rate on a Zen 4 (its zmm loads take both load ports):
 // the TPA and GQA operators 6-13% faster, TPA-KVonly and MLA 10-20%, by the thread's CPU time at 16k-32k.
@@ -455,6 +463,40 @@ void tpa_kernel(const torch::Tensor& q_a, const torch::Tensor& q_b, const torch:
   out.copy_(out32);
 }
 
+// One query head's online-softmax update for a block of tokens, vectorized over the tokens (where a K/V head has
+// one query head or a few: a vector of heads would be mostly padding): s [BLOCK] its scores, -inf where hidden or
+// past n, become the probabilities relative to the new max; m, l and acc [dp] are the head's running max,
+// denominator and numerator, rescaled where the max grew; then acc += sum_t p[t] v[t, :], in slices of tokens
+// with the next block's prefetch between them (MHA's cache is streamed, the lines spread, not issued at once).
+void head_update(float* s, float* m, float* l, float* acc, int dp, const float* v, int64_t ldv, int n, Prefetch& pf) {
+  vf mx = splat(*m);
+  for (int t = 0; t < BLOCK; t += VLEN) {
+    const vf x = load(s + t);
+    mx = x > mx ? x : mx;
+  }
+  const float m_raw = hmax(mx), m_new = m_raw == NEG_INF ? 0.f : m_raw;
+  const float corr = *m == NEG_INF ? 0.f : std::exp(*m - m_new);
+  vf sum{};
+  for (int t = 0; t < BLOCK; t += VLEN) {
+    const vf p = exp_nonpositive(load(s + t) - m_new);
+    store(s + t, p);
+    sum += p;
+  }
+  *l = *l * corr + hsum(sum);
+  if (m_raw > *m && *m != NEG_INF)
+    for (int j = 0; j < dp; j += VLEN) store(acc + j, load(acc + j) * splat(corr));
+  *m = m_raw;
+  constexpr int SLICE = 8;  // tokens per slice
+  const int per_slice = 1 + (int)(pf.total / 64) / (BLOCK / SLICE);
+  for (int t0 = 0; t0 < n; t0 += SLICE) {
+    pf.lines(per_slice);
+    const int nn = std::min(SLICE, n - t0);
+    int j0 = 0;
+    for (; j0 + NV * VLEN <= dp; j0 += NV * VLEN) accumulate_tile<1, NV>(acc, dp, 0, j0, s + t0, 1, v + t0 * ldv, ldv, nn);
+    for (; j0 < dp; j0 += VLEN) accumulate_tile<1, 1>(acc, dp, 0, j0, s + t0, 1, v + t0 * ldv, ldv, nn);
+  }
+}
+
 // The block's rows [n, d] of a cache (row stride ld, in its dtype) as float: the rows themselves where they are
 // fp32 and a whole number of vectors wide (`direct`), else converted into buf, zero-padded to dp columns.
 template <typename scalar_t>
@@ -489,6 +531,7 @@ void grouped_kernel(const torch::Tensor& q, const torch::Tensor& q_rope, const t
   // FMAs and ~8 more to sum its vector), else as a [tokens, d_k] x [d_k, gp] product (each row of k read
   // once for every head of the group)
   const bool by_dots = g * (kp / VLEN + 8) < dk * (gp / VLEN);
+  const bool per_head = by_dots && !rope;  // and the softmax vectorized over tokens, not over padded heads
   const int parts = splits_for(B * n, S);
   const int64_t per = (S + parts - 1) / parts;
   const int64_t programs = B * n * parts;
@@ -507,7 +550,7 @@ void grouped_kernel(const torch::Tensor& q, const torch::Tensor& q_rope, const t
   const scalar_t* rd = rope ? k_rope.data_ptr<scalar_t>() : nullptr;
   at::parallel_for(0, programs, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> kb(BLOCK * kp, 0.f), vb(BLOCK * vp, 0.f), rb(BLOCK * rp, 0.f), sc(BLOCK * gp, 0.f);
-    std::vector<float> s2(BLOCK * gp);
+    std::vector<float> s2(BLOCK * gp), sh(BLOCK);
     for (int64_t task = lo; task < hi; ++task) {
       const int64_t b = task / (n * parts), j = task / parts % n, part = task % parts;
       const int64_t s_lo = part * per, s_hi = std::min(S, s_lo + per);
@@ -534,6 +577,16 @@ void grouped_kernel(const torch::Tensor& q, const torch::Tensor& q_rope, const t
           if (k.stride(2) == dk) pf.add(kpt + nt * k.stride(2), n2 * dk * e);
           if (!shared && v.stride(2) == dv) pf.add(vpt + nt * v.stride(2), n2 * dv * e);
           if (rope && k_rope.stride(1) == dr) pf.add(rpt + nt * k_rope.stride(1), n2 * dr * e);
+        }
+        if (per_head) {  // each query head on its own, its softmax over the block's tokens
+          for (int i = 0; i < g; ++i) {
+            float* si = sh.data();  // [BLOCK]: head i's scores
+            dots(qr + (int64_t)i * kp, kf, ldk, nt, kp, si, 1);
+            for (int t = 0; t < BLOCK; ++t)
+              if (t >= nt || (mk && !mk[b * mk_b + s0 + t])) si[t] = NEG_INF;
+            head_update(si, m_ + i, l_ + i, acc_ + (int64_t)i * vp, vp, vf_, ldv, nt, pf);
+          }
+          continue;
         }
         // scores [nt, gp]: k [nt, d_k] x q^T [d_k, gp] (+ k_rope [nt, d_rope] x q_rope^T [d_rope, gp])
         if (by_dots)

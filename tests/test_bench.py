@@ -16,6 +16,7 @@ from t6.bench.common import model_configs
 from t6.config import conf_dir
 from t6.model import ModelConfig
 from t6.model.attention import PAPER, available
+from t6.model.static_decode import StaticDecoder
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -102,24 +103,24 @@ def test_gpu_time_counts_the_kernels_and_stays_under_the_wall_time():
 
 
 def test_decode_kernels_bench_times_each_fused_operator_and_reads_the_whole_cache(capsys):
-    """The operator calls of each mechanism's decode step, timed alone on the CPU: the bytes they read are
-    the layer's whole cache (the KV fact; GLA reads its shared RoPE key once per latent head), their
-    result is the reference's, the bandwidth fraction is consistent, and no GPU column appears."""
+    """The operator calls of each mechanism's decode step, timed alone on the CPU: one call, whose bytes read are
+    the layer's whole cache (the KV fact; GTA's keys are part of its values, GLA's and MLA's values are their
+    keys, each read once), their result is the reference's, the bandwidth fraction is consistent, and no GPU
+    column appears."""
     from t6.bench import decode_kernels
 
     out = decode_kernels.main(
-        "--device cpu --size tiny --dtype float32 --attentions mha,tpa,mla,gla --contexts 40 --batches 1,2 "
-        "--steps 2 --bandwidth-gbs 10".split()
+        "--device cpu --size tiny --dtype float32 --attentions mha,gta,tpa,mla,gla,tpa_nc_a --contexts 40 "
+        "--batches 1,2 --steps 2 --bandwidth-gbs 10".split()
     )
     text = capsys.readouterr().out
     records = {(r["attention"], r["batch"]): r for r in out["records"]}
-    assert sorted(records) == [(n, b) for n in ("gla", "mla", "tpa") for b in (1, 2)]
-    assert "skipped (no fused decode operator): mha" in text and "GPU" not in text
+    assert sorted(records) == [(n, b) for n in ("gla", "gta", "mha", "mla", "tpa") for b in (1, 2)]
+    assert "skipped (no fused decode operator): tpa_nc_a" in text and "GPU" not in text
     for (name, batch), r in records.items():
         cfg = common.model_config_of(name, "tiny")
         cache = batch * 41 * common.layer_kv_bytes_per_token(cfg, torch.float32)  # 40 cached tokens + the new one
-        rope_again = batch * 41 * 4 * cfg.attention_options.get("rope_dim", 0) * (r["calls"] - 1)
-        assert (r["calls"], r["cache_bytes"]) == (2 if name == "gla" else 1, cache + rope_again), name
+        assert (r["calls"], r["cache_bytes"]) == (1, cache), name
         assert r["max_abs_err"] < 1e-4 and "gpu_us" not in r and "host_us" not in r
         assert r["gbs"] == pytest.approx(r["cache_bytes"] / r["us"] / 1e3) and r["of_copy_bw"] == r["gbs"] / 10
     with pytest.raises(ValueError, match="--sweep .* --device cuda"):
@@ -181,7 +182,8 @@ def test_generate_bench_reports_decode_speed_against_the_bandwidth_bound(tmp_pat
         assert r["weight_bytes"] == weights and r["cache_bytes_per_step"] == cache
         assert r["bound_tokens_per_s"] == pytest.approx(r["batch"] * 10e9 / (weights + cache))
         assert r["fraction_of_bound"] == pytest.approx(r["tokens_per_s"] / r["bound_tokens_per_s"])
-        assert r["step"] == "eager" and r["tokens_per_s"] > 0 and r["prefill_ms"] > 0
+        assert r["step"] == "eager" and r["tokens_per_s"] > 0 and r["prefill_ms"] > 0 and r["graph"] is False
+        assert r["kernel"] == {"mha": "t6::gqa_decode (C++)", "tpa": "t6::tpa_decode (C++)"}[r["attention"]]
     by = {(r["attention"], r["prompt"], r["batch"]): r for r in records}
     assert by["tpa", 16, 2]["cache_bytes_per_step"] < by["mha", 16, 2]["cache_bytes_per_step"]  # TPA's smaller cache
 
@@ -238,6 +240,18 @@ def test_benchmarks_run_and_write_their_records(tmp_path):
     for r in records:  # tokens/s is the batch over the step's time; ratios are to MHA at the same context
         assert r["tokens_per_s"] == pytest.approx(1e3 * r["batch"] / r["ms_per_token"])
         assert r["speed_vs_mha"] == pytest.approx(r["tokens_per_s"] / mha[r["context"]]["tokens_per_s"])
+        # the speed-up the rooflines allow: MHA's bound over this one's, what speed_vs_mha is with both at their bound
+        assert r["roofline_vs_mha"] == pytest.approx(mha[r["context"]]["roofline_ms"] / r["roofline_ms"])
+    from t6.report.experiments import decode_table
+
+    # each row names the attention kernel its step ran (the profiler's record of one step), none replayed as a graph
+    assert {(r["attention"], r["kernel"], r["graph"]) for r in records} == {
+        ("mha", "t6::gqa_decode (C++)", False),
+        ("tpa", "t6::tpa_decode (C++)", False),
+    }
+    tpa64 = next(r for r in records if (r["attention"], r["context"]) == ("tpa", 64))
+    cell = f"{tpa64['speed_vs_mha']:.2f}× of {tpa64['roofline_vs_mha']:.2f}×, {tpa64['fraction_of_roofline']:.2f})"
+    assert cell in decode_table(json.loads((tmp_path / "decode.json").read_text()))
     tpa = next(r for r in records if r["attention"] == "tpa")
     assert tpa["kv_cache_bytes_per_token"] == 4 * (2 + 2) * (tpa["n_head"] + 64)  # fp32 factors, one layer
     kv = {r["attention"]: r for r in json.loads((tmp_path / "kv.json").read_text())["records"]}
@@ -268,16 +282,22 @@ def test_decode_measure_times_given_shapes_past_their_block_size():
 
 def test_step_overhead_times_the_hosts_part_of_a_guarded_and_a_replayed_step(tmp_path):
     """t6.bench.step_overhead on the CPU: the compiled step with a backend that runs nothing (dynamo's guards over
-    every parameter and cache tensor, which it takes as graph inputs) and the decoder's step whose replay runs
-    nothing."""
+    every parameter and cache tensor, which it takes as graph inputs), the decoder's step whose replay runs
+    nothing, and the eager step. Each call of a step advances its position: rounds after the first start again
+    at the context, so a cache of exactly context + steps + 1 positions is never written past (each round's
+    steps would otherwise run on into an index out of bounds, as they did on CUDA)."""
     from t6.bench import step_overhead
 
     out = tmp_path / "host.json"
-    args = ["--attentions", "mha", "--size", "tiny", "--device", "cpu", "--dtype", "float32"]
-    result = step_overhead.main([*args, "--steps", "3", "--rounds", "1", "--json", str(out)])
+    args = ["--attentions", "mha", "--size", "tiny", "--device", "cpu", "--dtype", "float32", "--context", "900"]
+    result = step_overhead.main([*args, "--steps", "3", "--rounds", "3", "--json", str(out)])
     (r,) = result["records"]
     model = model_configs(["mha"], "tiny")["mha"]
-    params = sum(1 for _ in step_overhead.random_model(model, "cpu", torch.float32).parameters())
-    assert r["graph_inputs"] >= params + 2 * model.n_layer  # the weights and each layer's K and V caches
-    assert r["guards_us"] > 0 and r["replay_us"] > 0 and "eager_us" not in r  # the eager step's host time: CUDA
+    assert r["context"] == model.block_size - 3 - 1  # the cache ends one position after the last step's
+    built = step_overhead.random_model(model, "cpu", torch.float32)
+    params = sum(1 for _ in built.parameters())
+    groups = StaticDecoder(built, 1).projection_groups()  # each group's weights read as one stacked copy
+    stacked = sum(len(g) - 1 for layer in groups for g in layer.values())
+    assert r["graph_inputs"] >= params - stacked + 2 * model.n_layer  # the weights and each layer's K and V caches
+    assert r["guards_us"] > 0 and r["replay_us"] > 0 and r["eager_us"] > 0
     assert json.loads(out.read_text())["benchmark"] == "step_overhead"

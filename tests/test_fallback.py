@@ -6,6 +6,7 @@ fallback (a launch out of shared memory) is tested with the kernels, in tests/te
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import threading
@@ -114,6 +115,41 @@ def test_a_capture_that_fails_decodes_uncaptured_with_the_eager_tokens(name, cap
     assert torch.equal(out, model.generate(idx, 12, temperature=0, prompt_mask=mask, decode="eager"))
     assert [e.name for e in fallback.events()] == ["decode_graph"] and len(warnings_of(caplog)) == 1
     assert "T6_EAGER=decode_graph" in warnings_of(caplog)[0]
+
+
+class CaptureThatRaises:
+    """A capture that fails as CUDA's does mid-capture: the step's warm-up runs, then recording it raises (a real
+    capture executes nothing, so nothing the step writes has changed)."""
+
+    def __init__(self):
+        self.warmups = 0
+
+    @contextlib.contextmanager
+    def warmup(self):
+        self.warmups += 1
+        yield
+
+    def __call__(self, run):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+
+def test_a_capture_that_raises_decodes_uncaptured_and_the_process_goes_on(caplog):
+    """The capture fails after the step's warm-up: that step's logits stand, every later step runs uncaptured
+    with the eager path's tokens, the capture is not tried again, and later generations, sampled ones included
+    (random numbers drawn after the failure), give what they give without a decoder."""
+    model = tiny("tpa", block_size=64)
+    idx, mask = left_pad(PROMPTS)
+    capture = CaptureThatRaises()
+    decoder = StaticDecoder(model, 3, capture=capture)
+    out = model.generate(idx, 12, temperature=0, prompt_mask=mask, decode=decoder)
+    assert torch.equal(out, model.generate(idx, 12, temperature=0, prompt_mask=mask, decode="eager"))
+    assert [e.name for e in fallback.events()] == ["decode_graph"] and capture.warmups == 1
+    assert "operation not permitted when stream is capturing" in warnings_of(caplog)[0]
+    torch.manual_seed(5)
+    sampled = model.generate(idx, 8, temperature=1.0, top_k=20, prompt_mask=mask, decode=decoder)
+    torch.manual_seed(5)
+    assert torch.equal(sampled, model.generate(idx, 8, temperature=1.0, top_k=20, prompt_mask=mask, decode="eager"))
+    assert capture.warmups == 1 and decoder.run.captured == set()
 
 
 def test_generate_replays_graphs_on_cuda_from_a_few_new_tokens_and_never_compiles_on_its_own():

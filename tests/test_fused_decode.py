@@ -13,7 +13,14 @@ import torch
 from test_inference import NAMES, tiny
 
 from t6.model.attention import fused_decode, get_attention_class
-from t6.model.attention.fused_decode import latent_decode, reference_latent_decode, reference_tpa_decode, tpa_decode
+from t6.model.attention.fused_decode import (
+    gqa_decode,
+    latent_decode,
+    reference_gqa_decode,
+    reference_latent_decode,
+    reference_tpa_decode,
+    tpa_decode,
+)
 from t6.model.t6 import left_pad
 
 LENGTHS = [2, 31, 32, 33, 100, 257]  # around the C++ kernel's 32-token blocks and its thread split
@@ -41,6 +48,26 @@ def tpa_inputs(B, S, factored, dtype, gen, h=7, d=16, R_Q=3, R_K=2, R_V=3, max_l
     q_a = (torch.randn(B, R_Q, h, generator=gen) * 0.3).to(dtype) if factored else None
     q_b = torch.randn(B, R_Q if factored else h, d, generator=gen).to(dtype) * 0.3
     return q_a, q_b, cache(R_K, h), cache(R_K, d), cache(R_V, h), cache(R_V, d)
+
+
+def gqa_inputs(B, S, dtype, gen, h=6, h_kv=2, d=16, d_v=None, d_rope=0, max_len=None):
+    """A query and a head-major K/V cache [B, h_kv, max_len, d] viewed up to S (as KVCache.update returns it); with
+    d_rope, the shared RoPE part of every key (GTA's: k_rope [B, max_len, d_rope] viewed up to S) and its query."""
+    max_len = max_len or S + 5
+    q = (torch.randn(B, h, d, generator=gen) * 0.3).to(dtype)  # [B, h, d]
+    k = torch.randn(B, h_kv, max_len, d, generator=gen).to(dtype)[:, :, :S]  # [B, h_kv, S, d] (a view)
+    v = torch.randn(B, h_kv, max_len, d_v or d, generator=gen).to(dtype)[:, :, :S]  # [B, h_kv, S, d_v]
+    if not d_rope:
+        return q, k, v, None, None
+    q_rope = (torch.randn(B, h, d_rope, generator=gen) * 0.3).to(dtype)  # [B, h, d_rope]
+    k_rope = torch.randn(B, max_len, d_rope, generator=gen).to(dtype)[:, :S]  # [B, S, d_rope]
+    return q, k, v, q_rope, k_rope
+
+
+# (h, h_kv, d_k, d_v, d_rope): MHA (a dot per token and head), GQA and MQA (each K/V head's rows against its whole
+# group at once; 15 and 31 query heads pad to whole vectors), GTA (keys half as wide as the values, which are
+# not a whole vector wide, plus the shared RoPE part)
+GROUPED = {"mha": (7, 7, 16, 16, 0), "gqa": (30, 2, 16, 16, 0), "mqa": (31, 1, 16, 16, 0), "gta": (6, 2, 8, 16, 8)}
 
 
 def requires_extension():
@@ -120,6 +147,74 @@ def test_latent_decode_equals_the_eager_reference(dtype):
                     torch.testing.assert_close(fast.float(), ref, **TOL[dtype], msg=f"h={h} d_c={d_c} B={B} S={S}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("form", GROUPED)
+def test_gqa_decode_equals_the_eager_reference(dtype, form):
+    requires_extension()
+    gen = torch.Generator().manual_seed(11)
+    h, h_kv, d_k, d_v, d_rope = GROUPED[form]
+    for B in (1, 3):
+        for S in LENGTHS:
+            args = gqa_inputs(B, S, dtype, gen, h=h, h_kv=h_kv, d=d_k, d_v=d_v, d_rope=d_rope)
+            for mask in (None, padding_mask(B, S, gen)):
+                fast = gqa_decode(*args, mask)  # [B, h, d_v]
+                ref = reference_gqa_decode(*(a if a is None else a.float() for a in args), mask)
+                assert fast.shape == (B, h, d_v) and fast.dtype == dtype
+                torch.testing.assert_close(fast.float(), ref, **TOL[dtype], msg=f"B={B} S={S} mask={mask is not None}")
+
+
+def test_gqa_decode_is_softmax_attention_with_each_kv_head_repeated_for_its_group():
+    """The reference itself against SDPA with K and V repeated per query head (the definition of grouped heads),
+    the shared RoPE part as more key columns and query columns."""
+    gen = torch.Generator().manual_seed(12)
+    q, k, v, q_rope, k_rope = gqa_inputs(2, 40, torch.float32, gen, h=6, h_kv=2, d=8, d_v=16, d_rope=8)
+    mask = padding_mask(2, 40, gen)
+    keys = torch.cat([k, k_rope[:, None].expand(-1, 2, -1, -1)], dim=-1).repeat_interleave(3, 1)  # [B, h, S, 16]
+    queries = torch.cat([q, q_rope], dim=-1)[:, :, None]  # [B, h, 1, 16]
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        queries, keys, v.repeat_interleave(3, 1), attn_mask=mask[:, None, None], scale=1.0
+    )[:, :, 0]  # [B, h, d_v]
+    torch.testing.assert_close(reference_gqa_decode(q, k, v, q_rope, k_rope, mask), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("form", ["mha", "gqa", "gta"])
+def test_gqa_lengths_bound_each_row_of_a_whole_cache(form, index_dtype):
+    """As for the other operators: a whole cache bounded by lengths [B] gives each row its own first lengths[b]
+    tokens alone, what lies past them never seen."""
+    requires_extension()
+    gen = torch.Generator().manual_seed(13)
+    S, lens = 100, [100, 1, 33, 64]
+    lengths = torch.tensor(lens, dtype=index_dtype)
+    h, h_kv, d_k, d_v, d_rope = GROUPED[form]
+    q, k, v, q_rope, k_rope = gqa_inputs(len(lens), S, torch.float32, gen, h, h_kv, d_k, d_v, d_rope, max_len=S)
+    for b, n in enumerate(lens):
+        k[b, :, n:], v[b, :, n:] = 1e4, 1e4  # would dominate every score and value if it were seen
+        if k_rope is not None:
+            k_rope[b, n:] = 1e4
+    for mask in (None, rows_within(lens, S, gen)):
+        for label, fn in (("operator", gqa_decode), ("reference", reference_gqa_decode)):
+            out = fn(q, k, v, q_rope, k_rope, mask, lengths)  # [B, h, d_v]
+            for b, n in enumerate(lens):
+                alone = reference_gqa_decode(
+                    q[b : b + 1],
+                    k[b : b + 1, :, :n],
+                    v[b : b + 1, :, :n],
+                    None if q_rope is None else q_rope[b : b + 1],
+                    None if k_rope is None else k_rope[b : b + 1, :n],
+                    None if mask is None else mask[b : b + 1, :n],
+                )
+                torch.testing.assert_close(out[b : b + 1], alone, **TOL[torch.float32], msg=f"{label} row {b}")
+
+
+def test_gqa_decode_refuses_shapes_that_do_not_group_by_name():
+    q, k, v, q_rope, k_rope = gqa_inputs(1, 8, torch.float32, torch.Generator().manual_seed(14), d_rope=4)
+    with pytest.raises(ValueError, match="5 query heads are not a multiple of 2 K/V heads"):
+        gqa_decode(q[:, :-1].contiguous(), k, v, None, None, None)
+    with pytest.raises(ValueError, match="q_rope and k_rope come together"):
+        gqa_decode(q, k, v, q_rope, None, None)
+
+
 def test_operators_are_registered_with_schema_and_fake_implementations():
     gen = torch.Generator().manual_seed(3)
     args = tpa_inputs(2, 40, True, torch.float32, gen)
@@ -130,6 +225,8 @@ def test_operators_are_registered_with_schema_and_fake_implementations():
         torch.library.opcheck(torch.ops.t6.tpa_decode.default, (*args, *extra), test_utils=checks)
         latent = (torch.randn(2, 3, 16), torch.randn(2, 3, 4), torch.randn(2, 40, 16), torch.randn(2, 40, 4), *extra)
         torch.library.opcheck(torch.ops.t6.latent_decode.default, latent, test_utils=checks)
+        grouped = gqa_inputs(2, 40, torch.float32, gen, d_rope=4)
+        torch.library.opcheck(torch.ops.t6.gqa_decode.default, (*grouped, *extra), test_utils=checks)
     with torch.device("meta"):  # the fake implementation gives the output's shape without computing
         meta = tpa_decode(*(None if a is None else a.to("meta") for a in args), None, lengths.to("meta"))
     assert meta.shape == (2, 7, 16)
@@ -293,6 +390,22 @@ def medium_latent(B, S, gen, h=23, d_c=256, d_r=32):
     return [t.cuda() for t in (q_lat, q_rope, c_kv.to(torch.bfloat16), k_rope.to(torch.bfloat16))]
 
 
+# (h, h_kv, d_k, d_v, d_rope) at medium: MHA, GQA (15 query heads per K/V head), MQA (31), GTA
+MEDIUM_GROUPED = {
+    "mha": (16, 16, 64, 64, 0),
+    "gqa": (30, 2, 64, 64, 0),
+    "mqa": (31, 1, 64, 64, 0),
+    "gta": (30, 2, 32, 64, 32),
+}
+
+
+def medium_grouped(form: str, B: int, S: int, gen: torch.Generator) -> list:
+    """A grouped form's medium shapes in bf16 on CUDA: query, whole head-major K/V caches, the RoPE part or None."""
+    h, h_kv, d_k, d_v, d_rope = MEDIUM_GROUPED[form]
+    args = gqa_inputs(B, S, torch.bfloat16, gen, h=h, h_kv=h_kv, d=d_k, d_v=d_v, d_rope=d_rope, max_len=S)
+    return [None if a is None else a.cuda() for a in args]
+
+
 def cuda_lengths(B: int, S: int, gen: torch.Generator) -> torch.Tensor:
     lengths = torch.randint(1, S + 1, (B,), generator=gen)
     lengths[0] = S
@@ -317,6 +430,11 @@ def test_cuda_kernels_equal_the_eager_reference():
             fast = kernels.latent_decode(*args, mask, lengths, tuning=tuning)
             ref = reference_latent_decode(*(a.float() for a in args), mask, lengths)
             torch.testing.assert_close(fast.float(), ref, **TOL[torch.bfloat16], msg=f"{tuning} B={B} S={S}")
+            for form in MEDIUM_GROUPED:
+                args = medium_grouped(form, B, S, gen)
+                fast = kernels.gqa_decode(*args, mask, lengths, tuning=tuning)
+                ref = reference_gqa_decode(*(a if a is None else a.float() for a in args), mask, lengths)
+                torch.testing.assert_close(fast.float(), ref, **TOL[torch.bfloat16], msg=f"{form} {tuning} B={B} S={S}")
 
 
 @pytest.mark.cuda
@@ -333,9 +451,11 @@ def test_cuda_operators_run_their_tables_tuning_at_medium_in_fp32_and_bf16(dtype
     lengths = cuda_lengths(B, S, gen)
     tpa_args = [None if a is None else a.to(dtype) for a in medium_tpa(B, S, True, gen)]
     latent_args = [a.to(dtype) for a in medium_latent(B, S, gen)]
+    grouped = [[None if a is None else a.to(dtype) for a in medium_grouped(f, B, S, gen)] for f in MEDIUM_GROUPED]
     for op, ref, args in (
         (tpa_decode, reference_tpa_decode, tpa_args),
         (latent_decode, reference_latent_decode, latent_args),
+        *((gqa_decode, reference_gqa_decode, args) for args in grouped),
     ):
         fast = op(*args, None, lengths)
         expected = ref(*(a if a is None else a.float() for a in args), None, lengths)
@@ -350,11 +470,19 @@ def test_cuda_decode_replays_in_a_cuda_graph_with_new_lengths_and_cache():
     compiled_kernels()
     gen = torch.Generator().manual_seed(9)
     B, S = 3, 2048
-    tpa_args, latent_args = medium_tpa(B, S, True, gen), medium_latent(B, S, gen)
+    tpa_args, latent_args, mha_args = (
+        medium_tpa(B, S, True, gen),
+        medium_latent(B, S, gen),
+        medium_grouped("mha", B, S, gen),
+    )
     lengths = cuda_lengths(B, S, gen)
 
     def step():
-        return tpa_decode(*tpa_args, None, lengths), latent_decode(*latent_args, None, lengths)
+        return (
+            tpa_decode(*tpa_args, None, lengths),
+            latent_decode(*latent_args, None, lengths),
+            gqa_decode(*mha_args, None, lengths),
+        )
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -366,7 +494,7 @@ def test_cuda_decode_replays_in_a_cuda_graph_with_new_lengths_and_cache():
         outs = step()
     for _ in range(3):
         lengths.copy_(cuda_lengths(B, S, gen))
-        for t in (*tpa_args[2:], *latent_args[2:]):
+        for t in (*tpa_args[2:], *latent_args[2:], *mha_args[1:3]):
             t.normal_()
         graph.replay()
         for graphed, eager in zip(outs, step()):

@@ -1,6 +1,7 @@
 """Fixed-shape decoding (t6.model.static_decode), the CPU-checkable half of the CUDA-graph decoder: for every
-registered mechanism the static step compiles whole (fullgraph), once per cache-length bucket and never
-per token, reads nothing back to the host, and generates the tokens of the eager path.
+registered mechanism the static step's blocks compile whole (fullgraph), one graph for all of them, once per
+cache-length bucket and never per token; the step reads nothing back to the host, passes the capture lint, and
+generates the tokens of the eager path.
 
 Most compiled steps here skip inductor's code generation (tens of seconds of C++ compilation per graph on
 a small CPU): the "eager" backend runs the graph dynamo captures, which is what fullgraph and recompilation
@@ -14,13 +15,15 @@ import torch
 import torch.nn.functional as F
 from test_inference import NAMES, ScalarReads, tiny
 from torch._dynamo.testing import CompileCounterWithBackend
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import t6.model.t6
-from t6.model import fallback
+from t6.model import ModelConfig, fallback
 from t6.model.attention import KVCache
 from t6.model.attention.base import flex_decode
-from t6.model.static_decode import MIN_BUCKET, StaticDecoder, bucket
-from t6.model.t6 import left_pad
+from t6.model.static_decode import MIN_BUCKET, CudaGraphs, StaticDecoder, bucket
+from t6.model.t6 import T6, left_pad
 
 PROMPTS = [[5, 9, 2], [7, 1, 4, 4, 8, 3, 2], [11]]  # left-padded to 7 tokens
 
@@ -81,8 +84,8 @@ def padded_batch():
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_the_static_step_compiles_whole_once_for_64_positions_and_generates_todays_tokens(name):
-    model = tiny(name, block_size=128)  # every step in one bucket (min(128, MIN_BUCKET))
+def test_the_static_step_compiles_once_for_every_block_and_64_positions_and_generates_todays_tokens(name):
+    model = tiny(name, block_size=128)  # every step in one bucket (min(128, MIN_BUCKET)); two blocks
     idx, mask = padded_batch()
     counter = CompileCounterWithBackend("eager")
     decoder = StaticDecoder(model, 3, compile=True, backend=counter)
@@ -90,7 +93,7 @@ def test_the_static_step_compiles_whole_once_for_64_positions_and_generates_toda
     assert torch.equal(out, model.generate(idx, 65, temperature=0, prompt_mask=mask, decode="eager"))
     again = torch.tensor([[3, 1, 4, 1, 5, 9, 2]] * 3)  # a new generation, unpadded, in the same decoder
     assert torch.equal(model.generate(again, 5, temperature=0, decode=decoder), model.generate(again, 5, temperature=0))
-    assert counter.frame_count == 1  # one graph: compiled at the first step, replayed at every later one
+    assert counter.frame_count == 1  # one graph: compiled at the first block of the first step, run by every later
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -107,6 +110,138 @@ def test_a_static_step_never_reads_a_tensor_back_to_the_host(name, monkeypatch):
     with ScalarReads() as reads, torch.no_grad():
         model.decode_step(torch.randint(0, 256, (3, 1)), torch.tensor([7]), decoder.caches)  # as compiled, run eagerly
     assert reads.count == 0
+
+
+aten = torch.ops.aten
+# what makes the host wait for the device (a value read back, an output whose size depends on values)
+HOST_SYNCS = {
+    aten._local_scalar_dense.default,
+    aten.nonzero.default,
+    aten.equal.default,
+    aten.is_nonzero.default,
+    aten.masked_select.default,
+    aten.repeat_interleave.Tensor,
+    aten._unique2.default,
+}
+RANDOM = {"rand", "randn", "randint", "randperm", "normal", "uniform", "bernoulli", "multinomial", "exponential"}
+RANDOM |= {"random", "native_dropout", "rand_like", "randn_like", "randint_like", "geometric", "cauchy", "log_normal"}
+
+
+class CaptureLint(TorchDispatchMode):
+    """Records each operation of a block of code that a CUDA graph's capture forbids or gets wrong, with the step's
+    tensors on `device` (the meta device stands in for the GPU on a machine without one): a host sync (a value
+    read back, an output sized by values, a boolean index), a random number (its generator's offset is the
+    capture's), and a tensor on any other device, read or made (a CPU tensor copied in is read once at capture
+    and replayed stale, or synchronizes)."""
+
+    supports_higher_order_operators = True
+
+    def __init__(self, device: str):
+        super().__init__()
+        self.device, self.problems = torch.device(device), []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in HOST_SYNCS:
+            self.problems.append(f"{func}: a host sync")
+        name = func.overloadpacket.__name__ if isinstance(func, torch._ops.OpOverload) else ""
+        if name.rstrip("_") in RANDOM:
+            self.problems.append(f"{func}: a random number")
+        if func is aten.index.Tensor and any(i is not None and i.dtype == torch.bool for i in args[1]):
+            self.problems.append(f"{func}: a boolean index (nonzero, a host sync)")
+        self.check_devices(func, "reads", (args, kwargs))
+        out = func(*args, **kwargs)
+        self.check_devices(func, "makes", out)
+        return out
+
+    def check_devices(self, func, role: str, tensors) -> None:
+        for t in tree_leaves(tensors):
+            if isinstance(t, torch.Tensor) and t.device != self.device:
+                self.problems.append(f"{func} {role} a {t.device} tensor {tuple(t.shape)}")
+
+
+def test_the_capture_lint_sees_what_a_capture_forbids():
+    x = torch.ones(4, 3)
+    with CaptureLint("cpu") as lint:
+        x.sum().item()
+        x.nonzero()
+        x[x[:, 0] > 0]
+        torch.randn(3)
+        torch.rand_like(x)
+        x * 2  # allowed
+    found = [p.split(": ", 1)[1] for p in lint.problems]
+    assert found == ["a host sync"] * 2 + ["a boolean index (nonzero, a host sync)"] + ["a random number"] * 2
+    y, scale = torch.ones(3, device="meta"), torch.tensor(2.0)  # a CPU scalar: a capture would bake in its value
+    with CaptureLint("meta") as lint:
+        y * scale  # a CPU tensor read
+        torch.arange(4)  # a CPU tensor made
+    assert lint.problems == ["aten.mul.Tensor reads a cpu tensor ()", "aten.arange.default makes a cpu tensor (4,)"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_fixed_shape_step_is_safe_to_capture(name):
+    """The fixed-shape decode step (what a CUDA graph records) of every mechanism, with its tensors on the meta
+    device: no host sync, no random number, no tensor of another device read or made, with a left-padded batch.
+    (Triton's compiles happen at the warm-up call before the capture: tests/test_triton_decode.py shows a kernel
+    compiled once serves every length.)"""
+    cfg = ModelConfig(attention=name, n_layer=2, d_model=64, n_head=4, vocab_size=256, block_size=128)
+    with torch.device("meta"):
+        model = T6(cfg).eval()
+    decoder = StaticDecoder(model, 3, dtype=torch.float32)
+    idx, mask = (t.to("meta") for t in padded_batch())
+    with torch.no_grad():
+        decoder.prefill(idx, mask)
+        for cache in decoder.caches:
+            cache.static_len = bucket(idx.shape[1] + 1, decoder.max_len)
+        with CaptureLint("meta") as lint:
+            decoder.advance(decoder.tokens, decoder.pos, decoder.caches)  # FixedStep's run: what a capture records
+    assert lint.problems == []
+
+
+class MatmulCount(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in (aten.mm.default, aten.addmm.default, aten.bmm.default)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", ["gqa", "gta", "mla", "tpa"])
+def test_a_fixed_shape_step_stacks_projections_and_reads_the_weights_of_each_generation(name):
+    """Each layer's projections of one input run as one matmul in the fixed-shape step (Q, K, V; W_gate and W_up;
+    MLA's two down maps; TPA's six factor maps); weights trained between generations are the ones the next
+    generation reads, and a projection a hook wraps runs as its module (the hook acts), with the eager path's tokens
+    every time."""
+    model = tiny(name, block_size=64)
+    idx, mask = padded_batch()
+    decoder = StaticDecoder(model, 3)
+
+    def same_tokens():
+        out = model.generate(idx, 6, temperature=0, prompt_mask=mask, decode=decoder)
+        return torch.equal(out, model.generate(idx, 6, temperature=0, prompt_mask=mask, decode="eager"))
+
+    before = model.generate(idx, 6, temperature=0, prompt_mask=mask, decode="eager")
+    assert same_tokens()
+    with MatmulCount() as stacked, torch.no_grad():
+        decoder.advance(decoder.tokens, decoder.pos.clone(), decoder.caches)
+    caches = model.build_kv_caches(3, 12)
+    model(idx, 0, caches)
+    with MatmulCount() as separate, torch.no_grad():
+        model(idx[:, :1], 7, caches)
+    groups = decoder.projection_groups()[0]
+    assert stacked.count == separate.count - 2 * sum(len(g) - 1 for g in groups.values())  # 2 layers
+    with torch.no_grad():  # trained since: the next generation reads the new weights
+        torch.manual_seed(1)
+        for group in groups.values():
+            group[-1].weight.add_(torch.randn_like(group[-1].weight))
+    assert not torch.equal(before, model.generate(idx, 6, temperature=0, prompt_mask=mask, decode="eager"))
+    assert same_tokens()
+    attn = model.blocks[0].attn
+    hooked = next(iter(attn.stackable().values()))[0]
+    hooked.register_forward_hook(lambda module, args, out: out * 0.5)  # an adapter's path: a module of its own
+    assert same_tokens() and model.blocks[0].attn.stackable() == {}
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -223,3 +358,23 @@ def test_on_cuda_inference_never_runs_cudnn_attention():
         model.generate(prompt, 4, temperature=0, decode="eager")
     names = {e.name for e in prof.events()}
     assert any("scaled_dot_product" in n for n in names) and not any("cudnn" in n for n in names)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+def test_on_cuda_a_capture_that_fails_leaves_the_stream_and_random_numbers_working():
+    """A capture whose step reads a value back fails; the thread's stream is the one it was, random numbers on
+    the device are drawn again (a failed capture left the generator in capture mode: "Offset increment outside
+    graph capture encountered unexpectedly"), and the same object captures a good step afterwards."""
+    graphs = CudaGraphs("cuda")
+    x = torch.ones(4, device="cuda")
+    with graphs.warmup():
+        x.sum().item()
+    stream = torch.cuda.current_stream()
+    with pytest.raises(Exception):
+        graphs(lambda: x * x.sum().item())  # a host sync inside the capture
+    assert torch.cuda.current_stream() == stream
+    assert torch.randint(0, 10, (3,), device="cuda").shape == (3,)
+    replay = graphs(lambda: x * 2)
+    x.fill_(3)
+    assert torch.equal(replay(), torch.full((4,), 6.0, device="cuda"))

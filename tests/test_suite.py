@@ -40,6 +40,19 @@ def test_unknown_stages_are_a_usage_error_naming_the_stages(capsys):
     assert "warp_drive unknown; the stages are machine, cuda_tests" in capsys.readouterr().err
 
 
+def test_generate_measures_the_papers_six_unless_the_command_names_others(tmp_path):
+    def names(stage, settings):
+        command = stage(settings)
+        return command[command.index("--attentions") + 1]
+
+    gpu = Settings(tmp_path, "cuda", smoke=False)
+    assert names(suite.generate, gpu) == "paper" and names(suite.decode, gpu) == "paper,gta,gla"
+    args = suite.parse_args(["--attentions", "gta,paper", "--out", str(tmp_path)])
+    assert args.attentions == ["gta", "mha", "mqa", "gqa", "mla", "tpa_kvonly", "tpa"]
+    chosen = Settings(tmp_path, "cuda", smoke=False, attentions=",".join(args.attentions))
+    assert names(suite.generate, chosen) == names(suite.decode, chosen) == "gta,mha,mqa,gqa,mla,tpa_kvonly,tpa"
+
+
 @pytest.mark.slow  # every stage in its own process at tiny shapes on the CPU (~2-3 min on 2 idle cores)
 def test_the_smoke_run_runs_every_stage_and_renders_their_tables(tmp_path):
     from t6.report.experiments import RENDERERS, render

@@ -35,14 +35,28 @@ finally:
         os.environ["TRITON_INTERPRET"] = _before
 INTERPRETED = _fresh or _before == "1"
 
-from test_fused_decode import TOL, padding_mask, tpa_inputs  # noqa: E402
+from test_fused_decode import TOL, gqa_inputs, padding_mask, tpa_inputs  # noqa: E402
 
-from t6.model.attention.fused_decode import reference_latent_decode, reference_tpa_decode  # noqa: E402
+from t6.model.attention.fused_decode import (  # noqa: E402
+    reference_gqa_decode,
+    reference_latent_decode,
+    reference_tpa_decode,
+)
 
 TOL = {**TOL, torch.float16: dict(rtol=1e-2, atol=1e-2)}
-# every tuning the kernels' table can select, each with one block of tokens per program at least, so
-# short test contexts still split across programs
-TUNINGS = [dataclasses.replace(t, min_tokens=t.block_s) for t in dict.fromkeys(kernels_module.TUNING.values())]
+# every tuning the kernels' table can select for each kernel, each with one block of tokens per program at least,
+# so short test contexts still split across programs
+TUNINGS = {
+    kernel: [
+        dataclasses.replace(t, min_tokens=t.block_s)
+        for t in dict.fromkeys(t for key, t in kernels_module.TUNING.items() if key[0] == kernel)
+    ]
+    for kernel in ("tpa", "latent", "gqa")
+}
+
+
+def tuning_id(t) -> str:
+    return f"block{t.block_s}_warps{t.num_warps}_stages{t.num_stages}"
 
 
 def upcast_bf16_dots(monkeypatch) -> None:
@@ -115,7 +129,7 @@ def as_float(args):
     return [a if a is None else a.float() for a in args]
 
 
-@pytest.mark.parametrize("tuning", TUNINGS, ids=lambda t: f"block{t.block_s}")
+@pytest.mark.parametrize("tuning", TUNINGS["tpa"], ids=tuning_id)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("factored", [True, False], ids=["tpa", "full_query"])
 def test_triton_tpa_decode_equals_the_eager_reference(kernels, dtype, factored, tuning):
@@ -129,7 +143,7 @@ def test_triton_tpa_decode_equals_the_eager_reference(kernels, dtype, factored, 
             torch.testing.assert_close(fast.float(), ref, **TOL[dtype], msg=f"B={B} S={S} mask={mask is not None}")
 
 
-@pytest.mark.parametrize("tuning", TUNINGS, ids=lambda t: f"block{t.block_s}")
+@pytest.mark.parametrize("tuning", TUNINGS["latent"], ids=tuning_id)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_latent_decode_equals_the_eager_reference(kernels, dtype, tuning):
     gen = torch.Generator().manual_seed(1)
@@ -140,6 +154,28 @@ def test_triton_latent_decode_equals_the_eager_reference(kernels, dtype, tuning)
             ref = reference_latent_decode(*as_float(args), mask)
             assert fast.shape == ref.shape and fast.dtype == dtype
             torch.testing.assert_close(fast.float(), ref, **TOL[dtype], msg=f"B={B} S={S}")
+
+
+# GROUPED's forms with fewer heads: the interpreter runs each program in Python
+GROUPED_SMALL = {"mha": (3, 3, 16, 16, 0), "gqa": (6, 2, 16, 16, 0), "mqa": (5, 1, 16, 16, 0), "gta": (6, 2, 8, 16, 8)}
+
+
+# the interpreter runs a tuning's block size; its warps and stages are the compiler's (tests/test_fused_decode.py
+# runs each compiled on a GPU, t6.bench.kernel_fit compiles each for sm_90)
+@pytest.mark.parametrize("tuning", list({t.block_s: t for t in TUNINGS["gqa"]}.values()), ids=tuning_id)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("form", GROUPED_SMALL)
+def test_triton_gqa_decode_equals_the_eager_reference(kernels, form, dtype, tuning):
+    """MHA, GQA, MQA and GTA's grouped form, one program per (row, K/V head, split)."""
+    gen = torch.Generator().manual_seed(20)
+    h, h_kv, d_k, d_v, d_rope = GROUPED_SMALL[form]
+    for B, S in cases(tuning.block_s)[1:]:
+        args = gqa_inputs(B, S, dtype, gen, h=h, h_kv=h_kv, d=d_k, d_v=d_v, d_rope=d_rope)
+        for mask in (None, padding_mask(B, S, gen)):
+            fast = kernels.gqa_decode(*args, mask, tuning=tuning)
+            ref = reference_gqa_decode(*as_float(args), mask)
+            assert fast.shape == ref.shape and fast.dtype == dtype
+            torch.testing.assert_close(fast.float(), ref, **TOL[dtype], msg=f"B={B} S={S} mask={mask is not None}")
 
 
 def padding_within(lengths: torch.Tensor, S: int, gen: torch.Generator) -> torch.Tensor:
@@ -161,7 +197,7 @@ def test_lengths_bound_each_row_of_a_whole_cache(kernels, factored, index_dtype)
     """A whole preallocated cache with lengths [B]: each row's result is the row's own first lengths[b]
     tokens alone, and nothing at or past its length is read (NaN there)."""
     gen = torch.Generator().manual_seed(3)
-    tuning = TUNINGS[0]
+    tuning = TUNINGS["tpa"][0]
     S = 4 * tuning.block_s  # the bucket: the cache's full length
     lengths = torch.tensor([S, 1, tuning.block_s + 5, 3 * tuning.block_s - 1], dtype=index_dtype)
     B = len(lengths)
@@ -180,7 +216,7 @@ def test_lengths_bound_each_row_of_a_whole_cache(kernels, factored, index_dtype)
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 def test_lengths_bound_each_row_of_a_whole_latent_cache(kernels, index_dtype):
     gen = torch.Generator().manual_seed(4)
-    tuning = TUNINGS[0]
+    tuning = TUNINGS["latent"][0]
     S = 4 * tuning.block_s
     lengths = torch.tensor([2, S, 2 * tuning.block_s + 1], dtype=index_dtype)
     B = len(lengths)
@@ -196,26 +232,48 @@ def test_lengths_bound_each_row_of_a_whole_latent_cache(kernels, index_dtype):
             torch.testing.assert_close(fast[b : b + 1], alone, **TOL[torch.float32], msg=f"row {b}, {n} tokens")
 
 
+@pytest.mark.parametrize("form", ["mha", "gta"])
+def test_lengths_bound_each_row_of_a_whole_grouped_cache(kernels, form):
+    gen = torch.Generator().manual_seed(21)
+    tuning = TUNINGS["gqa"][0]
+    S = 3 * tuning.block_s
+    lengths = torch.tensor([S, 1, tuning.block_s + 7])
+    B = len(lengths)
+    h, h_kv, d_k, d_v, d_rope = GROUPED_SMALL[form]
+    q, k, v, q_rope, k_rope = gqa_inputs(B, S, torch.float32, gen, h, h_kv, d_k, d_v, d_rope, max_len=S)
+    for b, n in enumerate(lengths.tolist()):  # NaN at and past each row's length, in every cache
+        k[b, :, n:], v[b, :, n:] = float("nan"), float("nan")
+        if k_rope is not None:
+            k_rope[b, n:] = float("nan")
+    for mask in (None, padding_within(lengths, S, gen)):
+        fast = kernels.gqa_decode(q, k, v, q_rope, k_rope, mask, lengths, tuning=tuning)  # [B, h, d_v]
+        for b, n in enumerate(lengths.tolist()):
+            rope = (None, None) if q_rope is None else (q_rope[b : b + 1], k_rope[b : b + 1, :n])
+            keys = None if mask is None else mask[b : b + 1, :n]
+            alone = reference_gqa_decode(q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n], *rope, keys)
+            torch.testing.assert_close(fast[b : b + 1], alone, **TOL[torch.float32], msg=f"row {b}, {n} tokens")
+
+
 def test_the_table_chooses_by_shape_class_and_dtype_not_by_context():
     """Every table entry is one the tests above run; the choice depends on the model's shapes and the cache's
     dtype alone (fp16 and bf16 alike)."""
     dtypes = (torch.float32, torch.bfloat16, torch.float16)
     picks = {
         kernels_module.tuning_for(k, HP, W, dtype)
-        for k in ("tpa", "latent")
+        for k in ("tpa", "latent", "gqa")
         for HP in (16, 64)
         for W in (64, 256)
         for dtype in dtypes
     }
     assert picks == set(kernels_module.TUNING.values())
-    assert {t.block_s for t in picks} == {t.block_s for t in TUNINGS}
+    assert {t.block_s for t in picks} == {t.block_s for tunings in TUNINGS.values() for t in tunings}
     assert all(
         kernels_module.tuning_for("tpa", 64, 64, torch.float16) == kernels_module.tuning_for("tpa", 64, 64, d)
         for d in (torch.bfloat16, torch.float16)
     )
 
 
-@pytest.mark.slow  # compiles every distinct launch for sm_90 (~30 kernels) in a fresh process (~2 min on 2 cores)
+@pytest.mark.slow  # compiles every distinct launch for sm_90 (~50 kernels) in a fresh process (~3 min on 2 cores)
 def test_every_launch_of_every_mechanism_fits_an_h100_compiled_ahead_of_time(tmp_path):
     """Each launch the registered mechanisms make at every size, in fp32 and bf16, compiled for sm_90 by Triton's
     own compiler and ptxas (no GPU needed): shared memory within an H100's 232,448 B, no register spilled. The
@@ -235,7 +293,7 @@ def test_every_launch_of_every_mechanism_fits_an_h100_compiled_ahead_of_time(tmp
     records = json.loads(out.read_text())["records"]
     assert {r["dtype"] for r in records} == {"float32", "bfloat16"}
     used = {u for r in records for u in r["used_by"].split(", ")}
-    fused = {"tpa", "tpa_kvonly", "tpa_sigmoid", "tpa_softmax", "mla", "gla"}
+    fused = {"mha", "mqa", "gqa", "gta", "tpa", "tpa_kvonly", "tpa_sigmoid", "tpa_softmax", "mla", "gla"}
     assert used == {f"{name}/{size}" for name in fused for size in ("tiny", "small", "medium", "large", "xl")}
     misfits = [r for r in records if not r["fits"]]
     assert not misfits, misfits
@@ -273,7 +331,7 @@ def test_a_kernel_out_of_shared_memory_falls_back_to_the_reference_with_the_same
     eager = model.generate(idx, 6, temperature=0, prompt_mask=mask)
     monkeypatch.delenv("T6_EAGER")
     assert fallback.events() == []
-    kernel = "_tpa_kernel" if name == "tpa" else "_latent_kernel"
+    kernel = "_tpa_kernel" if name == "tpa" else "_gqa_kernel"
     monkeypatch.setattr(kernels, kernel, OutOfSharedMemory())
     assert torch.equal(model.generate(idx, 6, temperature=0, prompt_mask=mask), eager)
     (event,) = fallback.events()
@@ -300,26 +358,31 @@ class Calls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("kernel", ["tpa", "latent"])
+@pytest.mark.parametrize("kernel", ["tpa", "latent", "gqa"])
 def test_a_call_allocates_its_workspace_and_output_and_does_nothing_else_on_the_host(kernel, monkeypatch):
     """Between the operator's entry and its two launches: two allocations (the partials' workspace and the
     result) and the mask's reinterpretation as bytes; no copies, dtype conversions or host reads, which
     cost host time per call and would stop a CUDA graph's capture."""
     launches = []
-    for name in ("_tpa_kernel", "_latent_kernel", "_combine_kernel"):
+    for name in ("_tpa_kernel", "_gqa_kernel", "_combine_kernel"):
         monkeypatch.setattr(kernels_module, name, _Launches(name, launches))
     gen = torch.Generator().manual_seed(5)
     mask, lengths = padding_mask(2, 40, gen), torch.tensor([40, 33])
     if kernel == "tpa":
         args = tpa_inputs(2, 40, True, torch.bfloat16, gen)
         call = lambda: kernels_module.tpa_decode(*args, mask, lengths)  # noqa: E731
-    else:
+    elif kernel == "latent":
         args = latent_inputs(2, 40, torch.bfloat16, gen)
         call = lambda: kernels_module.latent_decode(*args, mask, lengths)  # noqa: E731
+    else:
+        args = gqa_inputs(2, 40, torch.bfloat16, gen, d=8, d_v=16, d_rope=8)  # GTA's, the most arguments
+        call = lambda: kernels_module.gqa_decode(*args, mask, lengths)  # noqa: E731
     with Calls() as calls:
         out = call()
-    assert calls.ops.count("new_empty") == 2 and set(calls.ops) <= {"new_empty", "view", "detach"}, calls.ops
-    assert launches == [f"_{kernel}_kernel", "_combine_kernel"] and out.dtype == torch.bfloat16
+    views = {"view", "detach", "unsqueeze"}  # the mask as bytes; the latent as one K/V head
+    assert calls.ops.count("new_empty") == 2 and set(calls.ops) <= {"new_empty", *views}, calls.ops
+    assert launches == [f"_{'tpa' if kernel == 'tpa' else 'gqa'}_kernel", "_combine_kernel"]
+    assert out.dtype == torch.bfloat16
 
 
 class _Launches:
@@ -364,8 +427,9 @@ def test_one_compiled_kernel_serves_every_context_length(kernels, monkeypatch):
     splits) grows, nor as the rows' lengths change: what Triton specializes a launch on is the same at
     every length."""
     gen = torch.Generator().manual_seed(2)
-    tuning = TUNINGS[0]
-    logs = {name: CompileLog(getattr(kernels, name)) for name in ("_tpa_kernel", "_latent_kernel", "_combine_kernel")}
+    tuning = TUNINGS["tpa"][0]  # one launch configuration for every kernel here
+    names = ("_tpa_kernel", "_gqa_kernel", "_combine_kernel")
+    logs = {name: CompileLog(getattr(kernels, name)) for name in names}
     for name, log in logs.items():
         monkeypatch.setattr(kernels, name, log)
     block = tuning.block_s
@@ -378,7 +442,14 @@ def test_one_compiled_kernel_serves_every_context_length(kernels, monkeypatch):
         kernels.latent_decode(q_lat, q_rope, c_kv, k_rope, mask, tuning=tuning)
         whole = latent_inputs(1, 8 * block, torch.float32, gen)  # a whole cache bounded by the row's length
         kernels.latent_decode(*whole, None, torch.tensor([S]), tuning=tuning)
+        grouped = gqa_inputs(1, S, torch.float32, gen, h=30, h_kv=2, max_len=8 * block)  # views of one cache
+        kernels.gqa_decode(*grouped, mask, tuning=tuning)
+        whole = gqa_inputs(1, 8 * block, torch.float32, gen, h=30, h_kv=2)  # a whole grouped cache, bounded
+        kernels.gqa_decode(*whole, None, torch.tensor([S]), tuning=tuning)
     assert {kernels.splits(1, S, tuning, torch.device("cpu")) for S in contexts} == {1, 2, 6}
+    assert {kernels.splits(2, S, tuning, torch.device("cpu")) for S in contexts} == {1, 2, 4}  # rows: K/V heads
     assert len(logs["_tpa_kernel"].seen) == 1, logs["_tpa_kernel"].seen
-    assert len(logs["_latent_kernel"].seen) == 2, logs["_latent_kernel"].seen  # with a mask, with lengths
-    assert len(logs["_combine_kernel"].seen) == 2, logs["_combine_kernel"].seen  # TPA's and the latent's widths
+    # the latent form and the grouped heads, each with a mask and with lengths
+    assert len(logs["_gqa_kernel"].seen) == 4, logs["_gqa_kernel"].seen
+    # the partials' widths: 16 (TPA's and the grouped heads': one compiled combine) and 32 (the latent's)
+    assert len(logs["_combine_kernel"].seen) == 2, logs["_combine_kernel"].seen

@@ -128,6 +128,35 @@ def copy_bandwidth_gbs(device: str | torch.device, mib: int = 1024) -> float:
     return max(2 * src.numel() / time_call(lambda: dst.copy_(src), 3, device) for _ in range(3)) / 1e9
 
 
+# The attention kernels a decode step may run, by the name the profiler gives their operator, as the benchmarks'
+# rows name them (SDPA's math backend runs as matmuls and a softmax, named by none of these)
+ATTENTION_KERNELS = {
+    "t6::gqa_decode": "t6::gqa_decode",
+    "t6::tpa_decode": "t6::tpa_decode",
+    "t6::latent_decode": "t6::latent_decode",
+    "aten::_scaled_dot_product_flash_attention": "SDPA flash",
+    "aten::_scaled_dot_product_flash_attention_for_cpu": "SDPA flash",
+    "aten::_scaled_dot_product_efficient_attention": "SDPA memory-efficient",
+    "aten::_scaled_dot_product_cudnn_attention": "SDPA cuDNN",
+    "flex_attention": "FlexAttention",
+}
+
+
+def attention_kernels(fn, device: str | torch.device) -> str:
+    """The attention kernels one call of fn runs (fn run once under torch.profiler): the fused decode operators
+    with what implements them on `device` (Triton, C++, eager reference), SDPA's backends, FlexAttention; "matmul
+    + softmax" where none of these ran."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from t6.model.attention.fused_decode import implementation
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    names = list(dict.fromkeys(ATTENTION_KERNELS[e.name] for e in prof.events() if e.name in ATTENTION_KERNELS))
+    names = [f"{n} ({implementation(device)})" if n.startswith("t6::") else n for n in names]
+    return ", ".join(names) or "matmul + softmax"
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values)
 

@@ -19,7 +19,9 @@ time per token (the kernels' durations, torch.profiler): a wall time far above i
 with views that grow with the context (the CPU's path: the fused C++ decode operators); `static`
 runs it for fixed shapes over the cache-length bucket of the context (t6.model.static_decode), on CUDA
 captured as a CUDA graph and replayed; `compiled` compiles that step with inductor before its capture;
-`auto` (default) is static on CUDA, eager elsewhere.
+`auto` (default) is static on CUDA, eager elsewhere. Each row names the attention kernel the step ran (the
+fused operator and what implements it, SDPA's backend, FlexAttention: `attention_kernel`, from the profiler) and
+whether the step was replayed as a CUDA graph.
 """
 
 from __future__ import annotations
@@ -30,10 +32,19 @@ import dataclasses
 import torch
 
 from t6.bench import harness
-from t6.bench.common import gpu_time_call, layer_kv_bytes_per_token, median, model_configs, ratios_to_mha, time_call
+from t6.bench.common import (
+    attention_kernels,
+    gpu_time_call,
+    layer_kv_bytes_per_token,
+    median,
+    model_configs,
+    ratios_to_mha,
+    time_call,
+)
 from t6.bench.harness import DTYPES, common_args, ints, layer_args, parse, table, write_json
+from t6.model.attention import REFERENCE
 from t6.model.facts import decode_flops_per_cached_token
-from t6.model.static_decode import CudaGraphs, FixedStep, bucket
+from t6.model.static_decode import CudaGraphs, FixedStep, bucket, compile_step
 from t6.model.t6 import Block
 
 
@@ -50,7 +61,9 @@ def machine_limits(seconds: float = 0.5) -> tuple[float, float]:
 
 def add_roofline(records: list[dict], bandwidth_gbs: float, peak_gflops: float) -> None:
     """Per record: the time the bytes and FLOPs per cached token allow at this machine's limits
-    (max of the two), and the fraction of it reached."""
+    (max of the two), the fraction of it reached, and the speed-up over MHA the two rooflines allow
+    (MHA's roofline time over this one's, at the same context): what `speed_vs_mha` would be with
+    both at their bound."""
     for r in records:
         tokens = r["context"] * r["batch"]
         bound = max(
@@ -59,6 +72,9 @@ def add_roofline(records: list[dict], bandwidth_gbs: float, peak_gflops: float) 
         )
         r["roofline_ms"] = 1e3 * bound
         r["fraction_of_roofline"] = r["roofline_ms"] / r["ms_per_token"]
+    mha = {r["context"]: r["roofline_ms"] for r in records if r["attention"] == REFERENCE}
+    for r in records:
+        r["roofline_vs_mha"] = mha[r["context"]] / r["roofline_ms"] if r["context"] in mha else None
 
 
 def build_layer(cfg, scope: str, device: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -85,14 +101,17 @@ def resolve_step(step: str, device: str) -> str:
 def decode_call(layer, step: str, cache, x: torch.Tensor, context: int, max_len: int):
     """The call that decodes x [B, 1, d] at position `context`: the layer itself (step "eager": views growing with
     the context), or its fixed-shape step over the cache bucket of the context (t6.model.static_decode.FixedStep: on
-    CUDA captured as a CUDA graph; "compiled": compiled by inductor first)."""
+    CUDA captured as a CUDA graph; "compiled": compiled by inductor first). Returns (the call, the same step called
+    eagerly once: what the profiler watches for its attention kernel, the FixedStep or None)."""
     pos = torch.tensor([context], device=x.device)  # [1]
+    eager = lambda: layer(x, pos, cache)  # noqa: E731
     if step == "eager":
-        return lambda: layer(x, pos, cache)
+        return eager, eager, None
     cache.static_len = bucket(context + 1, max_len)
-    capture = CudaGraphs() if x.device.type == "cuda" else None
-    fixed = FixedStep(layer, (x, pos, cache), [cache], compile=step == "compiled", capture=capture)
-    return lambda: fixed(cache.static_len)
+    capture = CudaGraphs(x.device) if x.device.type == "cuda" else None
+    compiled = compile_step(layer) if step == "compiled" else None
+    fixed = FixedStep(layer, (x, pos, cache), [cache], compiled, capture)
+    return (lambda: fixed(cache.static_len)), eager, fixed
 
 
 def measure(
@@ -137,15 +156,18 @@ def measure(
         x = torch.randn(batch, 1, configs[next(iter(configs))].d_model, device=device, dtype=dtype)
         seconds = {name: [] for name in layers}
         with torch.inference_mode():
-            calls = {  # the new token sees context + 1 tokens
+            planned = {  # the new token sees context + 1 tokens
                 name: decode_call(layer, step, caches[name], x, context, max_len) for name, layer in layers.items()
             }
+            calls = {name: call for name, (call, _, _) in planned.items()}
             for call in calls.values():  # warm up (and compile, capture)
                 time_call(call, warmup, device)
             for _ in range(rounds):
                 for name, call in calls.items():
                     seconds[name].append(time_call(call, steps, device))
             gpu = {name: gpu_time_call(call, steps, device) for name, call in calls.items()}
+            kernels = {name: attention_kernels(eager, device) for name, (_, eager, _) in planned.items()}
+            graphed = {name: fixed is not None and bool(fixed.captured) for name, (_, _, fixed) in planned.items()}
         rows = []
         for name in layers:
             s = median(seconds[name])
@@ -155,6 +177,8 @@ def measure(
                     "context": context,
                     "batch": batch,
                     "step": step,
+                    "kernel": kernels[name],
+                    "graph": graphed[name],
                     "cache_view": context + 1 if step == "eager" else caches[name].static_len,
                     "ms_per_token": 1e3 * s,
                     **({} if gpu[name] is None else {"gpu_ms_per_token": 1e3 * gpu[name]}),  # CUDA only
@@ -212,6 +236,8 @@ COLUMNS = [
     ("attention", "attention", ""),
     ("context", "context", "d"),
     ("step", "step", ""),
+    ("kernel", "attention kernel", ""),
+    ("graph", "CUDA graph", ""),
     ("cache_view", "cache view", "d"),
     ("n_head", "heads", "d"),
     ("layer_params", "layer params", ","),
@@ -225,6 +251,7 @@ ROOFLINE = [
     ("flops_per_cached_token", "FLOP/cached token", "d"),
     ("roofline_ms", "roofline ms", ".3f"),
     ("fraction_of_roofline", "of roofline", ".2f"),
+    ("roofline_vs_mha", "rooflines allow vs MHA", ".2f"),
 ]
 
 

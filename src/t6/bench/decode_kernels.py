@@ -6,10 +6,10 @@ device's copy bandwidth.
         --json results/decode_kernels.json
     python -m t6.bench.decode_kernels --device cuda --contexts 32k,128k --batches 1,16 --sweep
 
-For each mechanism whose single-token cached step runs the operators (TPA and its variants, MLA, GLA;
-the others are skipped), one attention layer of `--size` (its YAML's head count) with a cache of random
-values decodes one token at position `context`; the operator calls of that step (GLA: one per latent
-head) are recorded with their arguments and timed alone, together:
+For each mechanism whose single-token cached step runs the operators (MHA, GQA, MQA, GTA; TPA and its
+variants; MLA, GLA; the others are skipped), one attention layer of `--size` (its YAML's head count) with a
+cache of random values decodes one token at position `context`; the operator calls of that step (GLA: one per
+latent head) are recorded with their arguments and timed alone, together:
 
 - `us`: wall microseconds per step's calls (synchronized);
 - `gpu_us` (CUDA): the kernels' time, triton.testing.do_bench's median with the L2 cache flushed
@@ -44,6 +44,7 @@ from t6.model.attention import fused_decode
 OPERATORS = {
     torch.ops.t6.tpa_decode.default: ("tpa_decode", fused_decode.reference_tpa_decode, ("a_k", "b_k", "a_v", "b_v")),
     torch.ops.t6.latent_decode.default: ("latent_decode", fused_decode.reference_latent_decode, ("c_kv", "k_rope")),
+    torch.ops.t6.gqa_decode.default: ("gqa_decode", fused_decode.reference_gqa_decode, ("k", "v", "k_rope")),
 }
 
 
@@ -59,7 +60,20 @@ class Call:
         return OPERATORS[self.op][0]
 
     def cache_bytes(self) -> int:
-        return sum(self.args[n].numel() * self.args[n].element_size() for n in OPERATORS[self.op][2])
+        """The bytes of the cache the call reads: each cache tensor's, once per storage (GTA's keys are a view of
+        its values, the tied state)."""
+        read: dict[int, int] = {}
+        for name in OPERATORS[self.op][2]:
+            t = self.args[name]
+            if t is not None:
+                where = t.untyped_storage().data_ptr()
+                read[where] = max(read.get(where, 0), t.numel() * t.element_size())
+        return sum(read.values())
+
+    def cached_tokens(self) -> int:
+        """S, the cached tokens the call's cache views hold."""
+        a = self.args
+        return a["a_k"].shape[1] if "a_k" in a else a["c_kv"].shape[1] if "c_kv" in a else a["k"].shape[2]
 
     def run(self) -> torch.Tensor:
         return self.op(**self.args)
@@ -73,7 +87,7 @@ class Call:
     def triton(self, tuning) -> torch.Tensor:
         from t6.model.attention import triton_decode
 
-        with torch.cuda.device(self.args["q_b" if "q_b" in self.args else "q_lat"].device):
+        with torch.cuda.device(self.args["k" if "k" in self.args else "q_b" if "q_b" in self.args else "q_lat"].device):
             return getattr(triton_decode, self.kernel)(**self.args, tuning=tuning)
 
 
@@ -257,7 +271,7 @@ def run(args) -> dict:
 def main(argv=None) -> dict:
     parser = harness.parser(__doc__)
     common_args(parser, device="auto", dtype="bfloat16")
-    parser.set_defaults(attentions="tpa,tpa_kvonly,mla,gla")
+    parser.set_defaults(attentions="mha,mqa,gqa,gta,tpa,tpa_kvonly,mla,gla")
     parser.add_argument("--dtypes", default=None, help="cache dtypes, comma-separated (default: --dtype)")
     parser.add_argument("--contexts", default="4k,32k,128k", help="cached tokens before the new one")
     parser.add_argument("--batches", default="1,16")

@@ -4,13 +4,14 @@ against the bound the device's memory bandwidth sets.
     python -m t6.bench.generate --attentions paper,gta --size medium --prompt-lengths 2k,32k \\
         --batches 1,16 --device cuda --dtype bfloat16 --json results/generate.json
 
-Random weights and prompts, greedy decoding, no stop tokens. Each setting prefills the prompts and
-decodes `--new-tokens` tokens; the decode speed is the difference of two generations (new_tokens + 1
-tokens and 1 token: the same prefill, then new_tokens decode steps and samples), so prefill is reported
-on its own. `--step` is generate's decoder: static (fixed shapes; each cache bucket's step captured as a
-CUDA graph on CUDA and replayed), compiled (static, the step compiled by inductor first), eager (views
-growing with the context; the CPU's fused operators), auto (static on CUDA, eager elsewhere). The
-mechanisms run one after another (the caches of a long batch may not fit together).
+Random weights and prompts, greedy decoding, no stop tokens. Each setting prefills the prompts and decodes
+`--new-tokens` tokens; the decode speed is the difference of two generations (new_tokens + 1 tokens and 1 token:
+the same prefill, then new_tokens decode steps and samples), so prefill is reported on its own. Each row names
+the attention kernel a decode step ran (the fused operator and what implements it, SDPA's backend,
+FlexAttention) and whether the steps were replayed as CUDA graphs. `--step` is generate's decoder: static (fixed
+shapes; each cache bucket's step captured as a CUDA graph on CUDA and replayed), compiled (static, the step
+compiled by inductor first), eager (views growing with the context; the CPU's fused operators), auto (static on
+CUDA, eager elsewhere). The mechanisms run one after another (the caches of a long batch may not fit together).
 
 The bound: a decode step reads every weight once (the tied embedding once, as the LM head) and each
 row's cache up to its context, so it takes at least (weight bytes + batch x context x cache bytes per
@@ -26,7 +27,7 @@ import argparse
 import torch
 
 from t6.bench import harness
-from t6.bench.common import copy_bandwidth_gbs, median, model_configs, time_call
+from t6.bench.common import attention_kernels, copy_bandwidth_gbs, median, model_configs, time_call
 from t6.bench.harness import DTYPES, common_args, ints, table
 from t6.model import T6, ModelConfig
 from t6.model.facts import kv_bytes_per_token, parameter_count
@@ -52,6 +53,20 @@ def bound(cfg: ModelConfig, dtype: torch.dtype, batch: int, context: float, band
         "cache_bytes_per_step": round(cache_bytes),
         "bound_tokens_per_s": batch * bandwidth_gbs * 1e9 / (weight_bytes + cache_bytes),
     }
+
+
+def step_kernels(model: T6, prompt: torch.Tensor) -> str:
+    """The attention kernels of one decode step as the last generation ran it (common.attention_kernels): its
+    fixed-shape decoder's step called eagerly once (what its graph replays; compiled, FlexAttention where the
+    decoder's caches say so), or an eager step against small caches."""
+    device = prompt.device
+    with torch.no_grad():
+        for decoder in model.static_decoders.values():
+            pos = decoder.pos.clone()  # the step advances its position: a copy, so the decoder's own stays
+            return attention_kernels(lambda: model.decode_step(decoder.tokens, pos, decoder.caches), device)
+        caches = model.build_kv_caches(prompt.shape[0], 2)
+        model(prompt[:, :1], 0, caches)
+        return attention_kernels(lambda: model(prompt[:, :1], 1, caches), device)
 
 
 def measure_model(
@@ -95,6 +110,8 @@ def measure_model(
                 "batch": batch,
                 "new_tokens": new_tokens,
                 "step": "static" if model.static_decoders else "eager",
+                "kernel": step_kernels(model, prompt),
+                "graph": any(bool(d.run.captured) for d in model.static_decoders.values()),
                 "n_head": cfg.n_head,
                 "prefill_ms": 1e3 * prefill,
                 "ms_per_token": 1e3 * per_token,
@@ -155,6 +172,8 @@ COLUMNS = [
     ("prompt", "prompt", "d"),
     ("batch", "batch", "d"),
     ("step", "step", ""),
+    ("kernel", "attention kernel", ""),
+    ("graph", "CUDA graph", ""),
     ("n_head", "heads", "d"),
     ("prefill_ms", "prefill ms", ".1f"),
     ("ms_per_token", "ms/token", ".3f"),

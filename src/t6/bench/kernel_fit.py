@@ -4,12 +4,13 @@ ptxas, with the shared memory, registers and register spills of the code it gene
 
     python -m t6.bench.kernel_fit --json kernel_fit.json
 
-For each mechanism whose single-token cached step runs the fused operators (TPA and its variants, MLA, GLA) and
-each size, one decode step's operator calls are recorded on the CPU (t6.bench.decode_kernels.decode_calls), and
-the launch each would make on CUDA is planned (t6.model.attention.triton_decode: its kernel, compile-time
-constants and tuning from the table by shape class and dtype); each distinct launch and its combine kernel are
-compiled with `triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))`. A launch fits when its shared
-memory is within the 232,448 B a block may use on sm_90 and ptxas spills no register (`ptxas -v` of its PTX).
+For each mechanism whose single-token cached step runs the fused operators (MHA, GQA, MQA, GTA; TPA and its
+variants; MLA, GLA) and each size, one decode step's operator calls are recorded on the CPU
+(t6.bench.decode_kernels.decode_calls), and the launch each would make on CUDA is planned
+(t6.model.attention.triton_decode: its kernel, compile-time constants and tuning from the table by shape class and
+dtype); each distinct launch and its combine kernel are compiled with `triton.compile(ASTSource(...),
+target=GPUTarget("cuda", 90, 32))`. A launch fits when its shared memory is within the 232,448 B a block may use
+on sm_90 and ptxas spills no register (`ptxas -v` of its PTX).
 Each launch is compiled as a padded batch's fixed-shape step makes it, the one that reads the most (a key mask
 and the rows' lengths).
 Nothing runs: this needs no GPU, and says nothing of speed (`t6.bench.decode_kernels` measures that on one).
@@ -104,7 +105,11 @@ def planned_launches(names: list[str], sizes: list[str], dtypes: list[str]) -> l
     from t6.bench.decode_kernels import decode_calls
     from t6.model.attention import triton_decode
 
-    planners = {"tpa_decode": triton_decode.tpa_launch, "latent_decode": triton_decode.latent_launch}
+    planners = {
+        "tpa_decode": triton_decode.tpa_launch,
+        "latent_decode": triton_decode.latent_launch,
+        "gqa_decode": triton_decode.gqa_launch,
+    }
     found: dict[tuple, dict] = {}
     for size in sizes:
         for name, cfg in model_configs(names, size).items():
@@ -112,7 +117,7 @@ def planned_launches(names: list[str], sizes: list[str], dtypes: list[str]) -> l
                 for call in decode_calls(cfg, 2, 1, "cpu", DTYPES[dtype]):
                     # the launch that reads the most: a padded batch's fixed-shape step (key mask and lengths)
                     args = dict(call.args)
-                    S = args["a_k" if "a_k" in args else "c_kv"].shape[1]
+                    S = call.cached_tokens()
                     args["key_mask"] = torch.ones(1, S, dtype=torch.bool)
                     args["lengths"] = torch.ones(1, dtype=torch.int64)
                     launch = planners[call.kernel](**args)

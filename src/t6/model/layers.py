@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from t6.model.attention.base import stackable
+
 
 class SwiGLU(nn.Module):
     """LLaMA feed-forward: W_down(silu(W_gate x) * W_up x), hidden width ~ 8/3 d."""
@@ -18,9 +20,14 @@ class SwiGLU(nn.Module):
         self.up = nn.Linear(d_model, hidden, bias=False)
         self.down = nn.Linear(hidden, d_model, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [B, T, d] -> [B, T, hidden] -> [B, T, d]
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+    def stackable(self) -> dict[str, tuple[nn.Module, ...]]:
+        """W_gate and W_up as one matmul in a fixed-shape decode step (t6.model.attention.base.stackable)."""
+        return stackable(gate_up=(self.gate, self.up))
+
+    def forward(self, x: torch.Tensor, stacked=None) -> torch.Tensor:
+        """x: [B, T, d] -> [B, T, hidden] -> [B, T, d]; stacked: W_gate and W_up as one matmul (a StackedLinear)."""
+        gate, up = (self.gate(x), self.up(x)) if stacked is None else stacked(x)  # [B, T, hidden] each
+        return self.down(F.silu(gate) * up)
 
 
 def rope_frequencies(dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:

@@ -12,7 +12,8 @@ makes such a step:
 - nothing is read back to the host.
 
 `FixedStep` makes such a step fast once per bucket, at its first call: optionally compiled
-(`compile=True`: inductor, FlexAttention for the attention over the bucket), then on CUDA captured
+(`compile=True`: each block by inductor, one graph for all blocks, FlexAttention for the attention over the
+bucket where a mechanism has no fused decode operator), then on CUDA captured
 with `torch.cuda.CUDAGraph` and replayed for every later token of the bucket (as gpt-fast and vLLM
 do): the host's work per token is copying the new tokens in and one `replay()`, no dynamo guards (which
 cost 177-638 us per call of a compiled medium step, measured with a backend that runs nothing). Each
@@ -28,11 +29,13 @@ and only its last position reaches the LM head (`T6.prefill`).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
+from t6.model.attention.base import StackedLinear
 from t6.model.fallback import enabled, fell_back
 
 if TYPE_CHECKING:
@@ -69,28 +72,52 @@ def unlimited_recompiles():
 
 
 class CudaGraphs:
-    """How `FixedStep` captures a step on CUDA: `warmup()` is where the step first runs (a side stream, as
-    torch.cuda.graph requires), then capture(run) records run() without executing it and returns the replay,
-    which returns the step's output tensor (the graph's own memory, rewritten by the next replay). The graphs
-    of one decoder share one memory pool: they never run at once."""
+    """How `FixedStep` captures a step on CUDA (on `device`, default the current one). `warmup()` is where the
+    step first runs, on the stream every capture of this object then records on (torch.cuda.graph captures on a
+    side stream): what a first call sets up for its stream or device, a cuBLAS workspace, a Triton kernel's
+    compile and first launch, exists before any capture. capture(run) records run() without executing it and
+    returns the replay, which returns the step's output tensor (the graph's own memory, rewritten by the next
+    replay). The graphs of one decoder share one memory pool: they never run at once.
 
-    def __init__(self):
+    A capture that fails (an operation the capture forbids: a host sync, a cudaFree, a module load) leaves the
+    process as it found it: the thread's current stream (torch.cuda.graph leaves its capture stream current
+    when ending the capture raises) and the device's random generator, which a capture switches into capture
+    mode and only a capture that ends well switches back (until then every random op, torch.randint too, raises
+    "Offset increment outside graph capture encountered unexpectedly")."""
+
+    def __init__(self, device: torch.device | str | None = None):
+        self.device = torch.device("cuda" if device is None else device)
         self.pool = None  # made at the first capture
+        self.stream: torch.cuda.Stream | None = None  # made at the first warm-up
+
+    def capture_stream(self) -> torch.cuda.Stream:
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(self.device)
+        return self.stream
 
     @contextlib.contextmanager
     def warmup(self):
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
+        stream = self.capture_stream()
+        stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             yield
-        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
 
     def __call__(self, run: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = run()
+        with torch.cuda.device(self.device):
+            current = torch.cuda.current_stream()
+            generator = torch.cuda.default_generators[torch.cuda.current_device()]
+            saved = generator.clone_state()  # a new state object, out of capture mode
+            try:
+                with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream()):
+                    out = run()
+            except BaseException:
+                torch.cuda.set_stream(current)
+                generator.graphsafe_set_state(saved)
+                raise
 
         def replay() -> torch.Tensor:
             graph.replay()
@@ -99,13 +126,25 @@ class CudaGraphs:
         return replay
 
 
+def compile_step(fn: Callable, backend="inductor") -> Callable:
+    """fn compiled as a fixed-shape step compiles: whole (fullgraph), for fixed shapes (one graph per cache bucket)."""
+    return torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
+
+
+def decode_layer(block, x: torch.Tensor, pos: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """One block of a fixed-shape decode step: x [B, 1, d] -> [B, 1, d]. What `StaticDecoder(compile=True)` compiles,
+    once for every block (their code is one, their parameters the graph's inputs): a compile a block long, not a
+    model long, whose kernels the step's capture records for every layer."""
+    return block.layers(x, pos, cache)  # [B, 1, d]
+
+
 class FixedStep:
     """fn(*args), whose tensors live at fixed addresses (marked static for dynamo) and whose caches are in
     fixed-shape mode, made fast once per key (the caches' bucket) at its first call:
 
-    1. compile=True: fn compiled whole for fixed shapes, attention over the bucket through FlexAttention;
-       where that fails, compiled with SDPA's masked attention ("flex_decode"); where that fails, eager
-       ("decode_compile");
+    1. compiled (fn's compiled form, `compile_step`), where given: attention over the bucket through
+       FlexAttention; where that fails, with SDPA's masked attention ("flex_decode"); where that fails, fn
+       eager ("decode_compile");
     2. capture: how the step becomes one replayable call (`CudaGraphs` on CUDA), tried after the step has
        run once in its `warmup()` (lazy initialization and compilation happen outside the capture); where
        it fails, the step runs uncaptured ("decode_graph"). None: the step is called directly.
@@ -117,13 +156,12 @@ class FixedStep:
         fn: Callable[..., torch.Tensor],
         args: tuple,
         caches: list[KVCache],
-        compile: bool = False,
-        backend="inductor",
+        compiled: Callable[..., torch.Tensor] | None = None,
         capture: Callable | None = None,
     ):
-        self.fn, self.args, self.caches, self.capture = fn, args, caches, capture
-        self.compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=backend) if compile else None
+        self.fn, self.args, self.caches, self.capture, self.compiled = fn, args, caches, capture, compiled
         self.runs: dict[object, Callable[[], torch.Tensor]] = {}  # by key: the step as it runs from then on
+        self.captured: set = set()  # the keys whose step replays a capture (a CUDA graph)
 
     def __call__(self, key) -> torch.Tensor:
         run = self.runs.get(key)
@@ -141,6 +179,7 @@ class FixedStep:
         if capturing:
             try:
                 run = self.capture(run)  # records the step: nothing runs, out stays this call's result
+                self.captured.add(key)
             except Exception as err:
                 fell_back("decode_graph", err)
         self.runs[key] = run
@@ -170,6 +209,11 @@ class FixedStep:
         run = self.call(self.fn)
         return run, run()
 
+    def forget(self) -> None:
+        """Every bucket's step made again at its next call (the model's modules changed)."""
+        self.runs.clear()
+        self.captured.clear()
+
     def call(self, fn: Callable[..., torch.Tensor]) -> Callable[[], torch.Tensor]:
         args = self.args
         return lambda: fn(*args)
@@ -181,9 +225,10 @@ class FixedStep:
 
 class StaticDecoder:
     """Fixed-shape greedy or sampled decoding for one batch size: the caches (max_len positions, default
-    the model's block_size, in `dtype`), a key mask, and the step (`FixedStep`: compiled if `compile`,
-    captured as a CUDA graph on CUDA). The step's inputs (tokens, position, caches, mask) live at fixed
-    addresses, so a CUDA graph reads and writes them in place.
+    the model's block_size, in `dtype`), a key mask, and the step (`FixedStep`: its blocks compiled if `compile`,
+    one graph for all of them (`decode_layer`), the step around them eager; captured as a CUDA graph on CUDA).
+    The step's inputs (tokens, position, caches, mask) live at fixed addresses, so a CUDA graph reads and writes
+    them in place.
     backend: torch.compile's, a name or a callable ("inductor"; tests use "eager" or "aot_eager", which
     check the same graph without generating code). capture: `FixedStep`'s (default: `CudaGraphs` on CUDA,
     none elsewhere)."""
@@ -208,25 +253,55 @@ class StaticDecoder:
         self.tokens = torch.zeros(batch_size, 1, dtype=torch.long, device=device)  # [B, 1]
         self.pos = torch.zeros(1, dtype=torch.long, device=device)  # [1]
         self.next_position: int | None = None  # the position self.pos holds (each step advances it)
+        self.stack_projections()
         for t in (self.key_mask, self.tokens, self.pos, *(t for c in self.caches for t in c.tensors.values())):
             torch._dynamo.mark_static_address(t)  # a CUDA graph reads and writes it where it is
         if capture is None and device.type == "cuda":
-            capture = CudaGraphs()
-        self.run = FixedStep(self.advance, (self.tokens, self.pos, self.caches), self.caches, compile, backend, capture)
+            capture = CudaGraphs(device)
+        self.layer = compile_step(decode_layer, backend) if compile else None  # every block's, compiled once
+        compiled = functools.partial(self.advance, layer=self.layer) if compile else None
+        self.run = FixedStep(self.advance, (self.tokens, self.pos, self.caches), self.caches, compiled, capture)
 
-    def advance(self, tokens: torch.Tensor, pos: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
-        """The step: tokens [B, 1] at pos [1] -> logits [B, vocab], then pos + 1 (in place)."""
-        logits = self.model.decode_step(tokens, pos, caches)  # [B, vocab]
+    def advance(
+        self, tokens: torch.Tensor, pos: torch.Tensor, caches: list[KVCache], layer: Callable | None = None
+    ) -> torch.Tensor:
+        """The step: tokens [B, 1] at pos [1] -> logits [B, vocab], then pos + 1 (in place). layer: what runs each
+        block (`decode_layer` compiled), or None: the blocks themselves."""
+        logits = self.model.decode_step(tokens, pos, caches, layer)  # [B, vocab]
         pos.add_(1)
         return logits
+
+    def projection_groups(self) -> list[dict[str, tuple]]:
+        """Per layer, the projections its step applies as one matmul each (`Attention.stackable`, SwiGLU's)."""
+        return [{**block.attn.stackable(), **block.ffn.stackable()} for block in self.model.blocks]
+
+    def stack_projections(self) -> None:
+        """Each layer's stackable projections as StackedLinear in its cache (`KVCache.stacked`), where the step's
+        attention and feed-forward find them: fewer, larger kernels per step (Q, K and V one matmul, W_gate and
+        W_up one). Their weights are copies, rewritten in place at each prefill (`prefill`)."""
+        for cache, groups in zip(self.caches, self.projection_groups()):
+            cache.stacked = {name: StackedLinear(modules) for name, modules in groups.items()}
+        for t in (s.weight for c in self.caches for s in c.stacked.values()):
+            torch._dynamo.mark_static_address(t)
 
     @torch.no_grad()
     def prefill(self, idx: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Write the prompts idx [B, T0] at positions 0..T0-1 -> logits [B, vocab] at the last one, eagerly.
-        key_mask: None, or bool [B, T0] marking the real tokens of left-padded prompts (T6.check_prompt_mask)."""
+        key_mask: None, or bool [B, T0] marking the real tokens of left-padded prompts (T6.check_prompt_mask).
+
+        First the stacked projections take the weights as they are now (trained since the last generation, or
+        loaded): copied in place, where the captured steps read them; where the model's projections themselves
+        changed (a hook or a LoRA adapter wraps one: it runs as a module from then on), they are stacked anew and
+        every bucket's step is made again (compiled and captured afresh)."""
         B, T0 = idx.shape
         if B != self.batch_size:
             raise ValueError(f"{B} prompts, but this decoder was built for batch_size={self.batch_size}")
+        installed = [{name: s.modules for name, s in c.stacked.items()} for c in self.caches]
+        if installed != self.projection_groups():
+            self.stack_projections()
+            self.run.forget()
+        for stacked in (s for c in self.caches for s in c.stacked.values()):
+            stacked.refresh()
         self.key_mask.fill_(True)
         if key_mask is not None:
             self.key_mask[:, :T0] = key_mask

@@ -43,7 +43,7 @@ class Block(nn.Module):
     def layers(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """The block itself, never compiled: x [B, T, d] -> [B, T, d]."""
         x = x + self.attn(self.attn_norm(x), pos, cache)  # [B, T, d]
-        return x + self.ffn(self.ffn_norm(x))  # [B, T, d]
+        return x + self.ffn(self.ffn_norm(x), None if cache is None else cache.stacked.get("gate_up"))  # [B, T, d]
 
 
 def eager_backward_compile():
@@ -184,13 +184,19 @@ class T6(nn.Module):
             x = block(x, pos, cache)  # [B, T, d]
         return self.lm_head(self.norm(x[:, -1]))  # [B, vocab]
 
-    def decode_step(self, idx: torch.Tensor, pos: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
+    def decode_step(
+        self, idx: torch.Tensor, pos: torch.Tensor, caches: list[KVCache], layer: Callable | None = None
+    ) -> torch.Tensor:
         """idx [B, 1] at the position pos [1], a device tensor never read on the host, against caches in
         fixed-shape mode (KVCache.static_len) -> logits [B, vocab]. Its shapes do not depend on the
-        position, so it compiles once per cache length and replays as a CUDA graph (t6.model.static_decode)."""
+        position, so it compiles once per cache length and replays as a CUDA graph (t6.model.static_decode).
+        layer(block, x, pos, cache) runs each block where given (a compiled block step), else the block does."""
         x = self.embed(idx)  # [B, 1, d]
+        lengths = caches[0].count(pos)  # [B]: each row's cached tokens, computed once for every layer
+        for cache in caches:
+            cache.share_lengths(pos, lengths)
         for block, cache in zip(self.blocks, caches):
-            x = block(x, pos, cache)  # [B, 1, d]
+            x = block(x, pos, cache) if layer is None else layer(block, x, pos, cache)  # [B, 1, d]
         return self.lm_head(self.norm(x))[:, -1]  # [B, vocab]
 
     def cache_dtype(self, device: torch.device | str | None = None) -> torch.dtype:

@@ -70,6 +70,7 @@ def decode_table(payload: dict) -> str:
     roofline = any("fraction_of_roofline" in r for r in records)
     header = ["attention", "heads", f"cache B/token/layer ({payload.get('dtype', 'float32')})"]
     header += ["FLOP/cached token"] if any("flops_per_cached_token" in r for r in records) else []
+    header += ["attention kernel", "CUDA graph"] if any("kernel" in r for r in records) else []
     header += [k(c) for c in contexts]
     rows = []
     for name, group in by_attention(records).items():
@@ -77,16 +78,21 @@ def decode_table(payload: dict) -> str:
         row = [name, str(first["n_head"]), str(first["kv_cache_bytes_per_token"])]
         if "FLOP/cached token" in header:
             row.append(f"{first.get('flops_per_cached_token', 0):.0f}")
+        if "attention kernel" in header:
+            row += [str(first.get("kernel", "")), str(first.get("graph", ""))]
         at = {r["context"]: r for r in group}
         for c in contexts:
             r = at.get(c)
             if r is None:
                 row.append("")
                 continue
+            allowed = f" of {r['roofline_vs_mha']:.2f}×" if r.get("roofline_vs_mha") is not None else ""
             extra = f", {r['fraction_of_roofline']:.2f}" if roofline and "fraction_of_roofline" in r else ""
-            row.append(f"{r['tokens_per_s']:.1f} ({r['speed_vs_mha']:.2f}×{extra})")
+            row.append(f"{r['tokens_per_s']:.1f} ({r['speed_vs_mha']:.2f}×{allowed}{extra})")
         rows.append(row)
-    what = "tokens/s (ratio to MHA" + (", fraction of the mechanism's roofline)" if roofline else ")")
+    allows = any(r.get("roofline_vs_mha") is not None for r in records)
+    what = "tokens/s (ratio to MHA" + (" of the ratio the two rooflines allow" if allows else "")
+    what += ", fraction of the mechanism's roofline)" if roofline else ")"
     return f"{caption(payload)} Cells: {what}, batch {records[0]['batch']}.\n\n{markdown(header, rows)}"
 
 
@@ -411,12 +417,15 @@ def generate_table(payload: dict) -> str:
         ("prompt", "prompt", k),
         ("batch", "batch", text),
         ("step", "decoder", text),
+        ("kernel", "attention kernel", text),
+        ("graph", "CUDA graph", text),
         ("prefill_ms", "prefill ms", num(".1f")),
         ("ms_per_token", "ms/step", num(".3f")),
         ("tokens_per_s", "tokens/s", num(",.0f")),
         ("bound_tokens_per_s", "bound tokens/s", num(",.0f")),
         ("fraction_of_bound", "of bound", num(".3f")),
     ]
+    cols = [c for c in cols if c[0] not in ("kernel", "graph") or any(c[0] in r for r in payload["records"])]
     return columns_table(payload, cols, f"Size {payload['size']}, {payload['dtype']}.")
 
 

@@ -128,6 +128,10 @@ class KVCache:
         # every eager step, SDPA with the mask of `attn_mask` (t6.model.static_decode.FixedStep sets it).
         self.flex_decode = False
         self._known_end: tuple[torch.Tensor, int] | None = None  # see `expect`
+        self._lengths: tuple[torch.Tensor, torch.Tensor] | None = None  # see `share_lengths`
+        # A fixed-shape step's stacked projections of this layer (StaticDecoder sets them: `Attention.stackable`,
+        # SwiGLU's), by the name their module looks them up under; empty: each projection runs as a module.
+        self.stacked: dict[str, StackedLinear] = {}
         self.tensors = {}
         for name, shape in spec.items():
             if name in head_major:
@@ -191,7 +195,7 @@ class KVCache:
         out.max_len, out.spec, out.seq_dims = self.max_len, dict(self.spec), dict(self.seq_dims)
         out.tensors = {name: t.index_select(0, index) for name, t in self.tensors.items()}  # [B', ...]
         out.key_mask = None if self.key_mask is None else self.key_mask.index_select(0, index)  # [B', max_len]
-        out.static_len, out._known_end, out.flex_decode = None, None, False
+        out.static_len, out._known_end, out._lengths, out.flex_decode, out.stacked = None, None, None, False, {}
         return out
 
     def attn_mask(self, pos: torch.Tensor) -> torch.Tensor | None:
@@ -210,11 +214,35 @@ class KVCache:
     def lengths(self, pos: torch.Tensor) -> torch.Tensor | None:
         """The fused decode operators' `lengths` for queries at pos [T]: in a fixed-shape step each row's
         cached tokens up to the newest, int64 [B] on the device, so their kernels skip the rest of the view;
-        None with dynamic shapes, whose views end there already."""
+        None with dynamic shapes, whose views end there already. The tensor the model shared for this pos
+        (`share_lengths`: one for every layer) where it did."""
         if self.static_len is None:
             return None
+        if self._lengths is not None and self._lengths[0] is pos:
+            return self._lengths[1]
+        return self.count(pos)
+
+    def count(self, pos: torch.Tensor) -> torch.Tensor:
+        """Each row's cached tokens up to the newest of pos [T]: int64 [B] on the device, computed now."""
         B = next(iter(self.tensors.values())).shape[0]
         return (pos[-1] + 1).expand(B).contiguous()  # [B]
+
+    def share_lengths(self, pos: torch.Tensor, lengths: torch.Tensor) -> None:
+        """`lengths(pos)`, computed once by the model for every layer's cache of a fixed-shape step (`count`, at
+        each step: pos changes in place): each layer reads that tensor instead of computing its own, two kernels
+        fewer per layer and step."""
+        self._lengths = (pos, lengths)
+
+    def decode_key_mask(self, pos: torch.Tensor) -> torch.Tensor | None:
+        """What a single new token at pos [1] must not see, as the fused decode operators take it: bool [B, S]
+        over the positions `update` returned, or None. A fixed-shape step's is the key mask itself, read where it
+        lies (no work on the device: its new token is never padding, and `lengths` bounds what follows it);
+        otherwise `attn_mask`'s one row."""
+        if self.static_len is not None:
+            return None if self.key_mask is None else self.key_mask[:, : self.static_len]  # [B, S]
+        mask = self.attn_mask(pos)  # [B or 1, 1, S] or None
+        B = next(iter(self.tensors.values())).shape[0]
+        return None if mask is None else mask[:, 0].expand(B, -1)  # [B, S]
 
     def mask_mod(self, pos: torch.Tensor):
         """`attn_mask` as FlexAttention's mask_mod: (batch row b, head h, query index q_idx, key position
@@ -246,6 +274,36 @@ def plain_linear(*modules: nn.Module) -> bool:
         type(m) is nn.Linear and not m._forward_hooks and not m._forward_pre_hooks and "forward" not in vars(m)
         for m in modules
     )
+
+
+class StackedLinear:
+    """Bias-free projections of one input applied as one matmul (a fixed-shape decode step's fewer, larger
+    kernels): their weights stacked [sum of their outputs, in] into one buffer at a fixed address, which a CUDA
+    graph reads where it is and `refresh()` rewrites in place (t6.model.static_decode.StaticDecoder refreshes at
+    each generation's start: the weights may have been trained since). Only for plain nn.Linear modules
+    (`plain_linear`): a wrapped or hooked one must be called as a module (`Attention.stackable`)."""
+
+    def __init__(self, modules: tuple[nn.Module, ...]):
+        self.modules = modules
+        self.widths = [m.out_features for m in modules]
+        self.weight = torch.cat([m.weight.detach() for m in modules])  # [sum of the outputs, in]
+
+    def refresh(self) -> None:
+        torch.cat([m.weight.detach() for m in self.modules], out=self.weight)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> every projection's output side by side [..., sum of the outputs]."""
+        return nn.functional.linear(x, self.weight)
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [..., in] -> each projection's output [..., out_i], views of one matmul's."""
+        return self.matmul(x).split(self.widths, dim=-1)
+
+
+def stackable(**groups: tuple[nn.Module, ...]) -> dict[str, tuple[nn.Module, ...]]:
+    """The groups whose modules are all plain nn.Linear (`plain_linear`), each stacked by a fixed-shape decode
+    step (`StackedLinear`); a group with a wrapped or hooked module is left out, so its modules run as modules."""
+    return {name: modules for name, modules in groups.items() if plain_linear(*modules)}
 
 
 def linear_weight(module: nn.Module, in_features: int) -> torch.Tensor:
@@ -394,6 +452,11 @@ class Attention(nn.Module):
     def cache_spec(self) -> dict[str, tuple[int, ...]]:
         """Per-token shape of each tensor this mechanism caches for decoding."""
         raise NotImplementedError
+
+    def stackable(self) -> dict[str, tuple[nn.Module, ...]]:
+        """The projections of one input that a fixed-shape decode step may apply as one matmul, by name (`stackable`
+        of base: plain ones only); the forward finds them in `cache.stacked` under that name. None by default."""
+        return {}
 
     def build_kv_cache(self, batch_size: int, max_len: int, dtype=None, device=None) -> KVCache:
         return KVCache(

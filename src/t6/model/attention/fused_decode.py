@@ -254,6 +254,87 @@ def reference_latent_decode(q_lat, q_rope, c_kv, k_rope, key_mask, lengths=None)
     return torch.bmm(probs, c_kv).to(q_lat.dtype)  # [B, h, d_c]
 
 
+@torch.library.custom_op("t6::gqa_decode", mutates_args=())
+def gqa_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_rope: torch.Tensor | None,
+    k_rope: torch.Tensor | None,
+    key_mask: torch.Tensor | None,
+    lengths: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Softmax attention of one new query per row over cached K/V heads, each K/V head read once for the query
+    heads of its group: MHA (one query head per K/V head), GQA, MQA, and GTA (its keys' shared RoPE part).
+
+    q [B, h, d_k] (scaled); k [B, h_kv, S, d_k] and v [B, h_kv, S, d_v]: head-major cache views (views up to the
+    new token included, or whole caches bounded by lengths), each token's row contiguous; h divisible by h_kv,
+    query head i reads K/V head i // (h / h_kv). q_rope [B, h, d_rope] (scaled) and k_rope [B, S, d_rope]: a part
+    of every key shared by all heads, whose score q_rope[i] . k_rope[s] adds to q[i] . k[s] (GTA), or both None.
+    key_mask: None or bool [B, S], False where the query must not look (padding). lengths: None or int [B]:
+    row b attends to its first lengths[b] cached tokens only. Returns [B, h, d_v].
+    """
+    check_lengths(lengths, k.shape[0])
+    check_groups(q, k, v, q_rope, k_rope)
+    if triton_interpreted():
+        return triton_or_reference("gqa_decode", q, k, v, q_rope, k_rope, key_mask, lengths)
+    if lengths is not None:
+        n, key_mask = within_lengths(lengths, key_mask, k.shape[2])
+        k, v = k[:, :, :n], v[:, :, :n]  # [B, h_kv, n, d]
+        k_rope = None if k_rope is None else k_rope[:, :n]  # [B, n, d_rope]
+    ext = cpu_extension() if q.device.type == "cpu" else None
+    if ext is None:
+        return reference_gqa_decode(q, k, v, q_rope, k_rope, key_mask)
+    return ext.gqa_decode(q, k, v, q_rope, k_rope, key_mask)
+
+
+def check_groups(q, k, v, q_rope, k_rope) -> None:
+    problems = []
+    if q.shape[1] % k.shape[1]:
+        problems.append(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} K/V heads")
+    if k.shape[:3] != v.shape[:3] or q.shape[-1] != k.shape[-1]:
+        problems.append(
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit [B, h, d_k], "
+            "[B, h_kv, S, d_k], [B, h_kv, S, d_v]"
+        )
+    if (q_rope is None) != (k_rope is None):
+        problems.append("q_rope and k_rope come together (a key part shared by every head) or not at all")
+    if problems:
+        raise ValueError("gqa_decode: " + "; ".join(problems))
+
+
+@gqa_decode.register_fake
+def _(q, k, v, q_rope, k_rope, key_mask, lengths=None):
+    return q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+
+
+@register_flop_formula(torch.ops.t6.gqa_decode)
+def _(q, k, v, q_rope, k_rope, key_mask, lengths=None, out_shape=None) -> int:
+    """Multiply-adds x 2 (shapes in): every head's scores (and the shared RoPE part's), then P v; over all S cached
+    tokens (with lengths, an upper bound)."""
+    B, h, d_k = q
+    S, d_v = k[2], v[-1]
+    d_rope = 0 if q_rope is None else q_rope[-1]
+    return 2 * B * h * S * (d_k + d_rope) + 2 * B * h * S * d_v
+
+
+def reference_gqa_decode(q, k, v, q_rope, k_rope, key_mask, lengths=None) -> torch.Tensor:
+    """The eager form of `gqa_decode` (same arguments and result)."""
+    if lengths is not None:
+        n, key_mask = within_lengths(lengths, key_mask, k.shape[2])
+        k, v = k[:, :, :n], v[:, :, :n]  # [B, h_kv, n, d]
+        k_rope = None if k_rope is None else k_rope[:, :n]  # [B, n, d_rope]
+    B, h, d = q.shape
+    h_kv = k.shape[1]
+    scores = torch.matmul(q.reshape(B, h_kv, h // h_kv, d), k.transpose(2, 3))  # [B, h_kv, g, S]
+    if q_rope is not None:
+        scores = scores + torch.bmm(q_rope, k_rope.transpose(1, 2)).view(scores.shape)  # + shared part: [B, h_kv, g, S]
+    if key_mask is not None:
+        scores = scores.masked_fill(~key_mask[:, None, None], float("-inf"))  # [B, h_kv, g, S]
+    probs = scores.float().softmax(dim=-1).to(v.dtype)  # [B, h_kv, g, S]
+    return torch.matmul(probs, v).reshape(B, h, v.shape[-1]).to(q.dtype)  # [B, h, d_v]
+
+
 @functools.cache
 def _kernels():
     """The Triton kernels' module (imported on the first CUDA call: triton's import stays off CPU-only runs)."""
@@ -268,7 +349,11 @@ def _on(device: torch.device):
     return contextlib.nullcontext() if device.index == torch.cuda.current_device() else torch.cuda.device(device)
 
 
-REFERENCES = {"tpa_decode": reference_tpa_decode, "latent_decode": reference_latent_decode}
+REFERENCES = {
+    "tpa_decode": reference_tpa_decode,
+    "latent_decode": reference_latent_decode,
+    "gqa_decode": reference_gqa_decode,
+}
 
 
 def triton_interpreted() -> bool:
@@ -276,12 +361,21 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def implementation(device: torch.device | str) -> str:
+    """What runs the fused operators on `device` in this process: "Triton" (CUDA, or Triton's interpreter), "C++"
+    (the CPU's compiled kernels) or "eager reference" (where those could not be built, or the Triton kernels fell
+    back)."""
+    if torch.device(device).type == "cuda" or triton_interpreted():
+        return "Triton" if enabled("triton_decode") else "eager reference"
+    return "C++" if cpu_extension() is not None else "eager reference"
+
+
 def triton_or_reference(name: str, *args) -> torch.Tensor:
-    """Operator `name` ("tpa_decode" or "latent_decode") through its Triton kernel, on the tensors' device; where
-    the kernel fails (t6.model.fallback "triton_decode": out of shared memory or registers at its first launch, a
-    compiler error), and from then on, through the eager reference."""
+    """Operator `name` ("tpa_decode", "latent_decode", "gqa_decode") through its Triton kernel, on the tensors'
+    device; where the kernel fails (t6.model.fallback "triton_decode": out of shared memory or registers at its
+    first launch, a compiler error), and from then on, through the eager reference."""
     if enabled("triton_decode"):
-        device = args[1].device  # q_b or q_rope: never None
+        device = args[1].device  # q_b, q_rope or k: never None
         try:
             with _on(device) if device.type == "cuda" else contextlib.nullcontext():
                 return getattr(_kernels(), name)(*args)
@@ -300,3 +394,10 @@ def _(q_a, q_b, a_k, b_k, a_v, b_v, key_mask, lengths=None):
 def _(q_lat, q_rope, c_kv, k_rope, key_mask, lengths=None):
     check_lengths(lengths, c_kv.shape[0])
     return triton_or_reference("latent_decode", q_lat, q_rope, c_kv, k_rope, key_mask, lengths)
+
+
+@gqa_decode.register_kernel("cuda")
+def _(q, k, v, q_rope, k_rope, key_mask, lengths=None):
+    check_lengths(lengths, k.shape[0])
+    check_groups(q, k, v, q_rope, k_rope)
+    return triton_or_reference("gqa_decode", q, k, v, q_rope, k_rope, key_mask, lengths)

@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from t6.model.attention.base import Attention, KVCache, linear_weight, plain_linear, register
-from t6.model.attention.fused_decode import latent_decode
+from t6.model.attention.base import Attention, KVCache, linear_weight, plain_linear, register, stackable
+from t6.model.attention.fused_decode import gqa_decode
 from t6.model.attention.mla import MLAOptions, explicit_attention, latent_keys
 from t6.model.layers import Rotary
 
@@ -66,8 +66,8 @@ class GroupedLatentAttention(Attention):
     # Latent heads cached [B, n, max_len, d_c]: each latent head's tokens contiguous, so a group
     # reads its own latent as one block (and the fused operator takes it as a strided view).
     head_major_cache = ("c_kv",)
-    # As MultiHeadLatentAttention.fused_decode: True runs t6::latent_decode once per latent head on
-    # single-token cached steps, False the eager absorbed form.
+    # True runs single-token cached steps through t6::gqa_decode, each latent head the keys and values of its
+    # group's query heads (read once), the RoPE key shared; False the eager absorbed form.
     fused_decode: bool = True
 
     def __init__(self, cfg: ModelConfig):
@@ -88,16 +88,21 @@ class GroupedLatentAttention(Attention):
         self.rope = Rotary(self.d_rope, cfg.block_size, cfg.rope_theta, cfg.rope_remap)
         self.scale = (self.d_nope + self.d_rope) ** -0.5
 
+    def stackable(self) -> dict[str, tuple[nn.Module, ...]]:
+        return stackable(down=(self.q_down, self.kv_down))
+
     def cache_spec(self) -> dict[str, tuple[int, ...]]:
         return {"c_kv": (self.n_lat, self.d_c), "k_rope": (self.d_rope,)}
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         h = self.cfg.n_head
-        q = self.q_up(self.q_norm(self.q_down(x))).view(B, T, h, self.d_nope + self.d_rope)  # [B, T, h, nope+rope]
+        stacked = None if cache is None else cache.stacked.get("down")
+        q_lat, kv = (self.q_down(x), self.kv_down(x)) if stacked is None else stacked(x)  # both down maps: one matmul
+        q = self.q_up(self.q_norm(q_lat)).view(B, T, h, self.d_nope + self.d_rope)  # [B, T, h, nope+rope]
         q_nope, q_rope = q.split([self.d_nope, self.d_rope], dim=-1)  # [B, T, h, nope], [B, T, h, rope]
         q_rope = self.rope(q_rope, pos)  # [B, T, h, rope]
-        c_kv, k_rope = self.kv_down(x).split([self.n_lat * self.d_c, self.d_rope], dim=-1)  # [B,T,n*d_c], [B,T,rope]
+        c_kv, k_rope = kv.split([self.n_lat * self.d_c, self.d_rope], dim=-1)  # [B,T,n*d_c], [B,T,rope]
         c_kv = c_kv.view(B, T, self.n_lat, self.d_c)  # [B, T, n, d_c]
         c_kv = torch.stack([norm(c) for norm, c in zip(self.kv_norm, c_kv.unbind(2))], dim=2)  # [B, T, n, d_c]
         k_rope = self.rope(k_rope[:, :, None], pos)[:, :, 0]  # [B, T, rope], one key shared by all heads
@@ -108,7 +113,7 @@ class GroupedLatentAttention(Attention):
             y = self._explicit(q_nope, q_rope, c_kv, k_rope)  # [B, T, h, d_v]
         else:
             c_kv, k_rope = cache.update(pos, c_kv=c_kv, k_rope=k_rope)  # [B, n, S, d_c], [B, S, rope]
-            y = self._absorbed(q_nope, q_rope, c_kv, k_rope, cache.attn_mask(pos), cache.lengths(pos))  # [B, T, h, d_v]
+            y = self._absorbed(q_nope, q_rope, c_kv, k_rope, cache, pos)  # [B, T, h, d_v]
         return self.out(y.reshape(B, T, h * self.d_v))  # [B, T, d_model]
 
     def _explicit(self, q_nope, q_rope, c_kv, k_rope) -> torch.Tensor:
@@ -140,24 +145,27 @@ class GroupedLatentAttention(Attention):
         k_nope, v = kv.split([self.d_nope, self.d_v], dim=-1)  # [B, S, h, nope], [B, S, h, d_v]
         return k_nope, v
 
-    def _absorbed(self, q_nope, q_rope, c_kv, k_rope, mask: torch.Tensor | None, lengths=None) -> torch.Tensor:
+    def _absorbed(self, q_nope, q_rope, c_kv, k_rope, cache: KVCache, pos: torch.Tensor) -> torch.Tensor:
         """Decoding path: each group attends over its cached latent head with W_UK and W_UV absorbed.
-        c_kv: [B, n, S, d_c]; mask: None (every query sees every cached token) or bool [B or 1, T, S];
-        lengths: None or int [B], each row's valid cached tokens (KVCache.lengths), for the fused operator."""
+        c_kv: [B, n, S, d_c]. The cache gives what the queries at pos may see: one new token's key mask and lengths
+        for the fused operator (KVCache.decode_key_mask, KVCache.lengths), else the mask of `attn_mask`."""
         B, T, h = q_nope.shape[:3]
         n, g, S = self.n_lat, self.group, c_kv.shape[2]
         w = linear_weight(self.kv_up, self.d_c).view(h, self.d_nope + self.d_v, self.d_c)  # [h, nope+d_v, d_c]
         w_uk, w_uv = w.split([self.d_nope, self.d_v], dim=1)  # [h, nope, d_c], [h, d_v, d_c]
         q_lat = torch.einsum("bthn,hnc->bhtc", q_nope, w_uk)  # [B, h, T, d_c]: q_nope^T W_UK, per head
         if T == 1 and self.fused_decode and S > 1 and self.recorded is None:
-            key_mask = None if mask is None else mask[:, 0].expand(B, -1)  # [B, S]
-            q_lat = (q_lat * self.scale).reshape(B, n, g, self.d_c)  # [B, n, g, d_c]
-            q_rope = (q_rope * self.scale).reshape(B, n, g, self.d_rope)  # [B, n, g, rope]
-            o = torch.cat(
-                [latent_decode(q_lat[:, j], q_rope[:, j], c_kv[:, j], k_rope, key_mask, lengths) for j in range(n)],
-                dim=1,
+            o = gqa_decode(
+                (q_lat * self.scale).reshape(B, h, self.d_c),  # group j's heads adjacent: [B, h, d_c]
+                c_kv,  # keys: latent head j for group j [B, n, S, d_c]
+                c_kv,  # values: the same rows, read once
+                (q_rope * self.scale).reshape(B, h, self.d_rope),  # [B, h, rope]
+                k_rope,  # the shared RoPE key [B, S, rope]
+                cache.decode_key_mask(pos),
+                cache.lengths(pos),
             )  # [B, h, d_c]: group j against latent head j
             return torch.einsum("bhc,hvc->bhv", o, w_uv)[:, None]  # [B, 1, h, d_v]: W_UV applied after attention
+        mask = cache.attn_mask(pos)  # [B or 1, T, S] or None
         # The g heads of a group share one key/value (their latent head), so they become extra query
         # rows of one batched matmul per latent head: the cache is read once, never copied per head.
         scores = q_lat.reshape(B, n, g * T, self.d_c) @ c_kv.transpose(2, 3)  # [B, n, g*T, S]: latent part

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from t6.model.attention.base import Attention, KVCache, Options, register
+from t6.model.attention.base import Attention, KVCache, Options, register, stackable
+from t6.model.attention.fused_decode import gqa_decode
 from t6.model.layers import Rotary
 
 if TYPE_CHECKING:  # the model config imports the registry; type hints only
@@ -45,6 +46,10 @@ class GroupedQueryAttention(Attention):
     # K and V cached [B, h_kv, max_len, d_h]: SDPA reads each head's keys as one contiguous
     # block (a token-major cache read through a strided view decodes ~2x slower on CPU).
     head_major_cache = ("k", "v")
+    # Single-token cached steps run the fused operator t6::gqa_decode (each K/V head read once for its group,
+    # the keys split across threads or GPU programs, a fixed-shape step's reads bounded by the device's
+    # lengths; C++ on the CPU, Triton on CUDA) when True; False keeps them on SDPA (`attend`, the reference).
+    fused_decode: bool = True
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -63,14 +68,29 @@ class GroupedQueryAttention(Attention):
         views = cache.views(end)
         return views["k"], views["v"]  # [B, h_kv, end, d] each: the cache itself (head-major)
 
+    def stackable(self) -> dict[str, tuple[nn.Module, ...]]:
+        return stackable(qkv=(self.q, self.k, self.v))
+
     def forward(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         h, d = self.cfg.n_head, self.cfg.head_dim
-        q = self.rope(self.q(x).view(B, T, h, d), pos)  # [B, T, h, d]
-        k = self.rope(self.k(x).view(B, T, self.n_kv, d), pos)  # [B, T, h_kv, d]
-        v = self.v(x).view(B, T, self.n_kv, d)  # [B, T, h_kv, d]
+        stacked = None if cache is None else cache.stacked.get("qkv")
+        if stacked is not None:  # one matmul; Q and K adjacent in its output, rotated in one pass
+            qkv = stacked.matmul(x)  # [B, T, (h + 2 h_kv) d]
+            qk = self.rope(
+                qkv[..., : (h + self.n_kv) * d].unflatten(-1, (h + self.n_kv, d)), pos
+            )  # [B, T, h + h_kv, d]
+            q, k = qk.split([h, self.n_kv], dim=2)  # [B, T, h, d], [B, T, h_kv, d]
+            v = qkv[..., (h + self.n_kv) * d :].unflatten(-1, (self.n_kv, d))  # [B, T, h_kv, d]
+        else:
+            q = self.rope(self.q(x).view(B, T, h, d), pos)  # [B, T, h, d]
+            k = self.rope(self.k(x).view(B, T, self.n_kv, d), pos)  # [B, T, h_kv, d]
+            v = self.v(x).view(B, T, self.n_kv, d)  # [B, T, h_kv, d]
         if cache is not None:
             k, v = cache.update(pos, k=k, v=v)  # [B, h_kv, S, d] each (head-major), S = pos[-1] + 1
+            if T == 1 and self.fused_decode and self.recorded is None:
+                y = gqa_decode(q[:, 0] * d**-0.5, k, v, None, None, cache.decode_key_mask(pos), cache.lengths(pos))
+                return self.out(y.reshape(B, T, h * d))  # [B, h, d] -> [B, 1, d_model]
         else:
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, h_kv, T, d] each
         y = self.attend(q.transpose(1, 2), k, v, pos, cache)  # [B, h, T, d]

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from t6.model.attention.base import Attention, KVCache, Options, register
+from t6.model.attention.base import Attention, KVCache, Options, register, stackable
+from t6.model.attention.fused_decode import gqa_decode
 from t6.model.layers import Rotary
 
 if TYPE_CHECKING:  # the model config imports the registry; type hints only
@@ -59,6 +60,10 @@ class GroupedTiedAttention(Attention):
     # The tied state cached [B, G, max_len, d_h]: each group's keys/values one contiguous block
     # (as GQA's K and V). The shared RoPE key is one head, so token-major is already contiguous.
     head_major_cache = ("kv",)
+    # Single-token cached steps run t6::gqa_decode when True (as GroupedQueryAttention.fused_decode): keys the
+    # first half of each group's tied state plus the shared RoPE key, values the whole state, each group's
+    # state read once for its query heads; False keeps them on SDPA over the assembled keys.
+    fused_decode: bool = True
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -85,16 +90,34 @@ class GroupedTiedAttention(Attention):
         views = cache.views(end)
         return self.tied_keys(views["kv"], views["k_rope"]), views["kv"]  # [B, G, end, d] each; values: the tie
 
+    def stackable(self) -> dict[str, tuple[nn.Module, ...]]:
+        return stackable(qkv=(self.q, self.kv, self.k_rope))
+
     def forward(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         h, d, r = self.cfg.n_head, self.cfg.head_dim, self.d_rope
-        q_nope, q_rope = self.q(x).view(B, T, h, d).split([d - r, r], dim=-1)  # [B, T, h, d/2] each
-        q = torch.cat([q_nope, self.rope(q_rope, pos)], dim=-1)  # [B, T, h, d]: [nope | rotated]
-        kv = self.kv(x).view(B, T, self.n_kv, d)  # [B, T, G, d]
-        k_rope = self.rope(self.k_rope(x)[:, :, None], pos)[:, :, 0]  # [B, T, d/2], shared by all heads
+        stacked = None if cache is None else cache.stacked.get("qkv")
+        q, kv, k_rope = (self.q(x), self.kv(x), self.k_rope(x)) if stacked is None else stacked(x)  # one matmul
+        q_nope, q_rope = q.view(B, T, h, d).split([d - r, r], dim=-1)  # [B, T, h, d/2] each
+        q_rope = self.rope(q_rope, pos)  # [B, T, h, d/2]
+        kv = kv.view(B, T, self.n_kv, d)  # [B, T, G, d]
+        k_rope = self.rope(k_rope[:, :, None], pos)[:, :, 0]  # [B, T, d/2], shared by all heads
         if cache is not None:
             kv, k_rope = cache.update(pos, kv=kv, k_rope=k_rope)  # [B, G, S, d] (head-major), [B, S, d/2]
+            if T == 1 and self.fused_decode and self.recorded is None:
+                scale = d**-0.5  # SDPA's, over the whole key [nope | rope]
+                y = gqa_decode(
+                    q_nope[:, 0] * scale,  # [B, h, d/2]
+                    kv[..., : d - r],  # keys: the first half of each tied state [B, G, S, d/2]
+                    kv,  # values: the whole state [B, G, S, d]
+                    q_rope[:, 0] * scale,  # [B, h, d/2]
+                    k_rope,  # the shared RoPE key [B, S, d/2]
+                    cache.decode_key_mask(pos),
+                    cache.lengths(pos),
+                )  # [B, h, d]
+                return self.out(y.reshape(B, T, h * d))  # [B, 1, d_model]
         else:
             kv = kv.transpose(1, 2)  # [B, G, T, d]
+        q = torch.cat([q_nope, q_rope], dim=-1)  # [B, T, h, d]: [nope | rotated]
         y = self.attend(q.transpose(1, 2), self.tied_keys(kv, k_rope), kv, pos, cache)  # [B, h, T, d], values: kv
         return self.out(y.transpose(1, 2).reshape(B, T, h * d))  # [B, T, d_model]

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from t6.model.attention.base import Attention, KVCache, Options, linear_weight, register, sdpa
+from t6.model.attention.base import Attention, KVCache, Options, linear_weight, register, sdpa, stackable
 from t6.model.attention.fused_decode import latent_decode
 from t6.model.layers import Rotary
 
@@ -107,16 +107,21 @@ class MultiHeadLatentAttention(Attention):
         self.rope = Rotary(self.d_rope, cfg.block_size, cfg.rope_theta, cfg.rope_remap)
         self.scale = (self.d_nope + self.d_rope) ** -0.5
 
+    def stackable(self) -> dict[str, tuple[nn.Module, ...]]:
+        return stackable(down=(self.q_down, self.kv_down))
+
     def cache_spec(self) -> dict[str, tuple[int, ...]]:
         return {"c_kv": (self.d_c,), "k_rope": (self.d_rope,)}
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         h = self.cfg.n_head
-        q = self.q_up(self.q_norm(self.q_down(x))).view(B, T, h, self.d_nope + self.d_rope)  # [B, T, h, nope+rope]
+        stacked = None if cache is None else cache.stacked.get("down")
+        q_lat, kv = (self.q_down(x), self.kv_down(x)) if stacked is None else stacked(x)  # both down maps: one matmul
+        q = self.q_up(self.q_norm(q_lat)).view(B, T, h, self.d_nope + self.d_rope)  # [B, T, h, nope+rope]
         q_nope, q_rope = q.split([self.d_nope, self.d_rope], dim=-1)  # [B, T, h, nope], [B, T, h, rope]
         q_rope = self.rope(q_rope, pos)  # [B, T, h, rope]
-        c_kv, k_rope = self.kv_down(x).split([self.d_c, self.d_rope], dim=-1)  # [B, T, d_c], [B, T, rope]
+        c_kv, k_rope = kv.split([self.d_c, self.d_rope], dim=-1)  # [B, T, d_c], [B, T, rope]
         c_kv = self.kv_norm(c_kv)  # [B, T, d_c]
         k_rope = self.rope(k_rope[:, :, None], pos)[:, :, 0]  # [B, T, rope], one key shared by all heads
         if cache is None:
@@ -126,7 +131,7 @@ class MultiHeadLatentAttention(Attention):
             y = self._explicit(q_nope, q_rope, c_kv, k_rope)  # [B, T, h, d_v]
         else:
             c_kv, k_rope = cache.update(pos, c_kv=c_kv, k_rope=k_rope)  # [B, S, d_c], [B, S, rope]
-            y = self._absorbed(q_nope, q_rope, c_kv, k_rope, cache.attn_mask(pos), cache.lengths(pos))  # [B, T, h, d_v]
+            y = self._absorbed(q_nope, q_rope, c_kv, k_rope, cache, pos)  # [B, T, h, d_v]
         return self.out(y.reshape(B, T, h * self.d_v))  # [B, T, d_model]
 
     def _explicit(self, q_nope, q_rope, c_kv, k_rope) -> torch.Tensor:
@@ -147,17 +152,17 @@ class MultiHeadLatentAttention(Attention):
         k = latent_keys(k_nope, views["k_rope"])  # [B, end, h, nope+rope]
         return k.transpose(1, 2), v.transpose(1, 2)  # [B, h, end, nope+rope], [B, h, end, d_v]
 
-    def _absorbed(self, q_nope, q_rope, c_kv, k_rope, mask: torch.Tensor | None, lengths=None) -> torch.Tensor:
+    def _absorbed(self, q_nope, q_rope, c_kv, k_rope, cache: KVCache, pos: torch.Tensor) -> torch.Tensor:
         """Decoding path: attend over the cached latents with W_UK and W_UV absorbed (one shared KV 'head').
-        mask: None (every query sees every cached token) or bool [B or 1, T, S] (causal, padding); lengths:
-        None or int [B], each row's valid cached tokens (KVCache.lengths), for the fused operator."""
+        The cache gives what the queries at pos may see: one new token's key mask and lengths for the fused operator
+        (KVCache.decode_key_mask, KVCache.lengths), else the mask of `attn_mask` (causal, padding)."""
         h, T, S = self.cfg.n_head, q_nope.shape[1], c_kv.shape[1]
         w = linear_weight(self.kv_up, self.d_c).view(h, self.d_nope + self.d_v, self.d_c)  # [h, nope+d_v, d_c]
         w_uk, w_uv = w.split([self.d_nope, self.d_v], dim=1)  # [h, nope, d_c], [h, d_v, d_c]
         B = q_nope.shape[0]
         q_lat = torch.einsum("bthn,hnc->bhtc", q_nope, w_uk)  # [B, h, T, d_c]: q_nope^T W_UK
         if T == 1 and self.fused_decode and S > 1 and self.recorded is None:
-            key_mask = None if mask is None else mask[:, 0].expand(B, -1)  # [B, S]
+            key_mask, lengths = cache.decode_key_mask(pos), cache.lengths(pos)  # [B, S] or None, [B] or None
             o = latent_decode(
                 (q_lat * self.scale).reshape(B, h, self.d_c),
                 (q_rope * self.scale).reshape(B, h, self.d_rope),
@@ -167,6 +172,7 @@ class MultiHeadLatentAttention(Attention):
                 lengths,
             )  # [B, h, d_c]
             return torch.einsum("bhc,hvc->bhv", o, w_uv)[:, None]  # [B, 1, h, d_v]: W_UV applied after attention
+        mask = cache.attn_mask(pos)  # [B or 1, T, S] or None
         # All heads share one key/value (the latent), so the heads become extra query rows of one
         # batched matmul: the cache is read once, never copied per head or concatenated.
         scores = q_lat.reshape(B, h * T, self.d_c) @ c_kv.transpose(1, 2)  # [B, h*T, S]: latent part

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from t6.model.attention.base import Attention, KVCache, Options, plain_linear, register
+from t6.model.attention.base import Attention, KVCache, Options, plain_linear, register, stackable
 from t6.model.attention.factor_contract import tpa_contract
 from t6.model.attention.fused_decode import tpa_decode
 from t6.model.layers import Rotary
@@ -157,7 +157,17 @@ class TensorProductAttention(Attention):
         q = self.query_factors(x, pos)
         return q if self.kv_only else contract(*q)  # [B, T, h, d_h]
 
-    def factors(self, x: torch.Tensor, pos: torch.Tensor):
+    def factor_maps(self) -> tuple[list[nn.Module], list[nn.Module], nn.Module]:
+        """The factor maps in the order `factors` stacks them: the head factors' (A_Q, A_K, A_V; KVonly: A_K,
+        A_V), those whose outputs RoPE rotates (B_Q or the query, then B_K: adjacent), B_V's."""
+        heads = [self.k.a, self.v.a] if self.kv_only else [self.q.a, self.k.a, self.v.a]
+        return heads, [self.q if self.kv_only else self.q.b, self.k.b], self.v.b
+
+    def stackable(self) -> dict[str, tuple[nn.Module, ...]]:
+        heads, rotated, b_v = self.factor_maps()
+        return stackable(factors=(*heads, *rotated, b_v))
+
+    def factors(self, x: torch.Tensor, pos: torch.Tensor, stacked=None):
         """Every factor of a whole sequence from one matmul: x [B, T, d_model] -> (the query: A_Q
         [B, T, R_Q, h] and rotated B_Q [B, T, R_Q, d_h], or TPA-KVonly's rotated query [B, T, h, d_h];
         A_K [B, T, R_K, h]; rotated B_K [B, T, R_K, d_h]; A_V [B, T, R_V, h]; B_V [B, T, R_V, d_h]).
@@ -165,14 +175,15 @@ class TensorProductAttention(Attention):
         The factor maps' weights are stacked into one projection, (R_Q + R_K + R_V)(h + d_h) wide
         (1,110 at medium), instead of six narrow matmuls; the outputs RoPE rotates (B_Q or the query,
         then B_K) are adjacent in it and rotated in one pass. Only when every map is a plain nn.Linear
-        (`plain_linear`): a wrapped map (a LoRA adapter) is called as a module (`module_factors`)."""
+        (`plain_linear`): a wrapped map (a LoRA adapter) is called as a module (`module_factors`). stacked: the
+        maps' weights stacked already (a fixed-shape decode step's StackedLinear), else stacked here."""
         d = self.cfg.head_dim
-        heads = [self.k.a, self.v.a] if self.kv_only else [self.q.a, self.k.a, self.v.a]
-        rotated = [self.q if self.kv_only else self.q.b, self.k.b]
-        maps = [*heads, *rotated, self.v.b]
-        if not plain_linear(*maps):
+        heads, rotated, b_v = self.factor_maps()
+        maps = [*heads, *rotated, b_v]
+        if stacked is None and not plain_linear(*maps):
             return self.module_factors(x, pos)
-        out = F.linear(x, torch.cat([m.weight for m in maps]))  # [B, T, sum of the maps' widths]
+        weight = torch.cat([m.weight for m in maps]) if stacked is None else stacked.weight  # [sum of widths, d_model]
+        out = F.linear(x, weight)  # [B, T, sum of the maps' widths]
         widths = [m.out_features for m in heads] + [sum(m.out_features for m in rotated), self.v.b.out_features]
         # [B, T, R h] per head factor, [B, T, (R_Q + R_K) d_h] to rotate, [B, T, R_V d_h]
         *a_outs, qk, b_v = out.split(widths, dim=-1)
@@ -196,10 +207,13 @@ class TensorProductAttention(Attention):
         if cache is None:  # whole sequences (training, validation): K and V materialized for SDPA
             y = self.attend_materialized(*self.factors(x, pos), pos, None)  # [B, T, h, d_h]
             return self.out(y.reshape(B, T, -1))  # [B, T, d_model]
-        q, a_k, b_k, a_v, b_v = self.module_factors(x, pos)
+        stacked = cache.stacked.get("factors")  # a fixed-shape step's: every factor from one matmul
+        q, a_k, b_k, a_v, b_v = self.module_factors(x, pos) if stacked is None else self.factors(x, pos, stacked)
         a_k, b_k, a_v, b_v = cache.update(pos, a_k=a_k, b_k=b_k, a_v=a_v, b_v=b_v)  # [B, S, R, *] each
         if T == 1 and self.fused_decode and b_k.shape[1] > 1 and self.recorded is None:
-            y = self.decode_fused(q, a_k, b_k, a_v, b_v, cache.attn_mask(pos), cache.lengths(pos))  # [B, 1, h, d_h]
+            y = self.decode_fused(
+                q, a_k, b_k, a_v, b_v, cache.decode_key_mask(pos), cache.lengths(pos)
+            )  # [B, 1, h, d_h]
         elif T <= self.factor_decode_max_tokens and T < b_k.shape[1]:
             y = self.attend_factors(q, a_k, b_k, a_v, b_v, pos, cache.attn_mask(pos))  # [B, T, h, d_h]
         else:
@@ -227,15 +241,14 @@ class TensorProductAttention(Attention):
         views = cache.views(end)
         return self.keys_values(views["a_k"], views["b_k"], views["a_v"], views["b_v"])  # [B, h, end, d_h] each
 
-    def decode_fused(self, q, a_k, b_k, a_v, b_v, mask: torch.Tensor | None, lengths=None) -> torch.Tensor:
+    def decode_fused(self, q, a_k, b_k, a_v, b_v, key_mask: torch.Tensor | None, lengths=None) -> torch.Tensor:
         """One new token per row through t6::tpa_decode (the same function as attend_factors).
 
         q: (A_Q [B, 1, R_Q, h], B_Q [B, 1, R_Q, d_h]) or a full query [B, 1, h, d_h] (KVonly);
-        the cached factors [B, S, R, *]; mask None or bool [B or 1, 1, S]; lengths None or int [B], each
-        row's valid cached tokens (KVCache.lengths). Returns [B, 1, h, d_h].
+        the cached factors [B, S, R, *]; key_mask None or bool [B, S] (KVCache.decode_key_mask); lengths None or
+        int [B], each row's valid cached tokens (KVCache.lengths). Returns [B, 1, h, d_h].
         """
-        B, R_K, d = a_k.shape[0], a_k.shape[2], b_k.shape[-1]
-        key_mask = None if mask is None else mask[:, 0].expand(B, -1)  # [B, S]
+        R_K, d = a_k.shape[2], b_k.shape[-1]
         if self.kv_only:
             q_a, q_b = None, q[:, 0] * (1.0 / (R_K * math.sqrt(d)))  # [B, h, d_h], scales folded in
         else:

@@ -1,5 +1,5 @@
-"""Triton decode kernels for CUDA: the GPU implementations of `t6::tpa_decode` and
-`t6::latent_decode` (see fused_decode.py for the arithmetic).
+"""Triton decode kernels for CUDA: the GPU implementations of `t6::tpa_decode`, `t6::latent_decode` and
+`t6::gqa_decode` (see fused_decode.py for the arithmetic).
 
 Split-K over the cached sequence (as FlashDecoding): one program per (row, split) streams its share of
 the row's tokens in blocks of BLOCK_S with an online softmax over all heads at once, and writes a partial
@@ -14,9 +14,12 @@ The cache may be fp32, bf16 or fp16. The contractions over tokens and over the h
 dots whose operands stay in the cache's dtype (fp32 operands take Triton's default TF32 precision) with
 fp32 accumulation; the softmax and the rescaling are fp32. TPA contracts its query factors once per
 program into the full query [h, d_h] (A_Q^T B_Q), so a token's scores are R_K dots B_K[s, r] . q_i times
-A_K[s, r, i]. An optional bool key mask [B, S] hides padding; optional lengths [B] bound each row: a row
-reads only its first lengths[b] cached tokens, so a caller may pass a whole preallocated cache (a fixed
-shape) and the rows' lengths as a device tensor.
+A_K[s, r, i]. The grouped kernel (`t6::gqa_decode`: MHA, GQA, MQA, GTA; and `t6::latent_decode`, MLA's latent
+as one K/V head whose rows are keys and values, read once) runs one program per (row, K/V head, split): the
+group's query heads are the rows of its dots, so each K/V head's cache is read once for all of them, and a batch
+of one fills the GPU through its K/V heads times its splits. An optional bool key mask [B, S] hides padding;
+optional lengths [B] bound each row: a row reads only its first lengths[b] cached tokens, so a caller may pass a
+whole preallocated cache (a fixed shape) and the rows' lengths as a device tensor.
 
 The compile-time constants are the model's shapes, the cache's dtype and the launch's `Tuning` (chosen by
 shape class and dtype, `TUNING`), never the context length,
@@ -55,20 +58,26 @@ class Tuning:
     min_tokens: int
 
 
-# By the kernel, its shape class (whether the fp32 accumulator [HP, W] holds more than 64 x 64 values: MLA's
-# d_c = 256 and TPA at xl) and the cache's element size (fp32: 4 bytes; bf16, fp16: 2). Each entry fits every
+# By the operator (the grouped kernel runs "gqa"'s and "latent"'s), its shape class (whether the fp32 accumulator
+# [HP, W] holds more than 64 x 64 values: MLA's d_c = 256 and TPA at xl) and the cache's element size (fp32: 4
+# bytes; bf16, fp16: 2). Each entry fits every
 # shape of its class that a registered mechanism has at any size into an H100's 232,448 B of shared memory
 # without spilling registers, in sm_90 code compiled ahead of time (tests/test_triton_decode.py compiles each
 # for sm_90 with Triton's own ptxas on a machine without a GPU). A tuning chosen by shape alone did not fit: the
-# fp32 TPA kernel at small, medium and large needed 360,448 B, and 4 warps spilled registers in bf16.
+# fp32 TPA kernel at small, medium and large needed 360,448 B, and 4 warps spilled registers in bf16. The latent
+# form's narrow bf16 class runs 4 warps: GLA's latent heads in one grouped launch spilled 32-40 B with 8.
 # Speed unmeasured on a GPU so far: `python -m t6.bench.decode_kernels --sweep` times the candidates on one.
 TUNING = {
+    ("gqa", False, 4): Tuning(block_s=64, num_warps=4, num_stages=3, waves=2, min_tokens=256),
+    ("gqa", False, 2): Tuning(block_s=64, num_warps=4, num_stages=3, waves=2, min_tokens=256),
+    ("gqa", True, 4): Tuning(block_s=32, num_warps=8, num_stages=2, waves=2, min_tokens=256),
+    ("gqa", True, 2): Tuning(block_s=64, num_warps=8, num_stages=2, waves=2, min_tokens=256),
     ("tpa", False, 4): Tuning(block_s=32, num_warps=8, num_stages=2, waves=2, min_tokens=256),
     ("tpa", False, 2): Tuning(block_s=32, num_warps=8, num_stages=3, waves=2, min_tokens=256),
     ("tpa", True, 4): Tuning(block_s=16, num_warps=8, num_stages=2, waves=2, min_tokens=256),
     ("tpa", True, 2): Tuning(block_s=16, num_warps=8, num_stages=2, waves=2, min_tokens=256),
     ("latent", False, 4): Tuning(block_s=32, num_warps=8, num_stages=3, waves=2, min_tokens=256),
-    ("latent", False, 2): Tuning(block_s=32, num_warps=8, num_stages=3, waves=2, min_tokens=256),
+    ("latent", False, 2): Tuning(block_s=32, num_warps=4, num_stages=3, waves=2, min_tokens=256),
     ("latent", True, 4): Tuning(block_s=32, num_warps=8, num_stages=2, waves=2, min_tokens=256),
     ("latent", True, 2): Tuning(block_s=32, num_warps=8, num_stages=3, waves=2, min_tokens=256),
 }
@@ -77,8 +86,8 @@ SHARED_MEMORY_SM90 = 232_448  # bytes of shared memory a block may use on an H10
 
 
 def tuning_for(kernel: str, HP: int, W: int, dtype: torch.dtype) -> Tuning:
-    """The table's tuning for `kernel` ("tpa" or "latent") with padded head count HP and value width W, over a
-    cache of `dtype` (fp32; bf16 or fp16)."""
+    """The table's tuning for operator `kernel` ("tpa", "latent" or "gqa") with padded head count HP (the grouped
+    kernel's: query heads per K/V head) and value width W, over a cache of `dtype` (fp32; bf16 or fp16)."""
     return TUNING[kernel, HP * W > 64 * 64, 4 if dtype.itemsize >= 4 else 2]
 
 
@@ -99,10 +108,11 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def splits(B: int, S: int, tuning: Tuning, device: torch.device) -> int:
-    """Programs per row: about `waves` per SM over the batch, at least `min_tokens` (and one block) each."""
+def splits(rows: int, S: int, tuning: Tuning, device: torch.device) -> int:
+    """Programs per row (a batch row, or the grouped kernel's (batch row, K/V head)): about `waves` per SM over
+    the rows, at least `min_tokens` (and one block) each."""
     per_program = max(tuning.min_tokens, tuning.block_s)
-    return max(1, min(S // per_program, _cdiv(tuning.waves * _sm_count(device), B)))
+    return max(1, min(S // per_program, _cdiv(tuning.waves * _sm_count(device), rows)))
 
 
 @triton.jit
@@ -235,68 +245,103 @@ def _tpa_kernel(
     _store_partial(ws_ptr, m, l, acc, H, HP, DP)
 
 
+@triton.jit
+def _group_rows(ptr, first, heads, h_ok, W, dims, d_ok):
+    """A group's query rows first + heads [GP] of a [h, W] block, zero past the group and the width: [GP, WP]."""
+    return tl.load(ptr + (first + heads[:, None]) * W + dims[None, :], mask=h_ok[:, None] & d_ok[None, :], other=0.0)
+
+
 @triton.jit(do_not_specialize=CONTEXT_ARGS)
-def _latent_kernel(
-    ql_ptr,
+def _gqa_kernel(
+    q_ptr,
     qr_ptr,
-    c_ptr,
+    k_ptr,
+    v_ptr,
     kr_ptr,
     mask_ptr,
     len_ptr,
     ws_ptr,
     S,
-    H,
-    DC,
+    H_KV,
+    G,
+    DK,
+    DV,
     DR,
-    s_ql_b,
+    s_q_b,
     s_qr_b,
-    s_c_b,
-    s_c_s,
+    s_k_b,
+    s_k_h,
+    s_k_s,
+    s_v_b,
+    s_v_h,
+    s_v_s,
     s_kr_b,
     s_kr_s,
     s_mask_b,
+    ROPE: tl.constexpr,
+    SHARED: tl.constexpr,
     MASKED: tl.constexpr,
     LENGTHS: tl.constexpr,
-    HP: tl.constexpr,
-    DCP: tl.constexpr,
+    GP: tl.constexpr,
+    DKP: tl.constexpr,
+    DVP: tl.constexpr,
     DRP: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)
-    heads = tl.arange(0, HP)  # [HP]
-    cdims = tl.arange(0, DCP)  # [DCP]
-    rdims = tl.arange(0, DRP)  # [DRP]
+    """Program (row, split) of the grid (B x H_KV, splits): batch row b = row // H_KV, K/V head j = row % H_KV,
+    its G query heads j G .. j G + G - 1 against its share of the row's cached tokens. SHARED: the values are
+    the keys' rows, loaded once (the latent form: MLA's latent, GLA's latent heads)."""
+    row = tl.program_id(0).to(tl.int64)
+    b = row // H_KV
+    j = row % H_KV
+    heads = tl.arange(0, GP)  # [GP]: the group's query heads
+    kdims = tl.arange(0, DKP)  # [DKP]
+    vdims = tl.arange(0, DVP)  # [DVP]
     toks = tl.arange(0, BLOCK_S)  # [BLOCK_S]
-    h_ok = heads < H
-    c_ok = cdims < DC
-    r_ok = rdims < DR
-    q_lat = tl.load(
-        ql_ptr + b * s_ql_b + heads[:, None] * DC + cdims[None, :], mask=h_ok[:, None] & c_ok[None, :], other=0.0
-    ).to(c_ptr.dtype.element_ty)  # [HP, DCP]
-    q_rope = tl.load(
-        qr_ptr + b * s_qr_b + heads[:, None] * DR + rdims[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0
-    ).to(kr_ptr.dtype.element_ty)  # [HP, DRP]
-    m = tl.full([HP], float("-inf"), tl.float32)
-    l = tl.zeros([HP], tl.float32)
-    acc = tl.zeros([HP, DCP], tl.float32)
+    h_ok = heads < G
+    k_ok = kdims < DK
+    v_ok = vdims < DV
+    q = _group_rows(q_ptr + b * s_q_b, j * G, heads, h_ok, DK, kdims, k_ok).to(k_ptr.dtype.element_ty)  # [GP, DKP]
+    if ROPE:
+        rdims = tl.arange(0, DRP)  # [DRP]
+        r_ok = rdims < DR
+        q_rope = _group_rows(qr_ptr + b * s_qr_b, j * G, heads, h_ok, DR, rdims, r_ok)  # [GP, DRP]
+        q_rope = q_rope.to(kr_ptr.dtype.element_ty)
+    m = tl.full([GP], float("-inf"), tl.float32)
+    l = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, DVP], tl.float32)
     s_lo, s_hi = _split_range(len_ptr, b, S, LENGTHS, BLOCK_S)
     for s0 in range(s_lo, s_hi, BLOCK_S):
         s = s0 + toks  # [BLOCK_S]
         s_ok = s < s_hi
-        c = tl.load(
-            c_ptr + b * s_c_b + s[:, None] * s_c_s + cdims[None, :], mask=s_ok[:, None] & c_ok[None, :], other=0.0
-        )  # [BLOCK_S, DCP]
-        kr = tl.load(
-            kr_ptr + b * s_kr_b + s[:, None] * s_kr_s + rdims[None, :], mask=s_ok[:, None] & r_ok[None, :], other=0.0
-        )  # [BLOCK_S, DRP]
-        scores = tl.dot(c, tl.trans(q_lat)) + tl.dot(kr, tl.trans(q_rope))  # [BLOCK_S, HP]
+        k = tl.load(
+            k_ptr + b * s_k_b + j * s_k_h + s[:, None] * s_k_s + kdims[None, :],
+            mask=s_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )  # [BLOCK_S, DKP]
+        scores = tl.dot(k, tl.trans(q))  # k[s] . q_i: [BLOCK_S, GP]
+        if ROPE:
+            kr = tl.load(
+                kr_ptr + b * s_kr_b + s[:, None] * s_kr_s + rdims[None, :],
+                mask=s_ok[:, None] & r_ok[None, :],
+                other=0.0,
+            )  # [BLOCK_S, DRP]
+            scores += tl.dot(kr, tl.trans(q_rope))  # + k_rope[s] . q_rope_i: [BLOCK_S, GP]
         visible = s_ok
         if MASKED:
             visible = visible & (tl.load(mask_ptr + b * s_mask_b + s, mask=s_ok, other=0) != 0)
-        scores = tl.where(visible[:, None], scores, float("-inf"))  # [BLOCK_S, HP]
+        scores = tl.where(visible[:, None], scores, float("-inf"))  # [BLOCK_S, GP]
         p, m, l, acc = _online_softmax(scores, m, l, acc)
-        acc += tl.dot(tl.trans(p.to(c.dtype)), c)  # sum_s P[s, i] c_kv[s]: [HP, DCP]
-    _store_partial(ws_ptr, m, l, acc, H, HP, DCP)
+        if SHARED:
+            v = k  # [BLOCK_S, DVP] (DVP = DKP)
+        else:
+            v = tl.load(
+                v_ptr + b * s_v_b + j * s_v_h + s[:, None] * s_v_s + vdims[None, :],
+                mask=s_ok[:, None] & v_ok[None, :],
+                other=0.0,
+            )  # [BLOCK_S, DVP]
+        acc += tl.dot(tl.trans(p.to(v.dtype)), v)  # sum_s P[s, i] v[s]: [GP, DVP]
+    _store_partial(ws_ptr, m, l, acc, G, GP, DVP)
 
 
 @triton.jit(do_not_specialize=COMBINE_CONTEXT_ARGS)
@@ -345,9 +390,11 @@ def _combine_kernel(
 
 @dataclasses.dataclass
 class Launch:
-    """One call of an operator, planned: the decode kernel on a (B, splits) grid with its arguments, compile-time
-    constants and tuning, then the combine of its partials (the workspace ws) into out [B, h, W]. `run()`
-    launches both; t6.bench.kernel_fit compiles the same kernels ahead of time from a plan."""
+    """One call of an operator, planned: the decode kernel on a (rows, splits) grid with its arguments, compile-time
+    constants and tuning, then the combine of its partials (the workspace ws) into out [B, h, W], seen as
+    [rows, h / rows * B, W]: a row per batch row (TPA, the latent form) or per (batch row, K/V head) (the grouped
+    kernel, whose row holds its group's heads). `run()` launches both; t6.bench.kernel_fit compiles the same kernels
+    ahead of time from a plan."""
 
     kernel: object
     args: tuple
@@ -359,19 +406,27 @@ class Launch:
     HP: int
     WP: int
     scale: float
+    rows: int | None = None  # None: the batch's rows
+
+    def grid_rows(self) -> tuple[int, int]:
+        """(programs along the grid's first axis, heads each combines)."""
+        B, H, _ = self.out.shape
+        rows = self.rows or B
+        return rows, B * H // rows
 
     def combine_args(self) -> tuple:
         W = self.out.shape[2]
-        return (self.ws, self.out, self.splits, W, self.scale, self.out.stride(0), self.out.stride(1))
+        out = self.out.view(*self.grid_rows(), W)  # [rows, heads per row, W]
+        return (self.ws, out, self.splits, W, self.scale, out.stride(0), out.stride(1))
 
     def combine_constants(self) -> dict:
         return dict(HP=self.HP, WP=self.WP, CHUNK=COMBINE_CHUNK)
 
     def run(self) -> torch.Tensor:
-        B, H, _ = self.out.shape
+        rows, heads = self.grid_rows()
         t = self.tuning
-        self.kernel[B, self.splits](*self.args, **self.constants, num_warps=t.num_warps, num_stages=t.num_stages)
-        _combine_kernel[B, H](*self.combine_args(), **self.combine_constants())
+        self.kernel[rows, self.splits](*self.args, **self.constants, num_warps=t.num_warps, num_stages=t.num_stages)
+        _combine_kernel[rows, heads](*self.combine_args(), **self.combine_constants())
         return self.out
 
 
@@ -455,39 +510,77 @@ def latent_decode(q_lat, q_rope, c_kv, k_rope, key_mask, lengths=None, tuning: T
 
 
 def latent_launch(q_lat, q_rope, c_kv, k_rope, key_mask, lengths=None, tuning: Tuning | None = None) -> Launch:
-    """The launch `latent_decode` makes, planned (its workspace and output allocated), not run."""
-    B, H, DC = q_lat.shape
-    S, DR = c_kv.shape[1], k_rope.shape[-1]
+    """The launch `latent_decode` makes, planned: the grouped kernel with one K/V head, the latent, whose rows are
+    the keys and the values (read once), the shared RoPE key its second score; the latent shapes' tunings."""
     if c_kv.stride(-1) != 1 or k_rope.stride(-1) != 1:
         raise ValueError("c_kv and k_rope must be contiguous per token")
-    HP, DCP, DRP = _pow2(H), _pow2(DC), _pow2(DR)
-    tuning = tuning or tuning_for("latent", HP, DCP, c_kv.dtype)
-    n = splits(B, S, tuning, q_lat.device)
-    ws = q_lat.new_empty(B * n * HP * (DCP + 2), dtype=torch.float32)  # the partials (m, l, acc) of B x n programs
-    mask, s_mask_b = _mask_arg(key_mask, q_lat)
-    q_lat, q_rope = _rows(q_lat), _rows(q_rope)
+    latent = c_kv[:, None]  # [B, 1, S, d_c]: one K/V head
+    return gqa_launch(q_lat, latent, latent, q_rope, k_rope, key_mask, lengths, tuning)
+
+
+def gqa_decode(q, k, v, q_rope, k_rope, key_mask, lengths=None, tuning: Tuning | None = None) -> torch.Tensor:
+    """Same arguments and result as t6::gqa_decode: [B, h, d_v]. tuning: the table's by default."""
+    return gqa_launch(q, k, v, q_rope, k_rope, key_mask, lengths, tuning).run()
+
+
+def gqa_launch(q, k, v, q_rope, k_rope, key_mask, lengths=None, tuning: Tuning | None = None) -> Launch:
+    """The launch `gqa_decode` makes, planned (its workspace and output allocated), not run. v the very tensor k
+    (the latent form: GLA's latent heads, MLA's latent): the kernel loads each row once, for scores and values,
+    with the latent shapes' tunings."""
+    B, H, DK = q.shape
+    H_KV, S, DV = k.shape[1], k.shape[2], v.shape[-1]
+    G = H // H_KV
+    rope = q_rope is not None
+    shared = v is k
+    DR = q_rope.shape[-1] if rope else 0
+    for name, t in (("k", k), ("v", v), ("k_rope", k_rope)):
+        if t is not None and t.stride(-1) != 1:
+            raise ValueError(f"{name} must be a cache view whose rows (one per token) are contiguous")
+    GP, DKP, DVP, DRP = _pow2(G), _pow2(DK), _pow2(DV), _pow2(max(DR, 1))
+    tuning = tuning or tuning_for("latent" if shared else "gqa", GP, DVP, k.dtype)
+    n = splits(B * H_KV, S, tuning, q.device)
+    ws = q.new_empty(B * H_KV * n * GP * (DVP + 2), dtype=torch.float32)  # the partials of B H_KV x n programs
+    mask, s_mask_b = _mask_arg(key_mask, q)
+    q = _rows(q)
+    q_rope = _rows(q_rope) if rope else q  # not read without a shared RoPE part
+    k_rope = k_rope if rope else k
     args = (
-        q_lat,
+        q,
         q_rope,
-        c_kv,
+        k,
+        v,
         k_rope,
         mask,
-        q_lat if lengths is None else lengths,
+        q if lengths is None else lengths,
         ws,
         S,
-        H,
-        DC,
+        H_KV,
+        G,
+        DK,
+        DV,
         DR,
-        q_lat.stride(0),
+        q.stride(0),
         q_rope.stride(0),
-        c_kv.stride(0),
-        c_kv.stride(1),
+        k.stride(0),
+        k.stride(1) if H_KV > 1 else 0,  # one K/V head: never read (a view's may follow its length: a recompile)
+        k.stride(2),
+        v.stride(0),
+        v.stride(1) if H_KV > 1 else 0,
+        v.stride(2),
         k_rope.stride(0),
-        k_rope.stride(1),
+        k_rope.stride(-2),
         s_mask_b,
     )
     constants = dict(
-        MASKED=key_mask is not None, LENGTHS=lengths is not None, HP=HP, DCP=DCP, DRP=DRP, BLOCK_S=tuning.block_s
+        ROPE=rope,
+        SHARED=shared,
+        MASKED=key_mask is not None,
+        LENGTHS=lengths is not None,
+        GP=GP,
+        DKP=DKP,
+        DVP=DVP,
+        DRP=DRP,
+        BLOCK_S=tuning.block_s,
     )
-    out = q_lat.new_empty(B, H, DC)
-    return Launch(_latent_kernel, args, constants, tuning, ws, out, n, HP, DCP, 1.0)
+    out = q.new_empty(B, H, DV)
+    return Launch(_gqa_kernel, args, constants, tuning, ws, out, n, GP, DVP, 1.0, rows=B * H_KV)

@@ -151,6 +151,23 @@ inline float hsum(vf x) {  // older compilers: through memory
 }
 #endif
 
+inline float hmax(vf x) {  // through memory: once per block and head
+  float s[VLEN];
+  std::memcpy(s, &x, sizeof(s));
+  float t = s[0];
+  for (int i = 1; i < VLEN; ++i) t = std::max(t, s[i]);
+  return t;
+}
+
+// Keeps a vector in a register: where a loaded vector feeds several FMAs, the compiler otherwise folds the load
+// into each of them, and a zmm load per FMA halves their rate on a Zen 4 (its zmm loads take both load ports):
+// the TPA and GQA operators 6-13% faster, TPA-KVonly and MLA 10-20%, by the thread's CPU time at 16k-32k.
+#if defined(__x86_64__) || defined(__i386__)
+#define IN_REGISTER(x) asm("" : "+v"(x))
+#else
+#define IN_REGISTER(x) asm("" : "+w"(x))
+#endif
+
 // exp(x) for x <= 0, branch-free (exactly 0 below -87 and for -inf): n = round(x / ln 2) by
 // truncation of y - 1/2 (y <= 0), then the polynomial, times 2^n.
 inline vf exp_nonpositive(vf x) {
@@ -170,7 +187,10 @@ inline void accumulate_tile(float* acc, int dp, int i0, int j0, const float* w, 
     for (int k = 0; k < C; ++k) a[ii][k] = load(acc + (int64_t)(i0 + ii) * dp + j0 + VLEN * k);
   for (int n = 0; n < N; ++n) {
     vf vn[C];
-    for (int k = 0; k < C; ++k) vn[k] = load(v + n * ldv + j0 + VLEN * k);
+    for (int k = 0; k < C; ++k) {
+      vn[k] = load(v + n * ldv + j0 + VLEN * k);
+      IN_REGISTER(vn[k]);  // one load per row, not one per head
+    }
     const float* wn = w + (int64_t)n * hp + i0;
     for (int ii = 0; ii < TH; ++ii) {
       const vf c = splat(wn[ii]);
@@ -192,7 +212,10 @@ inline void rows_gemm_tile(const float* x, int ldx, int K, const float* z, int h
     vf a[R][C] = {};
     for (int k = 0; k < K; ++k) {
       vf zk[C];
-      for (int c = 0; c < C; ++c) zk[c] = load(z + (int64_t)k * hp + j0 + VLEN * c);
+      for (int c = 0; c < C; ++c) {
+        zk[c] = load(z + (int64_t)k * hp + j0 + VLEN * c);
+        IN_REGISTER(zk[c]);  // one load per k, not one per row
+      }
       for (int mm = 0; mm < R; ++mm) {
         const vf xm = splat(xr[mm][k]);
         for (int c = 0; c < C; ++c) a[mm][c] += xm * zk[c];
@@ -220,26 +243,26 @@ void rows_gemm(const float* x, int ldx, int K, const float* z, int hp, int M, fl
   for (; j0 < hp; j0 += VLEN) rows_gemm_tile<4, 1>(x, ldx, K, z, hp, M, j0, y);
 }
 
-// y[c] = x . z[c] for c < C (x [dp], z [C, dp], dp a multiple of VLEN): four rows of z at a time,
-// so that four chains of FMAs run side by side (one chain waits on each FMA's latency).
-inline void dots(const float* x, const float* z, int C, int dp, float* y) {
+// y[c * ys] = x . z[c] for c < C (x [dp], z [C, dp] with row stride ldz, dp a multiple of VLEN): four
+// rows of z at a time, so that four chains of FMAs run side by side (one chain waits on each FMA's latency).
+inline void dots(const float* x, const float* z, int64_t ldz, int C, int dp, float* y, int ys = 1) {
   int c0 = 0;
   for (; c0 + 4 <= C; c0 += 4) {
-    const float* z0 = z + (int64_t)c0 * dp;
+    const float* z0 = z + (int64_t)c0 * ldz;
     vf s0{}, s1{}, s2{}, s3{};
     for (int j = 0; j < dp; j += VLEN) {
       const vf xj = load(x + j);
       s0 += xj * load(z0 + j);
-      s1 += xj * load(z0 + dp + j);
-      s2 += xj * load(z0 + 2 * dp + j);
-      s3 += xj * load(z0 + 3 * dp + j);
+      s1 += xj * load(z0 + ldz + j);
+      s2 += xj * load(z0 + 2 * ldz + j);
+      s3 += xj * load(z0 + 3 * ldz + j);
     }
-    y[c0] = hsum(s0), y[c0 + 1] = hsum(s1), y[c0 + 2] = hsum(s2), y[c0 + 3] = hsum(s3);
+    y[c0 * ys] = hsum(s0), y[(c0 + 1) * ys] = hsum(s1), y[(c0 + 2) * ys] = hsum(s2), y[(c0 + 3) * ys] = hsum(s3);
   }
   for (; c0 < C; ++c0) {
     vf s{};
-    for (int j = 0; j < dp; j += VLEN) s += load(x + j) * load(z + (int64_t)c0 * dp + j);
-    y[c0] = hsum(s);
+    for (int j = 0; j < dp; j += VLEN) s += load(x + j) * load(z + (int64_t)c0 * ldz + j);
+    y[c0 * ys] = hsum(s);
   }
 }
 
@@ -247,22 +270,25 @@ inline void dots(const float* x, const float* z, int C, int dp, float* y) {
 // 64-byte lines at a time between the steps of this block, so that memory keeps streaming while
 // the block computes (the hardware prefetchers follow one stream at a time, phase by phase:
 // 8-15% of the TPA operator at 16k-32k with the cache out of cache).
+// The lines go to L2 (prefetcht1) by default: 9-13% faster TPA, TPA-KVonly and GQA operators than into L1
+// (prefetcht0) on a Zen 4 EPYC at 16k-32k, MLA's 4%, measured by the calling thread's CPU time, one thread;
+// MHA's (a dot per token and head, its two rows streamed once) was 3-5% faster into L1 (`l1`).
 struct Prefetch {
   const char* p[4] = {};
-  int64_t bytes[4] = {}, at = 0, total = 0;
+  int64_t bytes[4] = {}, total = 0, at = 0;  // at: the next line's offset in stream k
+  int streams = 0, k = 0;
+  bool l1 = false;
   void add(const void* ptr, int64_t n) {
-    for (int k = 0; k < 4; ++k)
-      if (!p[k]) {
-        p[k] = static_cast<const char*>(ptr), bytes[k] = n, total += n;
-        return;
-      }
+    if (streams < 4 && n > 0) p[streams] = static_cast<const char*>(ptr), bytes[streams++] = n, total += n;
   }
-  void lines(int count) {  // the next `count` cache lines, stream after stream
-    for (; count > 0 && at < total; --count, at += 64) {
-      int64_t o = at;
-      int k = 0;
-      while (o >= bytes[k]) o -= bytes[k++];
-      __builtin_prefetch(p[k] + o);
+  void lines(int count) {  // the next `count` cache lines, stream after stream (a pointer and two compares each)
+    for (; count > 0 && k < streams; --count) {
+      if (l1)
+        __builtin_prefetch(p[k] + at, 0, 3);
+      else
+        __builtin_prefetch(p[k] + at, 0, 2);
+      at += 64;
+      if (at >= bytes[k]) at = 0, ++k;
     }
   }
 };
@@ -397,7 +423,7 @@ void tpa_kernel(const torch::Tensor& q_a, const torch::Tensor& q_b, const torch:
         if (factored)
           for (int row = 0; row < n * RK; ++row) {
             pf.lines(4);
-            dots(bkb + (int64_t)row * dp, qq, RQ, dp, g.data() + (int64_t)row * RQ);
+            dots(bkb + (int64_t)row * dp, qq, dp, RQ, dp, g.data() + (int64_t)row * RQ);
           }
         // qb[t R_K + r, :] = sum_r' g[row, r'] A_Q[r', :]   (factorized query): g [n R_K, R_Q] x A_Q [R_Q, hp]
         //                 = sum_j B_K[row, j] q^T[j, :]    (full query):       B_K [n R_K, d] x q^T [d, hp]
@@ -437,72 +463,160 @@ void tpa_kernel(const torch::Tensor& q_a, const torch::Tensor& q_b, const torch:
   out.copy_(out32);
 }
 
+// One query head's online-softmax update for a block of tokens, vectorized over the tokens (where a K/V head has
+// one query head or a few: a vector of heads would be mostly padding): s [BLOCK] its scores, -inf where hidden or
+// past n, become the probabilities relative to the new max; m, l and acc [dp] are the head's running max,
+// denominator and numerator, rescaled where the max grew; then acc += sum_t p[t] v[t, :], in slices of tokens
+// with the next block's prefetch between them (MHA's cache is streamed, the lines spread, not issued at once).
+void head_update(float* s, float* m, float* l, float* acc, int dp, const float* v, int64_t ldv, int n, Prefetch& pf) {
+  vf mx = splat(*m);
+  for (int t = 0; t < BLOCK; t += VLEN) {
+    const vf x = load(s + t);
+    mx = x > mx ? x : mx;
+  }
+  const float m_raw = hmax(mx), m_new = m_raw == NEG_INF ? 0.f : m_raw;
+  const float corr = *m == NEG_INF ? 0.f : std::exp(*m - m_new);
+  vf sum{};
+  for (int t = 0; t < BLOCK; t += VLEN) {
+    const vf p = exp_nonpositive(load(s + t) - m_new);
+    store(s + t, p);
+    sum += p;
+  }
+  *l = *l * corr + hsum(sum);
+  if (m_raw > *m && *m != NEG_INF)
+    for (int j = 0; j < dp; j += VLEN) store(acc + j, load(acc + j) * splat(corr));
+  *m = m_raw;
+  constexpr int SLICE = 8;  // tokens per slice
+  const int per_slice = 1 + (int)(pf.total / 64) / (BLOCK / SLICE);
+  for (int t0 = 0; t0 < n; t0 += SLICE) {
+    pf.lines(per_slice);
+    const int nn = std::min(SLICE, n - t0);
+    int j0 = 0;
+    for (; j0 + NV * VLEN <= dp; j0 += NV * VLEN) accumulate_tile<1, NV>(acc, dp, 0, j0, s + t0, 1, v + t0 * ldv, ldv, nn);
+    for (; j0 < dp; j0 += VLEN) accumulate_tile<1, 1>(acc, dp, 0, j0, s + t0, 1, v + t0 * ldv, ldv, nn);
+  }
+}
+
+// The block's rows [n, d] of a cache (row stride ld, in its dtype) as float: the rows themselves where they are
+// fp32 and a whole number of vectors wide (`direct`), else converted into buf, zero-padded to dp columns.
 template <typename scalar_t>
-void latent_kernel(const torch::Tensor& q_lat, const torch::Tensor& q_rope, const torch::Tensor& c_kv,
-                   const torch::Tensor& k_rope, const torch::Tensor& mask, torch::Tensor& out) {
-  const int64_t B = c_kv.size(0), S = c_kv.size(1);
-  const int h = q_lat.size(1), dc = c_kv.size(2), dr = k_rope.size(2);
-  const int hp = padded(h), cp = padded(dc), rp = padded(dr);  // zero padding, as in tpa_kernel
+inline const float* float_rows(const scalar_t* src, int64_t ld, int n, int d, int dp, bool direct, float* buf,
+                               int64_t& ld_out) {
+  if (direct) {
+    ld_out = ld;
+    return reinterpret_cast<const float*>(src);
+  }
+  for (int t = 0; t < n; ++t) to_float(src + t * ld, buf + (int64_t)t * dp, d);
+  ld_out = dp;
+  return buf;
+}
+
+// Grouped decoding: h query heads in n groups of g = h / n; group j reads K/V head j of the cache.
+//   scores[t, i] = q[i] . k[j, t] (+ q_rope[i] . k_rope[t]);  out[i, :] = sum_t P[t, i] v[j, t, :]
+// k [B, n, S, d_k] and v [B, n, S, d_v] (strided: each token's row contiguous), v possibly k itself (the
+// latent form: MLA's one latent, read once for scores and values); k_rope [B, S, d_rope] shared by every
+// head, or undefined. One task per (row, group, split of the cached tokens); each a block of tokens at a time.
+template <typename scalar_t>
+void grouped_kernel(const torch::Tensor& q, const torch::Tensor& q_rope, const torch::Tensor& k, const torch::Tensor& v,
+                    const torch::Tensor& k_rope, const torch::Tensor& mask, torch::Tensor& out) {
+  const int64_t B = k.size(0), S = k.size(2);
+  const int n = k.size(1), dk = k.size(3), dv = v.size(3), h = q.size(1), g = h / n;
+  const bool rope = k_rope.defined();
+  const int dr = rope ? k_rope.size(2) : 0;
+  const int gp = padded(g), kp = padded(dk), vp = padded(dv), rp = padded(std::max(dr, 1));
   const bool is_float = std::is_same<scalar_t, float>::value;
-  const bool c_direct = is_float && dc == cp, r_direct = is_float && dr == rp;  // rows used in place
-  const int parts = splits_for(B, S);
+  const bool shared = v.is_same(k);  // the values are the keys' rows: read and converted once
+  const bool k_direct = is_float && dk == kp, v_direct = is_float && dv == vp, r_direct = is_float && dr == rp;
+  // scores by one dot per (token, head) where the group is small (MHA: one head per group; a dot costs its
+  // FMAs and ~8 more to sum its vector), else as a [tokens, d_k] x [d_k, gp] product (each row of k read
+  // once for every head of the group)
+  const bool by_dots = g * (kp / VLEN + 8) < dk * (gp / VLEN);
+  const bool per_head = by_dots && !rope;  // and the softmax vectorized over tokens, not over padded heads
+  const int parts = splits_for(B * n, S);
   const int64_t per = (S + parts - 1) / parts;
-  std::vector<float> m(B * parts * hp, NEG_INF), l(B * parts * hp, 0.f), acc(B * parts * hp * cp, 0.f);
-  auto zl = torch::zeros({B, dc, hp}, torch::kFloat);  // q_lat^T [B, d_c, hp]
-  zl.narrow(2, 0, h).copy_(q_lat.transpose(1, 2));
-  auto zr = torch::zeros({B, std::max(dr, 1), hp}, torch::kFloat);  // q_rope^T [B, d_rope, hp]
-  if (dr > 0) zr.narrow(2, 0, h).copy_(q_rope.transpose(1, 2));
+  const int64_t programs = B * n * parts;
+  std::vector<float> m(programs * gp, NEG_INF), l(programs * gp, 0.f), acc(programs * gp * vp, 0.f);
+  // each group's queries as float: rows [h, kp] (dots) and transposed [n, d_k, gp] (products); zero padding
+  auto qrows = torch::zeros({B, h, kp}, torch::kFloat);
+  qrows.narrow(2, 0, dk).copy_(q);
+  auto zq = torch::zeros({B, n, dk, gp}, torch::kFloat);
+  zq.narrow(3, 0, g).copy_(q.reshape({B, n, g, dk}).transpose(2, 3));
+  auto zr = torch::zeros({B, n, std::max(dr, 1), gp}, torch::kFloat);
+  if (rope) zr.narrow(3, 0, g).copy_(q_rope.reshape({B, n, g, dr}).transpose(2, 3));
   const bool* mk = mask.defined() ? mask.data_ptr<bool>() : nullptr;
   const int64_t mk_b = mask.defined() ? mask.stride(0) : 0;
-  at::parallel_for(0, B * parts, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> c(BLOCK * cp, 0.f), kr(BLOCK * rp, 0.f), sc(BLOCK * hp);
-    std::vector<float> s1(BLOCK * hp), s2(BLOCK * hp);
+  const scalar_t* kd = k.data_ptr<scalar_t>();
+  const scalar_t* vd = v.data_ptr<scalar_t>();
+  const scalar_t* rd = rope ? k_rope.data_ptr<scalar_t>() : nullptr;
+  at::parallel_for(0, programs, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> kb(BLOCK * kp, 0.f), vb(BLOCK * vp, 0.f), rb(BLOCK * rp, 0.f), sc(BLOCK * gp, 0.f);
+    std::vector<float> s2(BLOCK * gp), sh(BLOCK);
     for (int64_t task = lo; task < hi; ++task) {
-      const int64_t b = task / parts, part = task % parts;
+      const int64_t b = task / (n * parts), j = task / parts % n, part = task % parts;
       const int64_t s_lo = part * per, s_hi = std::min(S, s_lo + per);
-      float* m_ = m.data() + task * hp;
-      float* l_ = l.data() + task * hp;
-      float* acc_ = acc.data() + task * hp * cp;
-      const float* zlb = zl.data_ptr<float>() + b * zl.stride(0);
-      const float* zrb = zr.data_ptr<float>() + b * zr.stride(0);
+      float* m_ = m.data() + task * gp;
+      float* l_ = l.data() + task * gp;
+      float* acc_ = acc.data() + task * gp * vp;
+      const float* qr = qrows.data_ptr<float>() + (b * h + j * g) * kp;
+      const float* zqb = zq.data_ptr<float>() + (b * n + j) * dk * gp;
+      const float* zrb = zr.data_ptr<float>() + (b * n + j) * std::max(dr, 1) * gp;
       for (int64_t s0 = s_lo; s0 < s_hi; s0 += BLOCK) {
-        const int n = (int)std::min<int64_t>(BLOCK, s_hi - s0);
-        const scalar_t* cpt = c_kv.data_ptr<scalar_t>() + b * c_kv.stride(0) + s0 * c_kv.stride(1);
-        const scalar_t* rpt = k_rope.data_ptr<scalar_t>() + b * k_rope.stride(0) + s0 * k_rope.stride(1);
-        // the block's latents [n, d_c] and RoPE keys [n, d_rope] as float rows: in place, or
-        // converted into zero-padded rows
-        const float* cb = c_direct ? reinterpret_cast<const float*>(cpt) : c.data();
-        const float* rb = r_direct ? reinterpret_cast<const float*>(rpt) : kr.data();
-        const int64_t ldc = c_direct ? c_kv.stride(1) : cp, ldr = r_direct ? k_rope.stride(1) : rp;
-        for (int t = 0; t < n && !c_direct; ++t) to_float(cpt + t * c_kv.stride(1), c.data() + t * cp, dc);
-        for (int t = 0; t < n && !r_direct; ++t) to_float(rpt + t * k_rope.stride(1), kr.data() + t * rp, dr);
+        const int nt = (int)std::min<int64_t>(BLOCK, s_hi - s0);
+        const scalar_t* kpt = kd + b * k.stride(0) + j * k.stride(1) + s0 * k.stride(2);
+        const scalar_t* vpt = vd + b * v.stride(0) + j * v.stride(1) + s0 * v.stride(2);
+        const scalar_t* rpt = rope ? rd + b * k_rope.stride(0) + s0 * k_rope.stride(1) : nullptr;
+        int64_t ldk, ldv, ldr = rp;
+        const float* kf = float_rows(kpt, k.stride(2), nt, dk, kp, k_direct, kb.data(), ldk);
+        const float* vf_ = shared ? kf : float_rows(vpt, v.stride(2), nt, dv, vp, v_direct, vb.data(), ldv);
+        if (shared) ldv = ldk;
+        const float* rf = rope ? float_rows(rpt, k_rope.stride(1), nt, dr, rp, r_direct, rb.data(), ldr) : nullptr;
         Prefetch pf;  // the next block, where its rows are contiguous
-        if (s0 + n < s_hi) {
-          const int64_t n2 = std::min<int64_t>(BLOCK, s_hi - s0 - n), e = sizeof(scalar_t);
-          if (c_kv.stride(1) == dc) pf.add(cpt + n * c_kv.stride(1), n2 * dc * e);
-          if (k_rope.stride(1) == dr && dr > 0) pf.add(rpt + n * k_rope.stride(1), n2 * dr * e);
+        pf.l1 = by_dots;
+        if (s0 + nt < s_hi) {
+          const int64_t n2 = std::min<int64_t>(BLOCK, s_hi - s0 - nt), e = sizeof(scalar_t);
+          if (k.stride(2) == dk) pf.add(kpt + nt * k.stride(2), n2 * dk * e);
+          if (!shared && v.stride(2) == dv) pf.add(vpt + nt * v.stride(2), n2 * dv * e);
+          if (rope && k_rope.stride(1) == dr) pf.add(rpt + nt * k_rope.stride(1), n2 * dr * e);
         }
-        // scores [n, hp] = c [n, d_c] x q_lat^T [d_c, hp] + k_rope [n, d_rope] x q_rope^T [d_rope, hp]
-        rows_gemm(cb, ldc, dc, zlb, hp, n, s1.data());
-        if (dr > 0) rows_gemm(rb, ldr, dr, zrb, hp, n, s2.data());
-        for (int t = 0; t < n; ++t) {
-          const bool visible = !mk || mk[b * mk_b + s0 + t];
-          for (int i0 = 0; i0 < hp; i0 += VLEN) {
-            const vf x = load(s1.data() + t * hp + i0) + (dr > 0 ? load(s2.data() + t * hp + i0) : splat(0.f));
-            store(sc.data() + t * hp + i0, visible ? x : splat(NEG_INF));
+        if (per_head) {  // each query head on its own, its softmax over the block's tokens
+          for (int i = 0; i < g; ++i) {
+            float* si = sh.data();  // [BLOCK]: head i's scores
+            dots(qr + (int64_t)i * kp, kf, ldk, nt, kp, si, 1);
+            for (int t = 0; t < BLOCK; ++t)
+              if (t >= nt || (mk && !mk[b * mk_b + s0 + t])) si[t] = NEG_INF;
+            head_update(si, m_ + i, l_ + i, acc_ + (int64_t)i * vp, vp, vf_, ldv, nt, pf);
           }
+          continue;
         }
-        softmax_update_v(sc.data(), n, hp, m_, l_, acc_, cp);
-        // acc[i, :] += sum_t P[t, i] c[t, :]
-        accumulate_v(acc_, h, hp, cp, sc.data(), cb, ldc, n, pf);
+        // scores [nt, gp]: k [nt, d_k] x q^T [d_k, gp] (+ k_rope [nt, d_rope] x q_rope^T [d_rope, gp])
+        if (by_dots)
+          for (int i = 0; i < g; ++i) {
+            pf.lines(2);
+            dots(qr + (int64_t)i * kp, kf, ldk, nt, kp, sc.data() + i, gp);
+          }
+        else
+          rows_gemm(kf, ldk, dk, zqb, gp, nt, sc.data());
+        if (rope) {
+          rows_gemm(rf, ldr, dr, zrb, gp, nt, s2.data());
+          for (int t = 0; t < nt; ++t)
+            for (int i0 = 0; i0 < gp; i0 += VLEN)
+              store(sc.data() + t * gp + i0, load(sc.data() + t * gp + i0) + load(s2.data() + t * gp + i0));
+        }
+        if (mk)
+          for (int t = 0; t < nt; ++t)
+            if (!mk[b * mk_b + s0 + t])
+              for (int i0 = 0; i0 < gp; i0 += VLEN) store(sc.data() + t * gp + i0, splat(NEG_INF));
+        softmax_update_v(sc.data(), nt, gp, m_, l_, acc_, vp);
+        // acc[i, :] += sum_t P[t, i] v[t, :]
+        accumulate_v(acc_, g, gp, vp, sc.data(), vf_, ldv, nt, pf);
       }
     }
   });
-  auto out32 = torch::empty({B, h, dc}, torch::kFloat);
-  at::parallel_for(0, B, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t b = lo; b < hi; ++b)
-      combine(m.data() + b * parts * hp, l.data() + b * parts * hp, acc.data() + b * parts * hp * cp, parts, hp, cp,
-              1.f, out32.data_ptr<float>() + b * h * dc, h, dc);
+  auto out32 = torch::empty({B, h, dv}, torch::kFloat);
+  at::parallel_for(0, B * n, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t bj = lo; bj < hi; ++bj)
+      combine(m.data() + bj * parts * gp, l.data() + bj * parts * gp, acc.data() + bj * parts * gp * vp, parts, gp,
+              vp, 1.f, out32.data_ptr<float>() + bj * g * dv, g, dv);
   });
   out.copy_(out32);
 }
@@ -535,12 +649,30 @@ torch::Tensor latent_decode(const torch::Tensor& q_lat, const torch::Tensor& q_r
   TORCH_CHECK(c_kv.stride(-1) == 1 && k_rope.stride(-1) == 1, "c_kv and k_rope must be contiguous per token");
   auto out = torch::empty(q_lat.sizes(), q_lat.options());
   auto mask = mask_or_empty(key_mask);
+  const auto latent = c_kv.unsqueeze(1);  // one K/V head, its rows both the keys and the values
+  const auto rope = k_rope.size(2) > 0 ? k_rope : torch::Tensor();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, c_kv.scalar_type(), "latent_decode",
-                                  [&] { latent_kernel<scalar_t>(q_lat, q_rope, c_kv, k_rope, mask, out); });
+                                  [&] { grouped_kernel<scalar_t>(q_lat, q_rope, latent, latent, rope, mask, out); });
+  return out;
+}
+
+torch::Tensor gqa_decode(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                         const c10::optional<torch::Tensor>& q_rope, const c10::optional<torch::Tensor>& k_rope,
+                         const c10::optional<torch::Tensor>& key_mask) {
+  TORCH_CHECK(k.stride(-1) == 1 && v.stride(-1) == 1, "k and v must be contiguous per token");
+  TORCH_CHECK(q.size(1) % k.size(1) == 0, "the query heads must be a multiple of the K/V heads");
+  auto out = torch::empty({q.size(0), q.size(1), v.size(3)}, q.options());
+  auto mask = mask_or_empty(key_mask);
+  const auto qr = q_rope.has_value() ? *q_rope : torch::Tensor();
+  const auto kr = k_rope.has_value() ? *k_rope : torch::Tensor();
+  TORCH_CHECK(!kr.defined() || kr.stride(-1) == 1, "k_rope must be contiguous per token");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "gqa_decode",
+                                  [&] { grouped_kernel<scalar_t>(q, qr, k, v, kr, mask, out); });
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tpa_decode", &tpa_decode);
   m.def("latent_decode", &latent_decode);
+  m.def("gqa_decode", &gqa_decode);
 }

@@ -70,4 +70,4 @@ class GroupedQueryAttention(Attention):
         else:
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, h_kv, T, d] each
         y = self.attend(q.transpose(1, 2), k, v, pos, cache)  # [B, h, T, d]
-        return self.out(y.transpose(1, 2).reshape(B, T, h * d))  # [B, T, d_model]
+        return self.project(y.transpose(1, 2).reshape(B, T, h * d), x)  # [B, T, d_model]

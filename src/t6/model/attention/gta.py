@@ -89,4 +89,4 @@ class GroupedTiedAttention(Attention):
         k_shared = k_rope[:, None].expand(B, self.n_kv, S, r)  # [B, G, S, d/2], broadcast to every group
         k = torch.cat([kv[..., : d - r], k_shared], dim=-1)  # [B, G, S, d]: [first half of the tie | RoPE key]
         y = self.attend(q.transpose(1, 2), k, kv, pos, cache)  # [B, h, T, d], values = the whole tied state
-        return self.out(y.transpose(1, 2).reshape(B, T, h * d))  # [B, T, d_model]
+        return self.project(y.transpose(1, 2).reshape(B, T, h * d), x)  # [B, T, d_model]

@@ -189,7 +189,7 @@ class TensorProductAttention(Attention):
         B, T, _ = x.shape
         if cache is None:  # whole sequences (training, validation): K and V materialized for SDPA
             y = self.attend_materialized(*self.factors(x, pos), pos, None)  # [B, T, h, d_h]
-            return self.out(y.reshape(B, T, -1))  # [B, T, d_model]
+            return self.project(y.reshape(B, T, -1), x)  # [B, T, d_model]
         q, a_k, b_k, a_v, b_v = self.module_factors(x, pos)
         a_k, b_k, a_v, b_v = cache.update(pos, a_k=a_k, b_k=b_k, a_v=a_v, b_v=b_v)  # [B, S, R, *] each
         if T == 1 and self.fused_decode and b_k.shape[1] > 1 and self.recorded is None:
@@ -198,7 +198,7 @@ class TensorProductAttention(Attention):
             y = self.attend_factors(q, a_k, b_k, a_v, b_v, pos, cache.attn_mask(pos))  # [B, T, h, d_h]
         else:
             y = self.attend_materialized(q, a_k, b_k, a_v, b_v, pos, cache)  # [B, T, h, d_h]
-        return self.out(y.reshape(B, T, -1))  # [B, T, d_model]
+        return self.project(y.reshape(B, T, -1), x)  # [B, T, d_model]
 
     def attend_materialized(self, q, a_k, b_k, a_v, b_v, pos, cache: KVCache | None) -> torch.Tensor:
         """Contract K and V for every cached token [B, S, h, d_h] and attend with SDPA -> [B, T, h, d_h]."""

@@ -99,7 +99,7 @@ class NonContextualTPA(Attention):
         k = self.expand("k", k, kv_pos)  # [B, S, h, d_h]
         v = self.expand("v", v, None)  # [B, S, h, d_h]
         y = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), pos, cache)  # [B, h, T, d_h]
-        return self.out(y.transpose(1, 2).reshape(B, T, -1))  # [B, T, d_model]
+        return self.project(y.transpose(1, 2).reshape(B, T, -1), x)  # [B, T, d_model]
 
     def expand(self, name: str, factor: torch.Tensor, pos: torch.Tensor | None) -> torch.Tensor:
         """(1/R) A^T B from the contextual factor [B, T, R, *] and the constant one -> [B, T, h, d_h]."""

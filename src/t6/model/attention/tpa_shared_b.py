@@ -78,4 +78,4 @@ class SharedBTPA(Attention):
         k = contract(a_k, self.rope(b, kv_pos))  # [B, S, h, d_h]: keys from the rotated B
         v = contract(a_v, b)  # [B, S, h, d_h]: values from the same B, unrotated
         y = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), pos, cache)  # [B, h, T, d_h]
-        return self.out(y.transpose(1, 2).reshape(B, T, -1))  # [B, T, d_model]
+        return self.project(y.transpose(1, 2).reshape(B, T, -1), x)  # [B, T, d_model]

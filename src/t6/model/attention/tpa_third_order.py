@@ -114,4 +114,4 @@ class ThirdOrderTPA(Attention):
         k = contract3(a_k, b_k, c_k)  # [B, S, h, d_h]
         v = contract3(a_v, b_v, c_v)  # [B, S, h, d_h]
         y = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), pos, cache)  # [B, h, T, d_h]
-        return self.out(y.transpose(1, 2).reshape(B, T, -1))  # [B, T, d_model]
+        return self.project(y.transpose(1, 2).reshape(B, T, -1), x)  # [B, T, d_model]

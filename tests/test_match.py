@@ -13,7 +13,7 @@ from test_zoo import TABLE_1
 from t6.config import model_config, reference_config, with_match
 from t6.model.attention import available
 from t6.model.facts import flops_per_token, kv_bytes_per_token, kv_elements_per_token, parameter_count
-from t6.model.match import free_sizes, match
+from t6.model.match import free_sizes, match, with_sizes
 from t6.run.plan import plan_run
 
 from conftest import CONF, compose_config
@@ -66,7 +66,7 @@ def test_params_keeps_every_configured_size(attention, size, solved):
     assert plain.match.name == "params" and cfg == plain  # nothing written
     assert m.model == m.configured == model_config(plain) and not m.changes()
     assert m.reference.attention == "mha" and m.reference.n_head == plain.match.reference.heads[size]
-    assert abs(m.gap()) <= 0.012  # within 1%, GTA small +1.19% (its YAML's choice, the paper's 124M)
+    assert abs(m.gap()) <= 0.0127  # within 1% but where the YAML says why not: GTA small +1.19%, DIFF xl -1.26%
 
 
 @pytest.mark.parametrize("size", SIZES)
@@ -120,6 +120,7 @@ CACHE = {
     **TABLE_1,
     "gta": lambda h, d, o: o.n_kv_head * d + d // 2,
     "gla": lambda h, d, o: o.n_latent_heads * o.kv_lora_rank + o.rope_dim,
+    "diff": lambda h, d, o: 4 * h * d,
 }
 
 
@@ -130,7 +131,12 @@ def test_flops_matched_at_tiny_are_the_whole_models_count(attention, solved):
     _, m = solved(attention, "tiny", "flops")
     assert_only_free_sizes_moved(m)
     assert m.quantities(m.model)["flops"] == flops_per_token(m.model)
-    assert abs(m.gap()) <= WITHIN
+    if abs(m.gap()) > WITHIN:  # DIFF: its heads are its only size, and each head is 3% of MHA's FLOPs at tiny
+        assert list(free_sizes(m.model)) == ["n_head"]
+        target = m.quantities(m.reference)["flops"]
+        for h in (m.model.n_head - 1, m.model.n_head + 1):
+            other = with_sizes(m.model, {"n_head": h})
+            assert other is None or abs(m.quantities(other)["flops"] / target - 1) >= abs(m.gap())
 
 
 def test_the_plan_prints_and_records_the_match(make_cfg):

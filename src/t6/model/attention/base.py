@@ -390,6 +390,7 @@ class Attention(nn.Module):
         # appends its [B, h, T, S] (`attend` and `record_attention`); None, the default, computes none.
         self.recorded: list[torch.Tensor] | None = None
         self.gate: nn.Linear | None = None  # the output gate's W_g (`add_output_gate`, after the subclass's __init__)
+        self.depth = 0  # the index of the block it is in, from 0 (T6 sets it): for mechanisms that depend on it (DIFF)
 
     def __init_subclass__(cls, **kwargs):
         """Every subclass's __init__, once it has run for the object's own class, adds the output gate: the gate

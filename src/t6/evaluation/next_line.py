@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from t6.evaluation.tasks import held_out_lines, split_pools, write_task
+from t6.evaluation.tasks import draw_targets, held_out_lines, split_pools, write_task
 
 TASK = "t6_next_line"
 MIN_WORDS = 5  # target lines have at least this many words, so three distinct reorderings exist
@@ -65,8 +65,7 @@ def build_next_line_task(
     speech = [i for i, ln in enumerate(lines) if is_speech(ln) and i >= context_lines]
     few_pool, test_pool = split_pools(lines, speech, context_lines, n_test, n_fewshot, TASK)
     rng = np.random.default_rng(seed)
-    test_targets = sorted(rng.choice(test_pool, size=n_test, replace=False).tolist())
-    few_targets = sorted(rng.choice(few_pool, size=n_fewshot, replace=False).tolist())
+    test_targets, few_targets = draw_targets(test_pool, few_pool, n_test, n_fewshot, rng)
     splits = {
         "test": make_items(lines, test_targets, context_lines, rng),
         "fewshot": make_items(lines, few_targets, context_lines, rng),

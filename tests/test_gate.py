@@ -11,7 +11,7 @@ from t6.hf.export import write_export
 from t6.model.attention import available
 from t6.model.facts import parameter_count
 
-from conftest import random_model
+from conftest import assert_cached_decoding_equals_full_forward, random_model
 
 ATTENTIONS = available()
 
@@ -43,16 +43,8 @@ def test_the_gate_multiplies_each_heads_output_before_the_projection(attention, 
 
 @pytest.mark.parametrize("attention", ATTENTIONS)
 def test_gated_cached_decoding_equals_the_full_forward(attention, tmp_path):
-    model = random_model(
-        tmp_path, f"attention={attention}", "attention.options.output_gate=elementwise", "size.vocab_size=512"
-    )
-    idx = torch.randint(0, model.cfg.vocab_size, (2, 20))
-    full = model(idx)  # [B, T, V]
-    caches = model.build_kv_caches(2, 24)
-    parts = [model(idx[:, :8], 0, caches)]  # prefill
-    parts += [model(idx[:, t : t + 1], t, caches) for t in range(8, 16)]  # token by token
-    parts.append(model(idx[:, 16:], 16, caches))  # a chunk against the cache
-    torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=1e-4, atol=1e-4)
+    overrides = (f"attention={attention}", "attention.options.output_gate=elementwise", "size.vocab_size=512")
+    assert_cached_decoding_equals_full_forward(random_model(tmp_path, *overrides), length=20, prefill=8)
 
 
 @pytest.mark.parametrize("attention, kind", [("mha", "elementwise"), ("tpa", "headwise")])

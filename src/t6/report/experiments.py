@@ -462,6 +462,42 @@ def kernel_fit_table(payload: dict) -> str:
     return columns_table(payload, cols, f"Compiled ahead of time for {payload['target']}; nothing ran.")
 
 
+# The GPU recipe's budget (conf/experiment/paper_small.yaml, paper_medium.yaml: 480 x 1024 tokens x 100k steps) and
+# the share of an H100's dense bf16 peak a step is assumed to reach (t6.run.plan.ASSUMED_MFU).
+PAPER_TOKENS = 480 * 1024 * 100_000
+H100_BF16 = 989e12
+ASSUMED_MFU = 0.4
+
+
+def matched_sizes_table(payload: dict) -> str:
+    """experiments/matched/sizes.json: per size, each mechanism under each match criterion: its query heads and the
+    sizes that moved, parameters, KV bytes and training FLOPs per token; at the GPU recipe's sizes, the H100 hours
+    of one run of the paper's budget and of a tenth of it."""
+    records, env = payload["records"], payload["environment"]
+    parts = [f"*Solved and counted on the meta device: Python {env['python']}, torch {env['torch']}; {env['date']}.*"]
+    for size in dict.fromkeys(r["size"] for r in records):
+        rows, hours = [], {}
+        for r in (r for r in records if r["size"] == size):
+            moved = ", ".join(f"{k} {a}->{b}" for k, (a, b) in r["changed"].items() if k != "n_head") or "-"
+            run_h = r["train_flops_per_token"] * PAPER_TOKENS / (H100_BF16 * ASSUMED_MFU) / 3600
+            hours[r["criterion"]] = hours.get(r["criterion"], 0.0) + run_h
+            rows.append([
+                r["attention"], r["criterion"], str(r["n_head"]), moved, f"{r['params'] / 1e6:.2f}M",
+                f"{r['kv_bytes_per_token']:,}", f"{r['train_flops_per_token'] / 1e9:.3f}", f"{r['gap']:+.2%}",
+                f"{run_h:,.0f}" if size != "tiny" else "-",
+            ])  # fmt: skip
+        header = ["attention", "match", "heads", "other sizes moved", "params", "KV B/token", "train GFLOP/token"]
+        header += ["gap to MHA", "H100 h / run (49.2B tokens)"]
+        parts += [f"**{size}**", markdown(header, rows)]
+        if size != "tiny":
+            total = sum(hours.values())
+            parts.append(
+                f"{size}: one seed of every row {total:,.0f} H100 hours at the paper's 49.2B tokens (x 3 seeds: "
+                f"{3 * total:,.0f}); at 10k steps (4.92B tokens) {total / 10:,.0f} (x 3 seeds: {3 * total / 10:,.0f})."
+            )
+    return "\n\n".join(parts)
+
+
 RENDERERS: dict[str, Callable[[dict], str]] = {
     "suite": suite_table,
     "machine": machine_table,
@@ -478,6 +514,7 @@ RENDERERS: dict[str, Callable[[dict], str]] = {
     "memory": memory_table,
     "export": export_table,
     "pretrained": pretrained_table,
+    "matched_sizes": matched_sizes_table,
     "faults": faults_table,
     "faults_sigterm": faults_sigterm_table,
 }

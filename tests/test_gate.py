@@ -16,8 +16,10 @@ from conftest import assert_cached_decoding_equals_full_forward, random_model
 ATTENTIONS = available()
 
 
-@pytest.mark.parametrize("kind", ["headwise", "elementwise"])
-@pytest.mark.parametrize("attention", ATTENTIONS)
+@pytest.mark.parametrize(
+    "attention, kind",
+    [(a, "elementwise") for a in ATTENTIONS] + [(a, "headwise") for a in ("gqa", "mla", "tpa", "diff")],
+)
 def test_the_gate_multiplies_each_heads_output_before_the_projection(attention, kind, tmp_path):
     """Gated attention = the ungated mechanism with its heads' outputs y (the output projection's input) times
     sigmoid(x W_g) before W_O (one gate per head, or per number), x the layer's input; W_g adds d_model x

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from t6.evaluation.next_line import is_speech
-from t6.evaluation.tasks import draw_targets, held_out_lines, split_pools, write_task
+from t6.evaluation.next_line import speech_pools
+from t6.evaluation.tasks import draw_targets, held_out_lines, write_task
 
 TASK = "t6_continuation"
 
@@ -54,8 +54,7 @@ def build_continuation_task(
 ) -> Path:
     """Write test.jsonl, fewshot.jsonl and t6_continuation.yaml into out_dir; returns out_dir (an include_path)."""
     lines = held_out_lines(text_file, val_fraction, TASK)
-    speech = [i for i, ln in enumerate(lines) if is_speech(ln) and i >= context_lines]
-    few_pool, test_pool = split_pools(lines, speech, context_lines, n_test, n_fewshot, TASK)
+    few_pool, test_pool = speech_pools(lines, context_lines, n_test, n_fewshot, TASK)
     rng = np.random.default_rng(seed)
     test_targets, few_targets = draw_targets(
         with_company(lines, test_pool), with_company(lines, few_pool), n_test, n_fewshot, rng

@@ -40,6 +40,12 @@ def reorderings(line: str, rng, n: int = 3) -> list[str]:
     return out
 
 
+def speech_pools(lines: list[str], context_lines: int, n_test: int, n_fewshot: int, task: str):
+    """(few-shot pool, test pool) of the lines of dialogue (`is_speech`) with a passage before them (split_pools)."""
+    speech = [i for i, ln in enumerate(lines) if is_speech(ln) and i >= context_lines]
+    return split_pools(lines, speech, context_lines, n_test, n_fewshot, task)
+
+
 def make_items(lines: list[str], targets: list[int], context_lines: int, rng) -> list[dict]:
     items = []
     for i in targets:
@@ -62,8 +68,7 @@ def build_next_line_task(
 ) -> Path:
     """Write test.jsonl, fewshot.jsonl and t6_next_line.yaml into out_dir; returns out_dir (an include_path)."""
     lines = held_out_lines(text_file, val_fraction, TASK)
-    speech = [i for i, ln in enumerate(lines) if is_speech(ln) and i >= context_lines]
-    few_pool, test_pool = split_pools(lines, speech, context_lines, n_test, n_fewshot, TASK)
+    few_pool, test_pool = speech_pools(lines, context_lines, n_test, n_fewshot, TASK)
     rng = np.random.default_rng(seed)
     test_targets, few_targets = draw_targets(test_pool, few_pool, n_test, n_fewshot, rng)
     splits = {

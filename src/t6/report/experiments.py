@@ -299,6 +299,8 @@ def task_cell(metrics: dict, source: dict, task: str, metric: str, shots: int, n
     got, want = metrics.get(f"eval/{shots}shot/{task}/{metric}"), source.get(f"eval/{shots}shot/{task}/{metric}")
     if got is None or want is None:
         return "-"
+    if want <= CHANCE:  # nothing above chance to keep
+        return f"{got:.3f} (source at chance)"
     se = math.sqrt(got * (1 - got) / n) / (want - CHANCE)
     return f"{got:.3f} ({(got - CHANCE) / (want - CHANCE):.0%} ± {se:.0%})"
 

@@ -87,6 +87,20 @@ def random_model(tmp_path: Path, *overrides: str, seed: int = 0):
     return model.eval()
 
 
+def assert_cached_decoding_equals_full_forward(model, length: int = 24, prefill: int = 10) -> None:
+    """The model's logits over `length` random tokens, computed at once and through its KV caches (a prefill, then
+    token by token, then a chunk against the cache), are the same."""
+    import torch
+
+    idx = torch.randint(0, model.cfg.vocab_size, (2, length))
+    full = model(idx)  # [B, T, V]
+    caches = model.build_kv_caches(2, length + 8)
+    parts = [model(idx[:, :prefill], 0, caches)]  # prefill
+    parts += [model(idx[:, t : t + 1], t, caches) for t in range(prefill, length - 4)]  # token by token
+    parts.append(model(idx[:, length - 4 :], length - 4, caches))  # a chunk against the cache
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=1e-4, atol=1e-4)
+
+
 def tiny_model_config(tmp_path: Path, attention: str, *overrides: str):
     """The ModelConfig of a very small T6 of `attention` (2 layers x 32, head_dim 16, block 64, 99 tokens),
     the mechanism's options and head count as its config gives them."""

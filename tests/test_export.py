@@ -142,7 +142,8 @@ def test_export_holds_the_config_weights_code_tokenizer_and_card(exports):
     config = json.loads((out / "config.json").read_text())
     assert (config["model_type"], config["architectures"], config["auto_map"]) == ("t6", ["T6ForCausalLM"], AUTO_MAP)
     assert {f.name: config[f.name] for f in fields(ModelConfig)} == asdict(model.cfg)  # attention and options too
-    assert config["attention"] == "gqa" and config["attention_options"] == {"n_kv_head": model.blocks[0].attn.n_kv}
+    assert config["attention"] == "gqa"
+    assert config["attention_options"] == {"output_gate": "none", "n_kv_head": model.blocks[0].attn.n_kv}
     assert (config["bos_token_id"], config["eos_token_id"], config["t6_source"]["steps"]) == (EOT, EOT, 3)
     weights = load_file(out / "model.safetensors")
     assert set(weights) == {f"model.{k}" for k in model.state_dict() if k != "lm_head.weight"}  # tied: stored once

@@ -10,7 +10,7 @@ from t6.model import T6, ModelConfig
 from t6.model.attention import available
 from t6.model.layers import Rotary
 
-from conftest import random_model
+from conftest import assert_cached_decoding_equals_full_forward, random_model
 
 ATTENTIONS = available()
 
@@ -21,14 +21,7 @@ def tiny_model(attention: str, tmp_path, seed: int = 0, **size) -> T6:
 
 @pytest.mark.parametrize("attention", ATTENTIONS)
 def test_cached_decoding_equals_full_forward(attention, tmp_path):
-    model = tiny_model(attention, tmp_path)
-    idx = torch.randint(0, model.cfg.vocab_size, (2, 24))
-    full = model(idx)  # [B, T, V]
-    caches = model.build_kv_caches(2, 32)
-    parts = [model(idx[:, :10], 0, caches)]  # prefill
-    parts += [model(idx[:, t : t + 1], t, caches) for t in range(10, 20)]  # token by token
-    parts.append(model(idx[:, 20:], 20, caches))  # a chunk against the cache
-    torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=1e-4, atol=1e-4)
+    assert_cached_decoding_equals_full_forward(tiny_model(attention, tmp_path))
 
 
 @pytest.mark.parametrize("attention", ATTENTIONS)

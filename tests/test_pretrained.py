@@ -34,7 +34,12 @@ def test_a_llama_directory_is_a_t6_with_transformers_logits(llama_dir):
     path, hf = llama_dir
     model = load_model(path)
     cfg = model.cfg
-    assert (cfg.attention, cfg.attention_options, cfg.n_head, cfg.head_dim) == ("gqa", {"n_kv_head": 2}, 4, 24)
+    assert (cfg.attention, cfg.attention_options, cfg.n_head, cfg.head_dim) == (
+        "gqa",
+        {"output_gate": "none", "n_kv_head": 2},
+        4,
+        24,
+    )
     assert (cfg.ffn_hidden, cfg.rope_theta, cfg.norm_eps, cfg.tie_embeddings) == (99, 500000.0, 1e-5, False)
     assert cfg.rope_remap["rope_type"] == "llama3" and cfg.rope_remap["original_max_position_embeddings"] == 16
     idx = tokens()

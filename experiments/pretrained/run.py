@@ -37,6 +37,10 @@ TARGETS = {
     "tpa": ["+options.k_rank=1", "+options.v_rank=1"],
 }
 DATA = ["data.seq_len=256", "data.batch_size=4", "data.global_batch_size=null", "data.val_windows=32"]
+# The local tasks scored at every point (conf/eval/local.yaml builds them from Tiny Shakespeare's held-out text), and
+# the metric of each that is not `acc` (local.yaml's `metrics`).
+TASKS = "t6_next_line,t6_cloze,t6_continuation"
+TASK_METRICS = {"t6_next_line": "acc_norm", "t6_continuation": "acc_norm"}
 
 
 def smollm2_gguf() -> Path:
@@ -102,9 +106,24 @@ class Study:
 
     def evaluate(self, ckpt: Path, name: str) -> dict:
         args = [PY, "eval.py", f"ckpt_path={ckpt}", f"eval.limit={self.args.eval_limit}", f"tracking_uri={self.uri}"]
-        args += ["experiment_name=pretrained", *self.common()]
+        args += [f"eval.tasks=[{self.args.tasks}]", "experiment_name=pretrained", *self.common()]
         out, minutes = sh(args, self.work / f"eval-{name}.log")
         return {"metrics": eval_metrics(out), "minutes": minutes}
+
+    def scored(self, key: str, fn):
+        """A step that scores the local tasks (fn() -> {"metrics": ...}): kept from an earlier run only when it
+        scored every task of --tasks, else done again (on the checkpoints in --work)."""
+        done = self.data.get("steps", {}).get(key)
+        if done is not None and not all(any(f"/{t}/" in m for m in done["metrics"]) for t in self.tasks()):
+            del self.data["steps"][key]
+        return self.step(key, fn)
+
+    def evaluated(self, key: str, ckpt: Path, name: str) -> dict:
+        """eval.py's local tasks on ckpt, the step `key`."""
+        return self.scored(key, lambda: self.evaluate(ckpt, name))
+
+    def tasks(self) -> list[str]:
+        return self.args.tasks.split(",")
 
     def facts(self, ckpt: Path) -> dict:
         from t6.model.facts import kv_bytes_per_token, parameter_count
@@ -136,7 +155,7 @@ def source_parity(gguf: Path, source: Path) -> dict:
     return {"max_logit_diff_vs_transformers": diff, "greedy": {"t6": ours, "transformers": theirs}}
 
 
-def lm_eval_hf(limit: int, work: Path, **model_args) -> dict:
+def lm_eval_hf(limit: int, work: Path, tasks: list[str], **model_args) -> dict:
     """lm-eval's own `hf` model (HFLM(**model_args)) on the local tasks, on the items eval.py built."""
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
@@ -146,7 +165,7 @@ def lm_eval_hf(limit: int, work: Path, **model_args) -> dict:
 
     include = str(work / "data" / "eval")  # the tasks eval.py built (the same items)
     spec = spec_from_config(
-        {"tasks": ["t6_next_line", "t6_cloze"], "metrics": {"t6_next_line": "acc_norm"}, "limit": limit,
+        {"tasks": tasks, "metrics": {t: m for t, m in TASK_METRICS.items() if t in tasks}, "limit": limit,
          "num_fewshot": [0, 2], "include_path": [include]}
     )  # fmt: skip
     lm = HFLM(**model_args, dtype="float32", batch_size=16, device="cpu")
@@ -171,7 +190,8 @@ def main() -> None:
     ap.add_argument("--distill-lr", type=float, default=1e-3)
     ap.add_argument("--uptrain-minutes", type=float, default=6.0, help="the uptraining's cap (Lightning's max_time)")
     ap.add_argument("--uptrain-steps", type=int, default=30, help="the uptraining's schedule (steps of 4 x 256 tokens)")
-    ap.add_argument("--eval-limit", type=int, default=50)
+    ap.add_argument("--eval-limit", type=int, default=200, help="items per task (at most: next_line has 100)")
+    ap.add_argument("--tasks", default=TASKS, help="the local tasks, comma-separated")
     ap.add_argument("--lr", type=float, default=1e-4)
     args = ap.parse_args()
     study = Study(args)
@@ -196,11 +216,11 @@ def main() -> None:
     }
     done = (study.data.get("settings") or {}).get("targets", {})  # a run of some targets keeps the others' rows
     targets = {**done, **{k: TARGETS[k] for k in args.targets.split(",")}}
-    study.data["settings"] = {**vars(args), "data": DATA, "targets": targets}
+    study.data["settings"] = {**vars(args), "data": DATA, "targets": targets, "task_items": task_items()}
     source = work / "smollm2.ckpt"
     study.step("import", lambda: study.convert(gguf, "gqa", [], 0, source, kv="3"))
     study.step("source/facts", lambda: study.facts(source))
-    study.step("source/eval", lambda: study.evaluate(source, "source"))
+    study.evaluated("source/eval", source, "source")
     study.step("source/parity", lambda: source_parity(gguf, source))
     for target in args.targets.split(","):
         options = TARGETS[target]
@@ -208,21 +228,30 @@ def main() -> None:
         study.step(f"{target}/convert", lambda: study.convert(source, target, options, 0, start))
         study.step(f"{target}/facts", lambda: study.facts(start))
         if args.eval_start:
-            study.step(f"{target}/start/eval", lambda: study.evaluate(start, f"{target}-start"))
+            study.evaluated(f"{target}/start/eval", start, f"{target}-start")
         study.step(f"{target}/distill", lambda: study.convert(source, target, options, args.distill_steps, distilled))
-        study.step(f"{target}/distilled/eval", lambda: study.evaluate(distilled, f"{target}-distilled"))
+        study.evaluated(f"{target}/distilled/eval", distilled, f"{target}-distilled")
         study.step(f"{target}/uptrain", lambda: uptrain(study, target, distilled, source))
-        study.step(f"{target}/uptrained/eval", lambda: study.evaluate(uptrained(study, target), f"{target}-uptrained"))
+        study.evaluated(f"{target}/uptrained/eval", uptrained(study, target), f"{target}-uptrained")
         study.step(f"{target}/uptrained/val", lambda: {"val_loss": val_loss(uptrained(study, target), study.work)})
     if "mla" in targets:  # a converted model back out: export.py's directory, scored by lm-eval's own `hf` model
         export = work / "export-mla"
         study.step("mla/export", lambda: {"minutes": sh([PY, "export.py", f"ckpt_path={uptrained(study, 'mla')}",
                                                          f"out={export}"], work / "export-mla.log")[1]})  # fmt: skip
-        study.step("mla/export/lm_eval_hf", lambda: lm_eval_hf(args.eval_limit, work, pretrained=str(export),
-                                                                trust_remote_code=True))  # fmt: skip
+        hf_export = dict(pretrained=str(export), trust_remote_code=True)
+        study.scored("mla/export/lm_eval_hf", lambda: lm_eval_hf(args.eval_limit, work, study.tasks(), **hf_export))
     hf_gguf = dict(pretrained=str(gguf.parent), gguf_file=gguf.name)
-    study.step("source/lm_eval_hf", lambda: lm_eval_hf(args.eval_limit, work, **hf_gguf))  # last: the slowest check
+    hf_source = lambda: lm_eval_hf(args.eval_limit, work, study.tasks(), **hf_gguf)  # noqa: E731
+    study.scored("source/lm_eval_hf", hf_source)  # last: the slowest check
     study.save()
+
+
+def task_items() -> dict[str, int]:
+    """Each local task's test items (conf/eval/local.yaml's n_test): what --eval-limit is capped by."""
+    import yaml
+
+    local = yaml.safe_load((ROOT / "conf" / "eval" / "local.yaml").read_text())["local_tasks"]
+    return {task: spec["n_test"] for task, spec in local.items()}
 
 
 def uptrained(study: Study, target: str) -> Path:

@@ -12,11 +12,12 @@ from dataclasses import fields
 from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from t6.errors import ConfigError, MissingFile
 from t6.model import ModelConfig
 from t6.model.attention import available, get_mechanism, select
+from t6.model.match import CRITERIA, Match, free_sizes, match
 
 
 def _abspath(path: str) -> str:
@@ -81,6 +82,57 @@ def model_config(cfg: DictConfig) -> ModelConfig:
     if unknown:
         raise ConfigError("Invalid model config", unknown + [f"size.* takes {sorted(model_fields)}"])
     return mcfg
+
+
+def reference_config(cfg: DictConfig, model: ModelConfig) -> ModelConfig:
+    """The `match` group's reference (conf/match/*.yaml `reference`: an attention config, MHA by default) at the
+    run's size: the model's sizes with the reference's attention, options and heads for size.name."""
+    ref = cfg.match.reference
+    heads = ref.get("heads") or {}
+    if cfg.size.name not in heads:
+        raise ConfigError(
+            "Invalid match",
+            [f"match.reference.heads has no entry for size.name={cfg.size.name} (attention={ref.name}); add one"],
+        )
+    options = OmegaConf.to_container(ref.options, resolve=True) if ref.get("options") else {}
+    shape = {f.name: getattr(model, f.name) for f in fields(ModelConfig) if not f.name.startswith("attention")}
+    return ModelConfig(**{**shape, "n_head": heads[cfg.size.name]}, attention=ref.name, attention_options=options)
+
+
+def with_match(cfg: DictConfig) -> tuple[DictConfig, Match | None]:
+    """The `match` group solved (t6.model.match) and its sizes written into cfg (size.n_head,
+    attention.options.*; only those that move: under match=params none do, and cfg is the config as given).
+    (cfg, None) without a match group, with a warm start (init_from: the converted model's shape) or when the
+    model config itself is invalid (the run's checks name its problems)."""
+    spec = cfg.get("match")
+    if spec is None:
+        return cfg, None
+    problems = [] if spec.get("name") in CRITERIA else [f"match={spec.get('name')} must be one of {list(CRITERIA)}"]
+    problems += [f"match.also: {q} is not one of {list(CRITERIA)}" for q in spec.get("also") or [] if q not in CRITERIA]
+    tolerance = spec.get("tolerance")
+    if not isinstance(tolerance, (int, float)) or isinstance(tolerance, bool) or not 0 <= tolerance < 1:
+        problems.append(f"match.tolerance={tolerance!r} must be a number in [0, 1), e.g. 0.01")
+    if cfg.get("init_from") and spec.get("name") != "params":
+        problems.append(
+            f"match={spec.name} resizes the model, but init_from trains the converted model's shape; use match=params"
+        )
+    if problems:
+        raise ConfigError("Invalid match", problems)
+    if cfg.get("init_from"):
+        return cfg, None
+    try:
+        configured = model_config(cfg)
+    except ConfigError:
+        return cfg, None
+    solved = match(configured, reference_config(cfg, configured), spec.name, tuple(spec.also or ()), tolerance)
+    moved = {k: v for k, v in free_sizes(solved.model).items() if free_sizes(configured)[k] != v}
+    with open_dict(cfg):
+        for name, value in moved.items():
+            if name == "n_head":
+                cfg.size.n_head = value
+            else:
+                cfg.attention.options[name] = value
+    return cfg, solved
 
 
 def flatten(cfg: dict, prefix: str = "") -> dict[str, object]:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from t6.evaluation.tasks import held_out_lines, split_pools, write_task
+from t6.evaluation.tasks import draw_targets, held_out_lines, split_pools, write_task
 
 TASK = "t6_next_line"
 MIN_WORDS = 5  # target lines have at least this many words, so three distinct reorderings exist
@@ -38,6 +38,12 @@ def reorderings(line: str, rng, n: int = 3) -> list[str]:
             seen.add(candidate)
             out.append(candidate)
     return out
+
+
+def speech_pools(lines: list[str], context_lines: int, n_test: int, n_fewshot: int, task: str):
+    """(few-shot pool, test pool) of the lines of dialogue (`is_speech`) with a passage before them (split_pools)."""
+    speech = [i for i, ln in enumerate(lines) if is_speech(ln) and i >= context_lines]
+    return split_pools(lines, speech, context_lines, n_test, n_fewshot, task)
 
 
 def make_items(lines: list[str], targets: list[int], context_lines: int, rng) -> list[dict]:
@@ -62,11 +68,9 @@ def build_next_line_task(
 ) -> Path:
     """Write test.jsonl, fewshot.jsonl and t6_next_line.yaml into out_dir; returns out_dir (an include_path)."""
     lines = held_out_lines(text_file, val_fraction, TASK)
-    speech = [i for i, ln in enumerate(lines) if is_speech(ln) and i >= context_lines]
-    few_pool, test_pool = split_pools(lines, speech, context_lines, n_test, n_fewshot, TASK)
+    few_pool, test_pool = speech_pools(lines, context_lines, n_test, n_fewshot, TASK)
     rng = np.random.default_rng(seed)
-    test_targets = sorted(rng.choice(test_pool, size=n_test, replace=False).tolist())
-    few_targets = sorted(rng.choice(few_pool, size=n_fewshot, replace=False).tolist())
+    test_targets, few_targets = draw_targets(test_pool, few_pool, n_test, n_fewshot, rng)
     splits = {
         "test": make_items(lines, test_targets, context_lines, rng),
         "fewshot": make_items(lines, few_targets, context_lines, rng),

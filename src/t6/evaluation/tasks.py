@@ -33,6 +33,14 @@ def split_pools(lines: list[str], usable: list[int], context_lines: int, n_test:
     return few_pool, test_pool
 
 
+def draw_targets(test_pool: list[int], few_pool: list[int], n_test: int, n_fewshot: int, rng):
+    """(test targets, few-shot targets): line indices drawn without replacement from each pool, test first, each
+    sorted."""
+    test = sorted(rng.choice(test_pool, size=n_test, replace=False).tolist())
+    few = sorted(rng.choice(few_pool, size=n_fewshot, replace=False).tolist())
+    return test, few
+
+
 def write_task(
     out_dir: str | Path, task: str, splits: dict[str, list[dict]], target_delimiter: str, builder: str
 ) -> Path:

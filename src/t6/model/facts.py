@@ -28,10 +28,18 @@ def parameter_count(cfg: ModelConfig | T6, non_embedding: bool = False) -> int:
     return model.num_params(non_embedding=non_embedding)
 
 
+def attention_layer(cfg: ModelConfig):
+    """One attention layer of the model, built on the meta device (every block's is the same)."""
+    from t6.model.attention import get_attention_class
+
+    with torch.device("meta"):
+        return get_attention_class(cfg.attention)(cfg)
+
+
 def kv_cache_spec(cfg: ModelConfig | T6) -> dict[str, tuple[int, ...]]:
     """Per-token shape of each tensor one layer caches (the attention's `cache_spec`)."""
-    model = cfg if isinstance(cfg, T6) else meta_model(cfg)
-    return dict(model.blocks[0].attn.cache_spec())
+    attn = cfg.blocks[0].attn if isinstance(cfg, T6) else attention_layer(cfg)
+    return dict(attn.cache_spec())
 
 
 def kv_elements_per_token(cfg: ModelConfig | T6) -> int:
@@ -71,6 +79,23 @@ def flops_per_token(cfg: ModelConfig | T6, seq_len: int | None = None, training:
     finally:
         for p, g in zip(model.parameters(), saved):
             p.grad = g
+    return counter.get_total_flops() / seq_len
+
+
+def attention_flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> float:
+    """FLOPs per token of one attention layer in a training step (forward and backward, the gradient of its
+    input included, as inside the model) over seq_len tokens (default: block_size), counted as
+    `flops_per_token` counts them, on the layer built on the meta device. Every block holds the same layer, so
+    a model's flops_per_token changes by n_layer x this when only its attention changes."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    seq_len = seq_len or cfg.block_size
+    attn = attention_layer(cfg)
+    x = torch.zeros(1, seq_len, cfg.d_model, device="meta", requires_grad=True)  # [1, T, d_model]
+    counter = FlopCounterMode(display=False)
+    with counter, sdpa_kernel(SDPBackend.MATH):
+        attn(x, torch.arange(seq_len, device="meta")).sum().backward()  # [1, T, d_model] -> []
     return counter.get_total_flops() / seq_len
 
 

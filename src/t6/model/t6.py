@@ -90,6 +90,8 @@ class T6(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(self.block_class(cfg) for _ in range(cfg.n_layer))
+        for depth, block in enumerate(self.blocks):  # a mechanism may depend on its layer's index (DIFF's lambda_init)
+            block.attn.depth = depth
         self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:

@@ -23,6 +23,7 @@ so tests build them from real runs and check every number:
 - model_facts.py  parameters / KV cache per token (logged, else t6.model.facts)
 - decode.py       records of t6.bench.decode
 - tables.py       the Markdown tables
+- matched.py      the matched comparison: a table per match criterion, loss against KV cache (Pareto front)
 - document.py     report.md
 - store.py        MLflow: finding and reading runs, logging the report
 """

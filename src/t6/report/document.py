@@ -8,6 +8,7 @@ from pathlib import Path
 from t6.model.attention import REFERENCE
 from t6.report.curves import CURVES
 from t6.report.evals import eval_metrics
+from t6.report.matched import is_matched, matched_section
 from t6.report.plots import plot_curves
 from t6.report.runs import RunData, group_label, group_runs, last_step
 from t6.report.stats import RESOLVED_P
@@ -99,6 +100,10 @@ def build_report(
     parts += [trade, ""] + [f"- {note}" for note in notes] + ([""] if notes else [])
 
     files = []
+    if is_matched(runs):  # runs under several match criteria: a table per criterion, loss against KV cache
+        lines, figures = matched_section(runs, out)
+        parts += lines
+        files += figures
     problems = []
     for key in CURVES:
         path = out / (key.replace("/", "_") + ".png")

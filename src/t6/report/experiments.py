@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from collections import Counter
@@ -220,8 +221,9 @@ CHANCE = 0.25  # the local tasks' four choices
 
 def pretrained_table(payload: dict) -> str:
     """experiments/pretrained: the imported source, then each conversion at three points (as converted, after
-    distillation, after uptraining): KV cache, validation loss, the local tasks' averages and the share of the
-    source's accuracy above chance they keep, tokens and minutes spent."""
+    distillation, after uptraining). Two tables: what each point is and cost (KV cache, validation loss, tokens,
+    minutes), then every local task on its own: the accuracy 0-/2-shot and the share of the source's accuracy
+    above chance it keeps, with the items' standard error (`kept`)."""
     env, steps = payload["environment"], payload["steps"]
     versions = [
         f"{name} {env[name]}" for name in ("torch", "transformers", "tokenizers", "lm_eval", "gguf") if name in env
@@ -230,31 +232,16 @@ def pretrained_table(payload: dict) -> str:
     caption_ += (f"; commit {env['commit']}" if env.get("commit") else "") + f"; {env['date']}.*"
     source_kv = steps["source/facts"]["kv_bytes_per_token"]
     src = steps["source/eval"]["metrics"]
+    tasks = pretrained_tasks(src)
+    items = pretrained_items(payload, tasks)
 
-    def recovered(metrics: dict, shots: int) -> str:
-        got, want = metrics.get(f"eval/{shots}shot/avg"), src.get(f"eval/{shots}shot/avg")
-        return "-" if got is None else f"{(got - CHANCE) / (want - CHANCE):.0%}"
-
-    def row(name: str, point: str, kv: int, loss, metrics: dict, tokens: str, minutes: str) -> list[str]:
-        avgs = [metrics.get(f"eval/{n}shot/avg") for n in (0, 2)]
-        return [
-            name,
-            point,
-            f"{kv:,} ({kv / source_kv:.2f})",
-            "-" if loss is None else f"{loss:.3f}",
-            *("-" if a is None else f"{a:.3f}" for a in avgs),
-            recovered(metrics, 0),
-            recovered(metrics, 2),
-            tokens,
-            minutes,
-        ]
-
+    points = []  # (model, point, kv, val loss, metrics, tokens, minutes)
     imported = steps["import"]
-    rows = [row("SmolLM2-135M (GQA)", "imported", source_kv, imported["source_val_loss"], src, "-", "-")]
+    points.append(("SmolLM2-135M (GQA)", "imported", source_kv, imported["source_val_loss"], src, "-", "-"))
     if "source/lm_eval_hf" in steps:  # the same items scored by lm-eval's own hf model on the GGUF file
         hf = steps["source/lm_eval_hf"]
-        rows.append(
-            row("SmolLM2-135M (GQA)", "lm-eval `hf`", source_kv, None, hf["metrics"], "-", f"{hf['minutes']:.1f}")
+        points.append(
+            ("SmolLM2-135M (GQA)", "lm-eval `hf`", source_kv, None, hf["metrics"], "-", f"{hf['minutes']:.1f}")
         )
     for target in payload["settings"]["targets"]:
         if f"{target}/facts" not in steps:
@@ -268,19 +255,69 @@ def pretrained_table(payload: dict) -> str:
                 continue
             if point == "uptrained":
                 up = steps[f"{target}/uptrain"]
-                loss, tokens, minutes = steps[f"{target}/uptrained/val"]["val_loss"], up["tokens"], up["minutes"]
-                spent = (f"{tokens:,}", f"{minutes:.1f}")
+                loss, spent = (
+                    steps[f"{target}/uptrained/val"]["val_loss"],
+                    (f"{up['tokens']:,}", f"{up['minutes']:.1f}"),
+                )
             else:
                 conv = steps[f"{target}/convert" if point == "start" else f"{target}/distill"]
-                loss = conv["val_loss"]
-                spent = (f"{conv['calibration_tokens']:,}", f"{conv['minutes']:.1f}")
-            rows.append(row(target, label, kv, loss, evaluated["metrics"], *spent))
+                loss, spent = conv["val_loss"], (f"{conv['calibration_tokens']:,}", f"{conv['minutes']:.1f}")
+            points.append((target, label, kv, loss, evaluated["metrics"], *spent))
         if f"{target}/export/lm_eval_hf" in steps:  # the uptrained model exported, scored by lm-eval's own hf model
             hf = steps[f"{target}/export/lm_eval_hf"]
-            rows.append(row(target, "exported, lm-eval `hf`", kv, None, hf["metrics"], "-", f"{hf['minutes']:.1f}"))
-    header = ["model", "point", "KV B/token (x source)", "val loss", "0-shot avg", "2-shot avg"]
-    header += ["0-shot kept", "2-shot kept", "tokens", "minutes"]
-    return f"{caption_}\n\n{markdown(header, rows)}"
+            points.append((target, "exported, lm-eval `hf`", kv, None, hf["metrics"], "-", f"{hf['minutes']:.1f}"))
+
+    costs = [
+        [model, point, f"{kv:,} ({kv / source_kv:.2f})", "-" if loss is None else f"{loss:.3f}", tokens, minutes]
+        for model, point, kv, loss, _, tokens, minutes in points
+    ]
+    header = ["model", "point", "KV B/token (x source)", "val loss", "tokens", "minutes"]
+    per_task = []
+    for model, point, _, _, metrics, _, _ in points:
+        row = [model, point]
+        for task, metric in tasks:
+            for shots in (0, 2):
+                row.append(task_cell(metrics, src, task, metric, shots, items[task]))
+        per_task.append(row)
+    task_header = ["model", "point"]
+    task_header += [f"{task} ({metric}) {shots}-shot" for task, metric in tasks for shots in (0, 2)]
+    note = (
+        "Each task on its own: accuracy, then in brackets the share of the source's accuracy above chance (0.25) the "
+        "point keeps, (acc - 0.25) / (source - 0.25), ± the standard error of its items, sqrt(acc (1 - acc) / n) / "
+        "(source - 0.25), n = " + ", ".join(f"{n} ({task})" for task, n in items.items()) + " items."
+    )
+    return f"{caption_}\n\n{markdown(header, costs)}\n\n{note}\n\n{markdown(task_header, per_task)}"
+
+
+def pretrained_tasks(source_metrics: dict) -> list[tuple[str, str]]:
+    """(task, metric) of every local task the source was evaluated on, in the order it logged them; the metric
+    the eval config reports it by (t6.report.evals.task_metric)."""
+    from t6.report.evals import task_metric
+
+    tasks: dict[str, set[str]] = {}
+    for key in source_metrics:
+        parts = key.split("/")
+        if len(parts) == 4 and parts[0] == "eval":
+            tasks.setdefault(parts[2], set()).add(parts[3])
+    return [(task, task_metric(task, metrics)) for task, metrics in tasks.items()]
+
+
+def pretrained_items(payload: dict, tasks: list[tuple[str, str]]) -> dict[str, int]:
+    """Items scored per task: the study's eval limit, capped by the task's own size where the study records it."""
+    settings = payload["settings"]
+    sizes = settings.get("task_items") or {}
+    return {task: min(settings["eval_limit"], sizes.get(task, settings["eval_limit"])) for task, _ in tasks}
+
+
+def task_cell(metrics: dict, source: dict, task: str, metric: str, shots: int, n: int) -> str:
+    """ "0.820 (90% ± 6%)": the accuracy, the share of the source's above chance kept, ± its items' standard error."""
+    got, want = metrics.get(f"eval/{shots}shot/{task}/{metric}"), source.get(f"eval/{shots}shot/{task}/{metric}")
+    if got is None or want is None:
+        return "-"
+    if want <= CHANCE:  # nothing above chance to keep
+        return f"{got:.3f} (source at chance)"
+    se = math.sqrt(got * (1 - got) / n) / (want - CHANCE)
+    return f"{got:.3f} ({(got - CHANCE) / (want - CHANCE):.0%} ± {se:.0%})"
 
 
 def cell(value) -> str:
@@ -524,6 +561,42 @@ def test_durations_table(payload: dict) -> str:
     return f"{head}\n\n{files}\n\n{tests}"
 
 
+# The GPU recipe's budget (conf/experiment/paper_small.yaml, paper_medium.yaml: 480 x 1024 tokens x 100k steps) and
+# the share of an H100's dense bf16 peak a step is assumed to reach (t6.run.plan.ASSUMED_MFU).
+PAPER_TOKENS = 480 * 1024 * 100_000
+H100_BF16 = 989e12
+ASSUMED_MFU = 0.4
+
+
+def matched_sizes_table(payload: dict) -> str:
+    """experiments/matched/sizes.json: per size, each mechanism under each match criterion: its query heads and the
+    sizes that moved, parameters, KV bytes and training FLOPs per token; at the GPU recipe's sizes, the H100 hours
+    of one run of the paper's budget and of a tenth of it."""
+    records, env = payload["records"], payload["environment"]
+    parts = [f"*Solved and counted on the meta device: Python {env['python']}, torch {env['torch']}; {env['date']}.*"]
+    for size in dict.fromkeys(r["size"] for r in records):
+        rows, hours = [], {}
+        for r in (r for r in records if r["size"] == size):
+            moved = ", ".join(f"{k} {a}->{b}" for k, (a, b) in r["changed"].items() if k != "n_head") or "-"
+            run_h = r["train_flops_per_token"] * PAPER_TOKENS / (H100_BF16 * ASSUMED_MFU) / 3600
+            hours[r["criterion"]] = hours.get(r["criterion"], 0.0) + run_h
+            rows.append([
+                r["attention"], r["criterion"], str(r["n_head"]), moved, f"{r['params'] / 1e6:.2f}M",
+                f"{r['kv_bytes_per_token']:,}", f"{r['train_flops_per_token'] / 1e9:.3f}", f"{r['gap']:+.2%}",
+                f"{run_h:,.0f}" if size != "tiny" else "-",
+            ])  # fmt: skip
+        header = ["attention", "match", "heads", "other sizes moved", "params", "KV B/token", "train GFLOP/token"]
+        header += ["gap to MHA", "H100 h / run (49.2B tokens)"]
+        parts += [f"**{size}**", markdown(header, rows)]
+        if size != "tiny":
+            total = sum(hours.values())
+            parts.append(
+                f"{size}: one seed of every row {total:,.0f} H100 hours at the paper's 49.2B tokens (x 3 seeds: "
+                f"{3 * total:,.0f}); at 10k steps (4.92B tokens) {total / 10:,.0f} (x 3 seeds: {3 * total / 10:,.0f})."
+            )
+    return "\n\n".join(parts)
+
+
 RENDERERS: dict[str, Callable[[dict], str]] = {
     "suite": suite_table,
     "machine": machine_table,
@@ -541,6 +614,7 @@ RENDERERS: dict[str, Callable[[dict], str]] = {
     "memory": memory_table,
     "export": export_table,
     "pretrained": pretrained_table,
+    "matched_sizes": matched_sizes_table,
     "faults": faults_table,
     "faults_sigterm": faults_sigterm_table,
     "test_durations": test_durations_table,

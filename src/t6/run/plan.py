@@ -32,6 +32,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from t6.config import with_match
 from t6.data.batching import sequences_per_device, sequences_per_step, world_size
 from t6.data.tokenizer import Tokenizer, checkpoint_tokenizer, load_tokenizer, mismatch, run_tokenizer
 from t6.errors import ConfigError, NoRoom, SettingError
@@ -42,6 +43,7 @@ from t6.hardware.compile_cache import CacheState, cache_state
 from t6.model.config import ModelConfig
 from t6.model.load import HF_FORMAT, WARM_START_FORMAT, model_state
 from t6.model.loss import use_liger
+from t6.model.match import Match
 from t6.run import checks
 from t6.run.resume import checkpoint_dir, find_resume
 from t6.run.samples import Samples
@@ -266,6 +268,7 @@ class RunPlan:
     samples: Samples | None = None  # the greedy samples after training, checked (None: samples=null)
     warnings: tuple[str, ...] = field(default=())
     tokenizer: Tokenizer | None = None  # the run's (cfg.tokenizer, resolved): data, evaluation, samples, checkpoints
+    match: Match | None = None  # the match group solved (t6.config.with_match): its sizes are in cfg already
 
     def describe(self) -> str:
         """The opening lines of a run: what it will do and why."""
@@ -292,6 +295,8 @@ class RunPlan:
             lines.append(f"tokenizer       {tok.name} ({tok.n_vocab:,} tokens, {tok.id})")
         if self.tracking is not None:
             lines.append(f"tracking        {self.tracking.describe()}")
+        if self.match is not None:
+            lines.append(f"match           {self.match.describe()}")
         return "\n".join(lines)
 
     def params(self) -> dict[str, Any]:
@@ -317,12 +322,13 @@ class RunPlan:
         if self.tokenizer is not None:
             out.update({"tokenizer/id": self.tokenizer.id, "tokenizer/name": self.tokenizer.name})
             out["tokenizer/n_vocab"] = self.tokenizer.n_vocab
-        return out
+        return out | (self.match.params() if self.match is not None else {})
 
 
 def plan_run(cfg: DictConfig) -> RunPlan:
     """Every decision a training run makes before the Trainer exists, and every check (see the module docstring)."""
-    given = copy.deepcopy(cfg)  # resolvers and the checks read it; nothing writes into it
+    given = copy.deepcopy(cfg)  # resolvers and the checks read it; nothing writes into it but the match:
+    given, match = with_match(given)  # the match group's solved sizes (size.n_head, attention.options.*), t6.config
     warm = plan_warm_start(given)
     # A warm start's model shape is the run's: what follows size.* (data.seq_len's ${size.block_size}, the uptrain
     # recipe's step count, the MLflow run's name) follows it. The decisions below read this copy.
@@ -374,6 +380,7 @@ def plan_run(cfg: DictConfig) -> RunPlan:
         Samples.read(cfg),
         warnings,
         tokenizer,
+        match=match,
     )
 
 

@@ -7,6 +7,7 @@ once (`build_kv_cache`) and the attention writes into it in place at `pos`.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -20,12 +21,23 @@ if TYPE_CHECKING:  # the model config imports the registry; type hints only
     from t6.model.config import ModelConfig
 
 
+# The output gate (`Options.output_gate`, `Attention.project`): none, one sigmoid per head, one per output number.
+OUTPUT_GATES = ("none", "headwise", "elementwise")
+
+
 @dataclass
 class Options:
     """A mechanism's options: subclass it with typed fields and their defaults, the one place
     they live. Hydra shows them as `attention.options.*` (t6.config stores each registered name's
     options, presets applied, as the attention group's defaults). `problems` validates them
-    against the model config; int fields must be positive (or None where the type allows it)."""
+    against the model config; int fields must be positive (or None where the type allows it).
+
+    The fields here every mechanism has: `output_gate` (Qiu et al. 2025, arXiv 2505.06708, position G1): each
+    head's attention output times sigmoid(x W_g), x the layer's input (the block's normalized hidden state),
+    before the output projection; `headwise` one gate per head, `elementwise` one per output number (the
+    paper's best); `Attention.project` applies it."""
+
+    output_gate: str = "none"  # none | headwise | elementwise
 
     def problems(self, cfg: ModelConfig) -> list[str]:
         out = []
@@ -35,6 +47,8 @@ class Options:
                 continue
             if kind.startswith("int") and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 out.append(f"attention.options.{f.name}={value!r} must be a positive integer")
+        if self.output_gate not in OUTPUT_GATES:
+            out.append(f"attention.options.output_gate={self.output_gate!r} must be one of {list(OUTPUT_GATES)}")
         return out
 
 
@@ -421,8 +435,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
 
 
 class Attention(nn.Module):
-    """Base class. Subclasses declare `Options`, set up their projections in __init__ and
-    implement cache_spec and forward; `init_weights` initializes their own layers."""
+    """Base class. Subclasses declare `Options`, set up their projections in __init__ (the output projection
+    named `out`) and implement cache_spec and forward, which ends with `self.project(y, x)`: the heads' outputs
+    through the output gate, if any, and `out`; `init_weights` initializes their own layers."""
 
     Options: ClassVar[type[Options]] = Options
     # True when the mechanism honours KVCache.key_mask (needed for batched prompts of different lengths).
@@ -437,6 +452,41 @@ class Attention(nn.Module):
         # A list while a caller wants the attention probabilities (transformers' output_attentions): each forward
         # appends its [B, h, T, S] (`attend` and `record_attention`); None, the default, computes none.
         self.recorded: list[torch.Tensor] | None = None
+        self.gate: nn.Linear | None = None  # the output gate's W_g (`add_output_gate`, after the subclass's __init__)
+        self.depth = 0  # the index of the block it is in, from 0 (T6 sets it): for mechanisms that depend on it (DIFF)
+
+    def __init_subclass__(cls, **kwargs):
+        """Every subclass's __init__, once it has run for the object's own class, adds the output gate: the gate
+        is sized by `out`, which the subclass builds, and lives here for every mechanism."""
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is None:
+            return
+
+        @functools.wraps(init)
+        def __init__(self, *args, **kw):
+            init(self, *args, **kw)
+            if type(self).__init__ is __init__:  # the outermost __init__ of this object: the projections exist
+                self.add_output_gate()
+
+        cls.__init__ = __init__
+
+    def add_output_gate(self) -> None:
+        """W_g: d_model -> one gate per head (headwise) or per input of `out` (elementwise), no bias, as the paper."""
+        kind = self.opts.output_gate
+        if kind != "none":
+            width = self.cfg.n_head if kind == "headwise" else self.out.in_features
+            self.gate = nn.Linear(self.cfg.d_model, width, bias=False)
+
+    def project(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The heads' outputs y [B, T, h d_v] (heads concatenated) through the output gate sigmoid(x W_g), x the
+        layer's input [B, T, d_model], then the output projection -> [B, T, d_model]."""
+        if self.gate is not None:
+            g = torch.sigmoid(self.gate(x))  # [B, T, h] (headwise) or [B, T, h d_v] (elementwise)
+            if g.shape[-1] != y.shape[-1]:  # headwise: one gate for each head's d_v numbers
+                g = g.repeat_interleave(y.shape[-1] // g.shape[-1], dim=-1)  # [B, T, h d_v]
+            y = y * g  # [B, T, h d_v]
+        return self.out(y)  # [B, T, d_model]
 
     @torch.no_grad()
     def init_weights(self) -> None:

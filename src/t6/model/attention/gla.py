@@ -114,7 +114,7 @@ class GroupedLatentAttention(Attention):
         else:
             c_kv, k_rope = cache.update(pos, c_kv=c_kv, k_rope=k_rope)  # [B, n, S, d_c], [B, S, rope]
             y = self._absorbed(q_nope, q_rope, c_kv, k_rope, cache, pos)  # [B, T, h, d_v]
-        return self.out(y.reshape(B, T, h * self.d_v))  # [B, T, d_model]
+        return self.project(y.reshape(B, T, h * self.d_v), x)  # [B, T, d_model]
 
     def _explicit(self, q_nope, q_rope, c_kv, k_rope) -> torch.Tensor:
         """Training path: expand each latent head into its group's keys and values, then SDPA.

@@ -90,8 +90,8 @@ class GroupedQueryAttention(Attention):
             k, v = cache.update(pos, k=k, v=v)  # [B, h_kv, S, d] each (head-major), S = pos[-1] + 1
             if T == 1 and self.fused_decode and self.recorded is None:
                 y = gqa_decode(q[:, 0] * d**-0.5, k, v, None, None, cache.decode_key_mask(pos), cache.lengths(pos))
-                return self.out(y.reshape(B, T, h * d))  # [B, h, d] -> [B, 1, d_model]
+                return self.project(y.reshape(B, T, h * d), x)  # [B, h, d] -> [B, 1, d_model]
         else:
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, h_kv, T, d] each
         y = self.attend(q.transpose(1, 2), k, v, pos, cache)  # [B, h, T, d]
-        return self.out(y.transpose(1, 2).reshape(B, T, h * d))  # [B, T, d_model]
+        return self.project(y.transpose(1, 2).reshape(B, T, h * d), x)  # [B, T, d_model]

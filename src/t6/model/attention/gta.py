@@ -115,9 +115,9 @@ class GroupedTiedAttention(Attention):
                     cache.decode_key_mask(pos),
                     cache.lengths(pos),
                 )  # [B, h, d]
-                return self.out(y.reshape(B, T, h * d))  # [B, 1, d_model]
+                return self.project(y.reshape(B, T, h * d), x)  # [B, 1, d_model]
         else:
             kv = kv.transpose(1, 2)  # [B, G, T, d]
         q = torch.cat([q_nope, q_rope], dim=-1)  # [B, T, h, d]: [nope | rotated]
         y = self.attend(q.transpose(1, 2), self.tied_keys(kv, k_rope), kv, pos, cache)  # [B, h, T, d], values: kv
-        return self.out(y.transpose(1, 2).reshape(B, T, h * d))  # [B, T, d_model]
+        return self.project(y.transpose(1, 2).reshape(B, T, h * d), x)  # [B, T, d_model]

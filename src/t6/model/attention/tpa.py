@@ -206,7 +206,7 @@ class TensorProductAttention(Attention):
         B, T, _ = x.shape
         if cache is None:  # whole sequences (training, validation): K and V materialized for SDPA
             y = self.attend_materialized(*self.factors(x, pos), pos, None)  # [B, T, h, d_h]
-            return self.out(y.reshape(B, T, -1))  # [B, T, d_model]
+            return self.project(y.reshape(B, T, -1), x)  # [B, T, d_model]
         stacked = cache.stacked.get("factors")  # a fixed-shape step's: every factor from one matmul
         q, a_k, b_k, a_v, b_v = self.module_factors(x, pos) if stacked is None else self.factors(x, pos, stacked)
         a_k, b_k, a_v, b_v = cache.update(pos, a_k=a_k, b_k=b_k, a_v=a_v, b_v=b_v)  # [B, S, R, *] each
@@ -218,7 +218,7 @@ class TensorProductAttention(Attention):
             y = self.attend_factors(q, a_k, b_k, a_v, b_v, pos, cache.attn_mask(pos))  # [B, T, h, d_h]
         else:
             y = self.attend_materialized(q, a_k, b_k, a_v, b_v, pos, cache)  # [B, T, h, d_h]
-        return self.out(y.reshape(B, T, -1))  # [B, T, d_model]
+        return self.project(y.reshape(B, T, -1), x)  # [B, T, d_model]
 
     def attend_materialized(self, q, a_k, b_k, a_v, b_v, pos, cache: KVCache | None) -> torch.Tensor:
         """Contract K and V for every cached token [B, S, h, d_h] and attend with SDPA -> [B, T, h, d_h]."""

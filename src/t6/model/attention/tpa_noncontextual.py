@@ -99,7 +99,7 @@ class NonContextualTPA(Attention):
         k = self.expand("k", k, kv_pos)  # [B, S, h, d_h]
         v = self.expand("v", v, None)  # [B, S, h, d_h]
         y = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), pos, cache)  # [B, h, T, d_h]
-        return self.out(y.transpose(1, 2).reshape(B, T, -1))  # [B, T, d_model]
+        return self.project(y.transpose(1, 2).reshape(B, T, -1), x)  # [B, T, d_model]
 
     def cached_keys_values(self, cache: KVCache, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         views = cache.views(end)

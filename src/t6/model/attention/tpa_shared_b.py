@@ -77,7 +77,7 @@ class SharedBTPA(Attention):
             kv_pos = torch.arange(b.shape[1], device=x.device)  # [S]
         k, v = self.keys_values(a_k, a_v, b, kv_pos)  # [B, h, S, d_h] each
         y = self.attend(q.transpose(1, 2), k, v, pos, cache)  # [B, h, T, d_h]
-        return self.out(y.transpose(1, 2).reshape(B, T, -1))  # [B, T, d_model]
+        return self.project(y.transpose(1, 2).reshape(B, T, -1), x)  # [B, T, d_model]
 
     def keys_values(self, a_k, a_v, b, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys from the head factors A_K [B, S, R, h] and the token factor B [B, S, R, d_h] rotated to its positions

@@ -113,7 +113,7 @@ class ThirdOrderTPA(Attention):
             )  # [B, S, R, *] each
         k, v = self.keys_values(a_k, b_k, c_k, a_v, b_v, c_v)  # [B, h, S, d_h] each
         y = self.attend(q.transpose(1, 2), k, v, pos, cache)  # [B, h, T, d_h]
-        return self.out(y.transpose(1, 2).reshape(B, T, -1))  # [B, T, d_model]
+        return self.project(y.transpose(1, 2).reshape(B, T, -1), x)  # [B, T, d_model]
 
     @staticmethod
     def keys_values(a_k, b_k, c_k, a_v, b_v, c_v) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import statistics
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -46,11 +47,13 @@ def measure(args: argparse.Namespace, chunk: int | str | None) -> dict:
             "loss_chunk_tokens": None if liger else chunk,
             "loss_impl": "liger" if liger else "chunked",
             "compile": False,
+            "sdpa_backend": "default",  # SDPA's own choice, as training
+            "profile_top": 0,
         }
     )
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    times, _ = bench_one(mcfg, run, str(device))
+    times, _, _ = bench_one(mcfg, run, str(device))
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
     else:
@@ -64,19 +67,13 @@ def measure(args: argparse.Namespace, chunk: int | str | None) -> dict:
     }
 
 
-def _child(args: argparse.Namespace, chunk: int | None, queue) -> None:
-    queue.put(measure(args, chunk))
-
-
 def run(args: argparse.Namespace) -> list[dict]:
     ctx = mp.get_context("spawn")  # a fresh interpreter per setting: its peak memory is its own
     rows = []
     for chunk in args.chunks:
-        queue = ctx.Queue()
-        proc = ctx.Process(target=_child, args=(args, chunk, queue))
-        proc.start()
-        row = queue.get()
-        proc.join()
+        # a pool of one: a child that dies raises BrokenProcessPool here instead of leaving us waiting on it
+        with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
+            row = pool.submit(measure, args, chunk).result()
         rows.append(row)
         print(
             f"  chunks={row['chunk_tokens']}: {row['step_ms']:.0f} ms/step, peak {row['peak_mib']:.0f} MiB", flush=True

@@ -74,7 +74,7 @@ def random_model(tmp_path: Path, *overrides: str, seed: int = 0):
     config, with random weights everywhere (the zero-initialized residual outputs too), in eval mode."""
     import torch
 
-    from t6.config import model_config
+    from t6.hydra_config import model_config
     from t6.model import T6
 
     base = ["size=tiny", "size.n_layer=2", "size.d_model=128", "size.block_size=64"]
@@ -104,7 +104,7 @@ def assert_cached_decoding_equals_full_forward(model, length: int = 24, prefill:
 def tiny_model_config(tmp_path: Path, attention: str, *overrides: str):
     """The ModelConfig of a very small T6 of `attention` (2 layers x 32, head_dim 16, block 64, 99 tokens),
     the mechanism's options and head count as its config gives them."""
-    from t6.config import model_config
+    from t6.hydra_config import model_config
 
     base = ["size=tiny", "size.n_layer=2", "size.d_model=32", "size.head_dim=16", "size.block_size=64"]
     return model_config(compose_config([*base, "size.vocab_size=99", f"attention={attention}", *overrides], tmp_path))

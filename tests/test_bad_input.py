@@ -56,7 +56,7 @@ def checkpoint(tmp_path) -> Path:
     """A training checkpoint of the test-sized TPA model (random weights), as train.py writes one."""
     from dataclasses import asdict
 
-    from t6.config import model_config
+    from t6.hydra_config import model_config
     from t6.training.module import T6LitModule
 
     fields = asdict(model_config(compose_config(TEST_SIZE, tmp_path)))

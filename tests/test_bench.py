@@ -13,7 +13,7 @@ import torch
 
 from t6.bench import common, harness, kv_memory, prefill
 from t6.bench.common import model_configs
-from t6.config import conf_dir
+from t6.hydra_config import conf_dir
 from t6.model import ModelConfig
 from t6.model.attention import PAPER, available
 from t6.model.static_decode import StaticDecoder

@@ -12,7 +12,7 @@ import torch
 from t6.data.corpus import TINY_SHAKESPEARE, held_out_text
 from t6.data.tokenizer import gpt2_encoding
 from t6.evaluation.cloze import TASK, WORD, build_cloze_task, last_word
-from t6.evaluation.harness import EvalSpec, resolve_tasks, run_harness
+from t6.evaluation.runner import EvalSpec, resolve_tasks, run_harness
 from t6.model import T6
 
 from conftest import random_model

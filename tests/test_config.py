@@ -9,8 +9,8 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
-from t6.config import model_config
 from t6.errors import ConfigError
+from t6.hydra_config import model_config
 from t6.model import T6, ModelConfig
 
 from conftest import CONF, compose_config

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from t6.evaluation.callback import EvalSettings, build_eval_callback
-from t6.evaluation.harness import flat_metrics, run_harness
+from t6.evaluation.runner import flat_metrics, run_harness
 from t6.model.load import load_model
 
 from conftest import ROOT, TEST_RUN, TEST_SIZE

@@ -51,7 +51,7 @@ def layer_order() -> list[str]:
 
 def test_each_layer_imports_only_the_layers_before_it():
     order = layer_order()
-    assert order[:4] == ["errors", "model", "config", "data"] and "run" in order
+    assert order[:4] == ["errors", "model", "hydra_config", "data"] and "run" in order
     rank = {name: i for i, name in enumerate(order)}
     src = ROOT / "src" / "t6"
     upward = []
@@ -88,6 +88,18 @@ def test_the_readmes_layout_lists_every_layer_in_the_architectures_order():
     assert listed == layer_order(), "the README lists the layers in another order than docs/architecture.md"
 
 
+def test_two_modules_share_a_file_name_only_where_a_benchmark_measures_the_other():
+    """A file name says what the module holds: two modules with one name are a benchmark (bench/NAME.py, the
+    command `python -m t6.bench.NAME`) and the thing it measures, never two ideas under one name."""
+    src = ROOT / "src" / "t6"
+    by_name: dict[str, list[str]] = {}
+    for path in src.rglob("*.py"):
+        if path.name != "__init__.py":
+            by_name.setdefault(path.name, []).append(str(path.parent.relative_to(src)))
+    shared = {name: sorted(folders) for name, folders in by_name.items() if len(folders) > 1}
+    assert all(len(f) == 2 and "bench" in f for f in shared.values()), shared
+
+
 def facts_table(text: str, first_header: str) -> list[list[str]]:
     """The rows of the markdown table whose first header cell is `first_header`."""
     lines = text.splitlines()
@@ -103,7 +115,7 @@ def facts_table(text: str, first_header: str) -> list[list[str]]:
 @pytest.mark.slow  # builds every mechanism at every paper size on the meta device (~15 s)
 def test_the_parameter_table_is_the_models_own(tmp_path):
     """docs/attention.md: heads / parameters of every mechanism at every size, as the built model counts them."""
-    from t6.config import model_config
+    from t6.hydra_config import model_config
     from t6.model.facts import parameter_count
 
     from conftest import compose_config
@@ -230,7 +242,7 @@ NEEDS = {
     "--size small": "minutes of CPU per mechanism at small width",
     "--size large": "a GPU (large width)",
     "--sizes": "a benchmark of the paper's widths",
-    "t6.bench.memory": "a training step per case in a fresh process",
+    "t6.bench.train_memory": "a training step per case in a fresh process",
     "t6.bench.loss": "a training step per setting in a fresh process",
     "t6.bench.loader": "the tokenized corpus and a training step",
     "/data/": "the reader's own data",

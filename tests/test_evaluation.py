@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 from t6.errors import SettingError, Unreachable
 from t6.evaluation.adapter import T6LM
-from t6.evaluation.harness import EvalSpec, resolve_tasks, run_harness
 from t6.evaluation.next_line import TASK, build_next_line_task
+from t6.evaluation.runner import EvalSpec, resolve_tasks, run_harness
 from t6.model import T6, ModelConfig
 from t6.model.attention import available
 from t6.run.closing import closing_summary

@@ -7,7 +7,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
-from t6.config import model_config
+from t6.hydra_config import model_config
 from t6.model import T6
 from t6.model.attention import PAPER as PAPER_SIX
 

@@ -11,7 +11,7 @@ import textwrap
 import pytest
 import torch
 
-from t6.config import store_attention_options, with_match
+from t6.hydra_config import store_attention_options, with_match
 from t6.model import T6
 from t6.model.attention import base
 from t6.model.facts import kv_bytes_per_token, parameter_count

@@ -128,7 +128,7 @@ def test_peak_rss_of_a_child_is_its_own_not_its_parents():
 def test_estimate_is_within_25_percent_of_the_measured_peak_at_tiny():
     """A real training step of size=tiny (micro-batch 8) in a fresh process: the preflight's estimate
     against the process's own peak RSS (fp32, as the rest of the suite)."""
-    from t6.bench.memory import run_case
+    from t6.bench.train_memory import run_case
 
     result = run_case("tiny", 8, extra=("trainer.precision=32-true",))
     assert result["measure"] == "peak RSS (VmHWM)" and result["measured"] > 1e9
@@ -147,7 +147,7 @@ def test_auto_micro_batch_keeps_the_global_batch_and_the_optimization(make_cfg, 
     assert full["trainer"].accumulate_grad_batches == 1
 
     cfg = make_cfg(*run, "data.batch_size=auto")
-    from t6.config import model_config
+    from t6.hydra_config import model_config
 
     def est(b: int) -> int:
         return memory.estimate_step_memory(

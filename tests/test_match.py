@@ -1,4 +1,4 @@
-"""The match group (t6.model.match, t6.config.with_match): every mechanism at every size, matched to MHA by
+"""The match group (t6.model.match, t6.hydra_config.with_match): every mechanism at every size, matched to MHA by
 parameters, heads, KV bytes and FLOPs, checked against the facts of the whole model and the cache formulas."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from omegaconf import OmegaConf
 from test_zoo import TABLE_1
 
-from t6.config import model_config, reference_config, with_match
+from t6.hydra_config import model_config, reference_config, with_match
 from t6.model.attention import available
 from t6.model.facts import flops_per_token, kv_bytes_per_token, kv_elements_per_token, parameter_count
 from t6.model.match import free_sizes, match, with_sizes
@@ -27,7 +27,7 @@ QUICK_FLOPS = ("mha", "tpa", "diff")
 @pytest.fixture(scope="module")
 def solved(tmp_path_factory):
     """solved(attention, size, criterion) -> (the composed config, the Match): each config composed once, each
-    criterion solved with its conf/match/*.yaml settings (t6.config.with_match for params, as a run does)."""
+    criterion solved with its conf/match/*.yaml settings (t6.hydra_config.with_match for params, as a run does)."""
     root = tmp_path_factory.mktemp("match")
     configs, done = {}, {}
 

@@ -228,7 +228,7 @@ def test_a_micro_batch_that_cannot_fit_fails_naming_the_ways_out(make_cfg, monke
 
 
 def test_auto_takes_the_largest_micro_batch_that_fits(make_cfg, monkeypatch):
-    from t6.config import model_config
+    from t6.hydra_config import model_config
 
     cfg = make_cfg("data.batch_size=auto", "data.global_batch_size=8")
 
@@ -497,7 +497,7 @@ def training_checkpoint(cfg, path: Path, step: int, **changes) -> Path:
     """A training checkpoint of cfg's model at `step` (random weights), as RunCheckpoint writes one."""
     from dataclasses import asdict
 
-    from t6.config import model_config
+    from t6.hydra_config import model_config
     from t6.training.module import T6LitModule
 
     fields = {**asdict(model_config(cfg)), **changes}

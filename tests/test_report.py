@@ -430,7 +430,7 @@ def test_every_mechanism_in_the_runs_has_a_row_in_every_table_paper_order_first(
     them: the paper's in t6.model.attention.PAPER order, then the others by name, whatever the run order."""
     from omegaconf import OmegaConf
 
-    from t6.config import flatten, model_config
+    from t6.hydra_config import flatten, model_config
     from t6.model.attention import PAPER
     from t6.model.facts import model_facts
 

@@ -177,7 +177,7 @@ def test_lm_eval_hf_scores_a_converted_pretrained_export_as_the_t6_adapter(conve
 
     from t6.evaluation.callback import EvalSettings, build_eval_callback
     from t6.evaluation.evaluate import evaluate_checkpoint
-    from t6.evaluation.harness import flat_metrics
+    from t6.evaluation.runner import flat_metrics
 
     _, out = converted_export
     tasks = [

@@ -11,7 +11,7 @@ import mlflow
 import pytest
 import torch
 
-from t6.config import model_config
+from t6.hydra_config import model_config
 from t6.model import T6, ModelConfig
 from t6.model.loss import mean_loss
 from t6.run.plan import plan_run

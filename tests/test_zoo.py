@@ -10,7 +10,7 @@ import mlflow
 import pytest
 import torch
 
-from t6.config import model_config
+from t6.hydra_config import model_config
 from t6.model import T6
 from t6.model.attention import available, get_attention_class
 from t6.model.facts import decode_flops_per_cached_token, kv_elements_per_token, meta_model, parameter_count

@@ -24,7 +24,7 @@ SIZES = ["tiny", "small", "medium"]
 
 def solve(name: str, size: str, criterion: str, gated: bool) -> dict:
     from t6.bench.common import compose
-    from t6.config import with_match
+    from t6.hydra_config import with_match
 
     overrides = [f"attention={name}", f"size={size}", f"match={criterion}"]
     overrides += ["attention.options.output_gate=elementwise"] if gated else []

@@ -161,7 +161,7 @@ def lm_eval_hf(limit: int, work: Path, tasks: list[str], **model_args) -> dict:
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    from t6.evaluation.harness import flat_metrics, spec_from_config
+    from t6.evaluation.runner import flat_metrics, spec_from_config
 
     include = str(work / "data" / "eval")  # the tasks eval.py built (the same items)
     spec = spec_from_config(

@@ -82,10 +82,10 @@ def user_message(err: Exception) -> str | None:
 
 
 def register() -> None:
-    """Make conf/ composable: t6's resolvers (t6.config), the uptrain recipe's (t6.uptrain.recipe), and each
+    """Make conf/ composable: t6's resolvers (t6.hydra_config), the uptrain recipe's (t6.uptrain.recipe), and each
     mechanism's options in Hydra's ConfigStore (which imports every mechanism's file). `entry` calls it before
     Hydra composes (tests call it once); calling it again changes nothing."""
-    from t6.config import register_resolvers, store_attention_options
+    from t6.hydra_config import register_resolvers, store_attention_options
     from t6.uptrain.recipe import register_resolvers as register_uptrain_resolvers
 
     register_resolvers()

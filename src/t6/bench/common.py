@@ -16,7 +16,7 @@ import time
 import torch
 from omegaconf import DictConfig, open_dict
 
-from t6.config import conf_dir, model_config
+from t6.hydra_config import conf_dir, model_config
 from t6.model import ModelConfig
 from t6.model.attention import REFERENCE, get_attention_class
 from t6.model.facts import kv_bytes_per_token

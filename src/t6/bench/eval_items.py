@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 import torch
 
-import t6.config
+import t6.hydra_config
 from t6.bench import harness
 from t6.bench.common import compose
 from t6.bench.harness import DTYPES, environment, resolve_device
@@ -33,7 +33,7 @@ from t6.model import T6
 def model_for(size: str, attention: str) -> T6:
     cfg = compose("train", [f"size={size}", f"attention={attention}"])
     torch.manual_seed(0)
-    return T6(t6.config.model_config(cfg)).eval()
+    return T6(t6.hydra_config.model_config(cfg)).eval()
 
 
 def requests(task_dir: Path, n_items: int, shots: int) -> list[SimpleNamespace]:

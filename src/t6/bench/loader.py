@@ -18,7 +18,7 @@ from omegaconf import open_dict
 
 from t6.bench import harness
 from t6.bench.common import compose
-from t6.config import model_config
+from t6.hydra_config import model_config
 from t6.model import T6
 from t6.training.optim import param_groups
 

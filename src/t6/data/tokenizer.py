@@ -134,7 +134,7 @@ class GPT2Tokenizer(Tokenizer):
 class PretrainedTokenizer(Tokenizer):
     """A Hugging Face `tokenizers` Tokenizer (a pretrained model's), kept as its JSON, with what transformers'
     tokenizer adds around it: the special tokens by role (`special_tokens`: bos_token, eos_token, unk_token,
-    pad_token as text) and the chat template, which an export writes back (t6.hf.tokenizer)."""
+    pad_token as text) and the chat template, which an export writes back (t6.hf.tokenizer_files)."""
 
     def __init__(
         self,

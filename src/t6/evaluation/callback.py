@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from t6.errors import SettingError
-from t6.evaluation.harness import EvalSpec, log_results, resolve_tasks, run_harness, spec_from_config
+from t6.evaluation.runner import EvalSpec, log_results, resolve_tasks, run_harness, spec_from_config
 from t6.model import T6
 from t6.training.fsdp import full_model
 
@@ -86,7 +86,7 @@ class DownstreamEval(L.Callback):
             )
 
     def log_to_loggers(self, trainer: L.Trainer, results: dict, step: int) -> dict[str, float]:
-        from t6.evaluation.harness import flat_metrics
+        from t6.evaluation.runner import flat_metrics
 
         mlflow = next((lg for lg in trainer.loggers if isinstance(lg, MLFlowLogger)), None)
         if mlflow is not None:

@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from t6.data.tokenizer import Tokenizer, checkpoint_tokenizer
 from t6.errors import MissingFile, SettingError
 from t6.evaluation.callback import EvalSettings, build_eval_callback
-from t6.evaluation.harness import log_results, run_harness
+from t6.evaluation.runner import log_results, run_harness
 from t6.model.load import build_model, read_checkpoint
 from t6.tracking.mlflow import check_tracking_uri
 

@@ -8,7 +8,7 @@ The directory holds everything the standard tools need, and nothing from this pr
     modeling_t6.py, configuration_t6.py   T6ForCausalLM and T6Config (t6.hf.modeling, t6.hf.configuration)
     t6.py, attention_tpa.py, ...          the model's own modules they import (copied: t6.hf.source)
     tokenizer.json, tokenizer_config.json   the model's tokenizer: GPT-2's BPE, or a pretrained model's own with its
-                               special tokens and chat template (t6.hf.tokenizer)
+                               special tokens and chat template (t6.hf.tokenizer_files)
     generation_config.json     token ids, greedy by default, at most block_size tokens
     README.md                  a model card: the model, its cost, the run's metrics from MLflow
 
@@ -32,7 +32,7 @@ import torch
 from t6.data.tokenizer import GPT2Tokenizer, Tokenizer, checkpoint_tokenizer, load_tokenizer
 from t6.errors import SettingError
 from t6.hf.source import export_sources
-from t6.hf.tokenizer import write_tokenizer
+from t6.hf.tokenizer_files import write_tokenizer
 from t6.model.config import ModelConfig
 from t6.model.facts import kv_elements_per_token, meta_model, parameter_count
 from t6.model.load import (

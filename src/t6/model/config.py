@@ -1,6 +1,6 @@
 """The model's configuration: a plain dataclass, free of Hydra.
 
-Hydra composes `size` and `attention` groups; `t6.config.model_config(cfg)` converts
+Hydra composes `size` and `attention` groups; `t6.hydra_config.model_config(cfg)` converts
 them into this dataclass at the boundary. Everything the backbone needs is here and
 every cross-field problem is reported at once, in one ConfigError (t6.errors) that names the fields.
 """

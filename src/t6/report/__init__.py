@@ -29,7 +29,7 @@ so tests build them from real runs and check every number:
 """
 
 from t6.report.curves import CURVES, curve, tokens_per_step
-from t6.report.decode import load_decode_records
+from t6.report.decode_records import load_decode_records
 from t6.report.document import Report, build_report
 from t6.report.evals import eval_metrics, task_metric, task_order
 from t6.report.model_facts import model_stats_from_params

@@ -27,7 +27,7 @@ def model_stats_from_params(params: dict[str, str]) -> dict[str, int]:
     model the run's size.* and attention.* params describe, built on the meta device."""
     from omegaconf import OmegaConf
 
-    from t6.config import model_config
+    from t6.hydra_config import model_config
     from t6.model.facts import model_facts
 
     cfg = OmegaConf.create(_unflatten(params, ("size.", "attention.")))

@@ -181,7 +181,7 @@ def main(cfg) -> dict[str, Any]:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from t6.config import model_config
+    from t6.hydra_config import model_config
 
     row = summarize(model_config(cfg), cfg.attention.name, cfg.size.name, cfg.cache_dtype, cfg.flops_seq_len)
     if cfg.output == "table" and HydraConfig.get().mode == RunMode.MULTIRUN:

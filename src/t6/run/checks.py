@@ -15,10 +15,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from t6.config import model_config
 from t6.data.batching import batch_problems
 from t6.data.tokenizer import Tokenizer, gpt2
 from t6.errors import ConfigError
+from t6.hydra_config import model_config
 from t6.model.config import ModelConfig
 from t6.model.loss import IMPLS
 from t6.run.samples import check_samples

@@ -25,9 +25,9 @@ from hydra.utils import instantiate
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import OmegaConf
 
-from t6.config import flatten
 from t6.evaluation.callback import build_eval_callback
 from t6.hardware.probes import env_rank
+from t6.hydra_config import flatten
 from t6.model.facts import model_facts
 from t6.model.load import load_model
 from t6.run.plan import RunPlan

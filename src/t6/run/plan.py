@@ -32,7 +32,6 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from t6.config import with_match
 from t6.data.batching import sequences_per_device, sequences_per_step, world_size
 from t6.data.tokenizer import Tokenizer, checkpoint_tokenizer, load_tokenizer, mismatch, run_tokenizer
 from t6.errors import ConfigError, NoRoom, SettingError
@@ -40,6 +39,7 @@ from t6.evaluation.callback import EvalSettings, check_eval_tasks
 from t6.hardware import device as hw_device
 from t6.hardware import probes
 from t6.hardware.compile_cache import CacheState, cache_state
+from t6.hydra_config import with_match
 from t6.model.config import ModelConfig
 from t6.model.load import HF_FORMAT, WARM_START_FORMAT, model_state
 from t6.model.loss import use_liger
@@ -268,7 +268,7 @@ class RunPlan:
     samples: Samples | None = None  # the greedy samples after training, checked (None: samples=null)
     warnings: tuple[str, ...] = field(default=())
     tokenizer: Tokenizer | None = None  # the run's (cfg.tokenizer, resolved): data, evaluation, samples, checkpoints
-    match: Match | None = None  # the match group solved (t6.config.with_match): its sizes are in cfg already
+    match: Match | None = None  # the match group solved (t6.hydra_config.with_match): its sizes are in cfg already
 
     def describe(self) -> str:
         """The opening lines of a run: what it will do and why."""
@@ -328,7 +328,7 @@ class RunPlan:
 def plan_run(cfg: DictConfig) -> RunPlan:
     """Every decision a training run makes before the Trainer exists, and every check (see the module docstring)."""
     given = copy.deepcopy(cfg)  # resolvers and the checks read it; nothing writes into it but the match:
-    given, match = with_match(given)  # the match group's solved sizes (size.n_head, attention.options.*), t6.config
+    given, match = with_match(given)  # the match group's solved sizes (size.n_head, attention.options.*)
     warm = plan_warm_start(given)
     # A warm start's model shape is the run's: what follows size.* (data.seq_len's ${size.block_size}, the uptrain
     # recipe's step count, the MLflow run's name) follows it. The decisions below read this copy.

@@ -78,7 +78,7 @@ def run_settings(plan) -> Iterator[None]:
 @contextmanager
 def hydra_job_scope() -> Iterator[None]:
     """Run one Hydra job so that Lightning's re-launched DDP ranks repeat this job, not the sweep."""
-    from t6.config import in_multirun
+    from t6.hydra_config import in_multirun
 
     if not in_multirun():
         yield

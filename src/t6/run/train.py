@@ -20,8 +20,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from t6.config import in_multirun
 from t6.hardware.probes import env_rank
+from t6.hydra_config import in_multirun
 from t6.run.closing import closing_summary
 from t6.run.execute import execute
 from t6.run.plan import plan_run

@@ -196,7 +196,7 @@ def sweep_job_info() -> dict | None:
     """For a job of a multirun: the sweep's MLflow experiment and parent run, plus this job's overrides."""
     from hydra.core.hydra_config import HydraConfig
 
-    from t6.config import in_multirun
+    from t6.hydra_config import in_multirun
 
     if not in_multirun():
         return None

@@ -200,7 +200,7 @@ class StopProtocol(L.Callback):
     def save(self, trainer: L.Trainer) -> None:
         periodic = trainer.checkpoint_callback
         if not (isinstance(periodic, RunCheckpoint) and periodic.saves_last_at(trainer.global_step)):
-            trainer.save_checkpoint(self.path)  # every rank: a collective (RNG states, FSDP's gather)
+            trainer.save_checkpoint(self.path, weights_only=False)  # every rank: a collective (FSDP's gather)
         trainer.should_stop = True  # the loop ends after this step, as for early stopping
 
     # 4. exit: at the first hook after the stop's step

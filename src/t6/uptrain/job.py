@@ -113,7 +113,7 @@ def log_conversion(cfg: DictConfig, ckpt: dict, result: dict) -> str:
     with no run of its own (a pretrained model), a run for the source beside it. Returns the conversion's run id."""
     from mlflow import MlflowClient
 
-    from t6.config import flatten
+    from t6.hydra_config import flatten
     from t6.model import ModelConfig
 
     client = MlflowClient(tracking_uri=cfg.tracking_uri)

@@ -7,7 +7,7 @@ converted checkpoint while the config is composed, and the config that names a w
         factor x the source run's lr_ablation.<key>
 
 `register_resolvers()` registers both (t6.cli.register, which every entry script's boundary calls). The dependency goes
-one way: this module reads t6.config; t6.config knows nothing of uptraining.
+one way: this module reads t6.hydra_config; t6.hydra_config knows nothing of uptraining.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from t6.config import model_config
 from t6.data.batching import sequences_per_step, world_size
 from t6.errors import MissingFile, SettingError
+from t6.hydra_config import model_config
 from t6.model import ModelConfig
 from t6.model.load import read_checkpoint
 

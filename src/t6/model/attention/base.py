@@ -28,7 +28,7 @@ OUTPUT_GATES = ("none", "headwise", "elementwise")
 @dataclass
 class Options:
     """A mechanism's options: subclass it with typed fields and their defaults, the one place
-    they live. Hydra shows them as `attention.options.*` (t6.config stores each registered name's
+    they live. Hydra shows them as `attention.options.*` (t6.hydra_config stores each registered name's
     options, presets applied, as the attention group's defaults). `problems` validates them
     against the model config; int fields must be positive (or None where the type allows it).
 

@@ -137,14 +137,14 @@ class RunCheckpoint(Checkpoint):
         path = str(Path(self.dirpath) / f"{self.filename.format(step=step)}.ckpt")
         periodic = periodic and self.save_top_k != 0
         if periodic:
-            trainer.save_checkpoint(path)
+            trainer.save_checkpoint(path, weights_only=False)  # the whole state: a resume needs it
             self.kept = [p for p in self.kept if p != path] + [path]
         if self.save_last == "link" and periodic:
             self.link(trainer, path)
         elif self.save_last and periodic and isinstance(trainer.strategy.checkpoint_io, BackgroundCheckpointIO):
             self.second_name(trainer, path)
         elif self.save_last:
-            trainer.save_checkpoint(self.last_path)
+            trainer.save_checkpoint(self.last_path, weights_only=False)
         if self.save_last:
             self.last_step = step
         keep = len(self.kept) if self.save_top_k < 0 else self.save_top_k

@@ -8,7 +8,7 @@ CPU peak RSS (VmHWM, the process's own high-water mark), or on a GPU the caching
 (`mem_get_info`, read after the CUDA context exists), fragmentation included; the peak of live
 tensors (`max_memory_allocated`) is reported beside it.
 
-    python -m t6.bench.memory --case tiny:8 --case small:1 --case medium:1
+    python -m t6.bench.train_memory --case tiny:8 --case small:1 --case medium:1
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def run_case(size: str, batch: int, attention: str = "tpa", extra: tuple[str, ..
     cmd = [
         sys.executable,
         "-m",
-        "t6.bench.memory",
+        "t6.bench.train_memory",
         "--child",
         f"{size}:{batch}",
         "--attention",

@@ -154,7 +154,7 @@ def project_root() -> Path:
 def conf_dir() -> Path:
     """The project's conf/, for Hydra's compose API: beside src/ in a checkout (or an editable
     install), else under the project root (T6_ROOT, default the working directory)."""
-    checkout = Path(__file__).resolve().parents[2] / "conf"  # src/t6/config.py -> repo root
+    checkout = Path(__file__).resolve().parents[2] / "conf"  # src/t6/hydra_config.py -> repo root
     if checkout.is_dir():
         return checkout
     here = project_root() / "conf"

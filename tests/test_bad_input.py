@@ -1,4 +1,4 @@
-"""Bad input to every entry script ends at the one error boundary (t6.run.cli.entry): exit code 2, one message
+"""Bad input to every entry script ends at the one error boundary (t6.cli.entry): exit code 2, one message
 naming the field or file and the fix, no traceback; a bug keeps its traceback. The scripts run in this process
 (their @hydra.main with a command line, as `python SCRIPT.py ARGS` runs them); tests/test_cli.py runs some as
 processes of their own."""

@@ -318,3 +318,34 @@ def test_no_module_imports_itself_through_others():
         if start not in done:
             visit(start, [start], done)
     assert not cycles, cycles
+
+
+def test_every_import_of_the_package_names_what_exists():
+    """Each `from t6.X import name` in src/t6 and the entry scripts, deferred ones included, names a module that
+    exists and a name it defines: a rename cannot leave an import inside a function (run only on a GPU, say) behind.
+    Checked on the source's syntax trees, nothing imported."""
+    src = ROOT / "src"
+    defined: dict[str, set[str]] = {}
+    for path in (src / "t6").rglob("*.py"):
+        module = ".".join(path.relative_to(src).with_suffix("").parts).removesuffix(".__init__")
+        tree = ast.parse(path.read_text())
+        names = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        defined[module] = names
+    missing = []
+    for path in [*(src / "t6").rglob("*.py"), *ROOT.glob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "t6":
+                if node.module not in defined:
+                    missing.append(f"{path.relative_to(ROOT)}: no module {node.module}")
+                    continue
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    if alias.name not in defined[node.module] and sub not in defined:
+                        missing.append(f"{path.relative_to(ROOT)}: {node.module} has no {alias.name}")
+    assert not missing, missing

@@ -5,7 +5,7 @@ few hundred items, with what it costs measured.
     python -m t6.bench.headline --json headline.json                 # medium (a GPU)
     python -m t6.bench.headline --size tiny --steps 6 --eval-limit 8  # the suite's --smoke, on a CPU
 
-The run is `t6.run.train.train` itself, with a CSV logger instead of MLflow (the record reads the metrics the run
+The run is `t6.run.train.main` itself, with a CSV logger instead of MLflow (the record reads the metrics the run
 logs) and one callback of this module, `StepTimes`. The record: the first step and its compile
 (`perf/first_step_s`, `perf/compile_s`), tokens/s and MFU (the median of `train/device/items_per_sec` and
 `train/device/mfu`), the stall of the step after the periodic checkpoint against the median step, the
@@ -155,7 +155,7 @@ def warm_compile(size: str, root: Path, compile_: str) -> dict:
     """The run again with the same shapes, a few steps, nothing else (no evaluation, samples or checkpoint), dynamo
     reset as in a new process: its compile loads what the first run left in the compile cache folder. Returns
     `compile_warm_s` (its perf/compile_s) and `warm_cache_hits` (graphs loaded)."""
-    from t6.run.train import train
+    from t6.run.train import main as train
 
     steps = 4  # the compile's share: the first step minus the median of the next three
     cfg = compose("train", overrides(size, steps, 1, 1, compile_), runtime=True)

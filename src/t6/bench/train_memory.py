@@ -1,6 +1,6 @@
 """The memory preflight's estimate beside the measured peak of real training steps.
 
-Each case runs `t6.run.train.train` in a fresh subprocess (the real Trainer, model, optimizer and
+Each case runs `t6.run.train.main` in a fresh subprocess (the real Trainer, model, optimizer and
 data; no logger, checkpoints or downstream evaluation) for a few optimizer steps at a fixed
 micro-batch without accumulation, then reports the preflight's estimate and the measured peak:
 CPU peak RSS (VmHWM, the process's own high-water mark), or on a GPU the caching allocator's peak

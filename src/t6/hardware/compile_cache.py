@@ -17,6 +17,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from t6.hardware.probes import restored_environ
+
 ENV = "TORCHINDUCTOR_CACHE_DIR"  # inductor's (torch._inductor.runtime.cache_dir_utils.cache_dir reads it at each use)
 # Triton's own kernel cache (the decode kernels, t6.model.attention.triton_decode; inductor's kernels follow it too).
 TRITON_ENV = "TRITON_CACHE_DIR"
@@ -35,16 +37,9 @@ def compile_cache(path: str | os.PathLike | None) -> Iterator[None]:
     path = Path(path).absolute()
     path.mkdir(parents=True, exist_ok=True)
     values = {ENV: str(path), TRITON_ENV: str(path / "triton")}
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
+    with restored_environ(values):
+        os.environ.update(values)
         yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,8 @@ this process's resident size, and its global rank before any process group exist
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -94,3 +96,18 @@ def env_local_rank() -> int:
         if os.environ.get(key) is not None:
             return int(os.environ[key])
     return 0
+
+
+@contextmanager
+def restored_environ(keys: Iterable[str]) -> Iterator[None]:
+    """os.environ's `keys` as they were when entered, restored on exit whatever happened meanwhile (set, changed or
+    removed by the body or a library it calls)."""
+    saved = {key: os.environ.get(key) for key in keys}
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -33,7 +33,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from t6.hardware.compile_cache import compile_cache
-from t6.hardware.probes import env_rank
+from t6.hardware.probes import env_rank, restored_environ
 
 RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "PL_GLOBAL_SEED")
 # MLflow's client retries a failed request up to 7 times over minutes; the outbox retries on its own (an
@@ -45,18 +45,11 @@ MLFLOW_HTTP = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIME
 def environment(values: dict[str, str | None]) -> Iterator[None]:
     """os.environ with `values` where the environment does not set them already; as it was afterwards (the keys of
     `values`: also those set meanwhile, e.g. Lightning's rendezvous variables)."""
-    saved = {key: os.environ.get(key) for key in values}
-    for key, value in values.items():
-        if value is not None:
-            os.environ.setdefault(key, value)
-    try:
+    with restored_environ(values):
+        for key, value in values.items():
+            if value is not None:
+                os.environ.setdefault(key, value)
         yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 @contextmanager

@@ -45,7 +45,7 @@ class FakeTrainer(SimpleNamespace):
             **fields,
         )
 
-    def save_checkpoint(self, path):
+    def save_checkpoint(self, path, weights_only=None):  # Trainer.save_checkpoint's signature
         self.done.append(f"save {path} at {self.global_step}")
 
 

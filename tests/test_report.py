@@ -5,7 +5,6 @@ a run missing a metric are logged into the same store with the real MlflowClient
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import statistics
 import time
@@ -33,14 +32,12 @@ from t6.report import (
 from t6.report.stats import difference
 from t6.run.train import main as train
 
-from conftest import ROOT
-
 
 def load_cli():
-    spec = importlib.util.spec_from_file_location("report_cli", ROOT / "report.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """What `python report.py` runs (the script itself is t6.cli.entry around this module's main)."""
+    from t6.report import mlflow_report
+
+    return mlflow_report
 
 
 # --------------------------------------------------------------------------- pure functions

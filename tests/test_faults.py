@@ -297,9 +297,10 @@ def mount_tmpfs_works(path: Path) -> bool:
 
 def test_a_disk_that_fills_during_a_checkpoint_write_keeps_the_last_checkpoint(tmp_path, shared_data_dir):
     """The checkpoints go to a 60 MB tmpfs in a mount namespace the test creates: one resumable checkpoint of this
-    model fits (41 MB: step000002.ckpt, with last.ckpt a hard link to it), the second write (step 4) does not. Where no namespace can
-    mount one, rank 0's files are capped at that moment instead (RLIMIT_FSIZE). The run stops naming the error and
-    the last complete checkpoint; resumed on a disk with room, its losses repeat the first run's."""
+    model fits (41 MB: step000002.ckpt, with last.ckpt a hard link to it), the second write (step 4) does not.
+    Where no namespace can mount one, rank 0's files are capped at that moment instead (RLIMIT_FSIZE). The run stops
+    naming the error and the last complete checkpoint; resumed on a disk with room, its losses repeat the first
+    run's."""
     run_dir, ckpt_dir, kept = tmp_path / "job", tmp_path / "job" / "checkpoints", tmp_path / "kept"
     ckpt_dir.mkdir(parents=True)
     base = [
@@ -321,9 +322,7 @@ def test_a_disk_that_fills_during_a_checkpoint_write_keeps_the_last_checkpoint(t
     args, env = train_command(tmp_path, shared_data_dir, *base, *fill)
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *args]
     if namespace:  # the checkpoints of the run, then what the tmpfs held, copied out before the namespace ends
-        script = (
-            f'mount -t tmpfs -o size=60m tmpfs {ckpt_dir} && "$@"; code=$?; cp -a {ckpt_dir}/. {kept}/; exit $code'
-        )
+        script = f'mount -t tmpfs -o size=60m tmpfs {ckpt_dir} && "$@"; code=$?; cp -a {ckpt_dir}/. {kept}/; exit $code'
         launch = ["unshare", "--mount", "--map-root-user", "sh", "-c", script, "sh", *launch]
         kept.mkdir()
     started = time.time()

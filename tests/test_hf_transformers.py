@@ -70,6 +70,13 @@ def test_the_cache_continues_as_transformers_models_do(build, name):
         assert torch.equal(hf.generate(ids[:1, :6], max_new_tokens=12, prompt_lookup_num_tokens=3, **greedy), want)
 
 
+def differential(calls: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """DIFF's layer: two maps, each over both halves of V, recorded as (K1, V_a), (K1, V_b), (K2, V_a), (K2, V_b); its
+    keys are the maps' side by side [B, 2h, S, d], its values the halves side by side [B, 2h, S, d]."""
+    assert len(calls) == 4, len(calls)
+    return torch.cat([calls[0][0], calls[2][0]], dim=1), torch.cat([calls[0][1], calls[1][1]], dim=1)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_cache_layers_keys_and_values_are_what_the_attention_uses(build, name, monkeypatch):
     """Every cache layer has transformers' `keys` [B, h_kv, S, d_k] and `values` [B, h_kv, S, d_v]: exactly the K and
@@ -78,14 +85,19 @@ def test_cache_layers_keys_and_values_are_what_the_attention_uses(build, name, m
     absorbed and fused paths, the cache growing); after crop and beam reordering, those of the tokens it holds. GQA's
     are its cache itself."""
     hf, ids = build(name), tokens(2, 20)
-    used = []  # (k, v) of each layer's written-out attention, in layer order
-    for block in hf.model.blocks:
+    used = [[] for _ in hf.model.blocks]  # (k, v) of each written-out attention, per layer
+    for block, calls in zip(hf.model.blocks, used):
         record = block.attn.record_attention
-        spy = lambda q, k, v, mask, scale=None, record=record: used.append((k, v)) or record(q, k, v, mask, scale)  # noqa: E731
+
+        def spy(q, k, v, mask, scale=None, record=record, calls=calls):
+            calls.append((k, v))
+            return record(q, k, v, mask, scale)
+
         monkeypatch.setattr(block.attn, "record_attention", spy)
     with torch.no_grad():
         whole = hf(ids, output_attentions=True).cache  # one prefill of the 20 tokens
-        prefill, used[:] = list(used), []
+    prefill = [calls[0] if len(calls) == 1 else differential(calls) for calls in used]
+    with torch.no_grad():
         decoded = hf(ids[:, :6]).cache  # 6 tokens, then 1, 3 and 1 at a time: the cache grows from 6 to 12 to 20
         for chunk in (slice(6, 7), slice(7, 10), slice(10, 11), slice(11, 20)):
             hf(ids[:, chunk], past_key_values=decoded)

@@ -86,6 +86,10 @@ class DifferentialAttention(Attention):
         h, d = self.cfg.n_head, self.cfg.head_dim
         return {"k": (2 * h, d), "v": (2 * h, d)}
 
+    def cached_keys_values(self, cache: KVCache, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        views = cache.views(end)
+        return views["k"], views["v"]  # [B, 2h, end, d] each: K1 heads then K2; values' first halves then second
+
     def lambda_init(self) -> float:
         given = self.opts.lambda_init
         return lambda_init_at(self.depth) if given is None else float(given)
@@ -116,8 +120,12 @@ class DifferentialAttention(Attention):
             + lam_init
         )  # []
         y = first - lam * second  # [B, h, T, 2d]
-        if self.recorded is not None:  # the four attentions recorded by attend, as the one map the layer applies
-            p1, _, p2, _ = (self.recorded.pop(-4) for _ in range(4))  # [B, h, T, S] each (each map twice)
-            self.recorded.append(p1 - lam * p2)  # [B, h, T, S]
+        if self.recorded:  # the four attentions attend recorded, as the one map the layer applies (none: not kept)
+            p1, _, p2, _ = self.recorded[-4:]  # [B, h, T, S] each: each map twice (over both halves of V)
+            del self.recorded[-4:]
+            combined = p1 - lam * p2  # [B, h, T, S]
+            self.recorded.append(combined)
+            values = torch.cat([v[:, :h], v[:, h:]], dim=-1)  # [B, h, S, 2d]: each head's whole value
+            y = (combined.to(v.dtype) @ values).to(q.dtype)  # [B, h, T, 2d]: the same y, from the map recorded
         y = self.head_norm(y) * (1 - lam_init)  # [B, h, T, 2d]
         return self.project(y.transpose(1, 2).reshape(B, T, h * 2 * d), x)  # [B, T, d_model]

@@ -362,7 +362,14 @@ def run_with(run_id: str, seed: int, val: float, **changes: str) -> RunData:
 
 def test_only_runs_that_differ_in_the_seed_alone_are_pooled(tmp_path):
     # a recipe's `compare` only chose which mechanisms its sweep trained: a seed re-run with another list still pools
-    same = [run_with("a", 1, 5.0, compare="['paper', 'gta']"), run_with("b", 2, 6.0, compare="['paper']")]
+    # and the plan's measurements of a loaded machine (memory estimate, matmul peak, the checkpoint interval they
+    # time) differ between seeds of one setting without changing what a run computes
+    same = [
+        run_with("a", 1, 5.0, compare="['paper', 'gta']", **{"plan/peak_tflops": "0.1012"}),
+        run_with(
+            "b", 2, 6.0, compare="['paper']", **{"plan/peak_tflops": "0.0483", "plan/memory_estimate_gib": "1.07"}
+        ),
+    ]
     grouped = group_runs(same)
     assert list(grouped.groups) == ["tpa"] and len(grouped.groups["tpa"]) == 2 and not grouped.notes
 

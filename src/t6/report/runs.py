@@ -56,6 +56,11 @@ NOT_POOLED = (
     "auto_resume",
     "print_config",
     "trainer.default_root_dir",
+    # the plan's measurements of the machine it ran on, which vary with its load: the memory estimate (from the
+    # memory available), the matmul peak (MFU's denominator) and the checkpoint interval timed from them
+    "plan/memory_estimate_gib",
+    "plan/peak_tflops",
+    "plan/checkpoint_every_n_steps",
 )
 NOT_POOLED_PREFIXES = ("paths.", "logger.", "callbacks.", "model/")
 

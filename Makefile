@@ -44,10 +44,12 @@ browser:
 		echo "MLflow UI test: install Chromium and its driver, e.g. sudo apt-get install chromium chromium-driver"; \
 	fi
 
+# The tests run on every core (pytest-xdist, at most 4 workers: each holds a few GiB); TEST_WORKERS=0 runs them in one process.
+TEST_WORKERS ?= auto
 test: install-test browser
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest $(ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --maxprocesses 4 $(ARGS)
 
 clean:
 	rm -rf $(VENV) logs mlruns data

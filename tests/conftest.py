@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tempfile
@@ -28,6 +29,20 @@ THIRD_PARTY_MARKERS += ["torch_compile_test"]
 def pytest_configure(config):
     for marker in THIRD_PARTY_MARKERS:  # the markers of transformers' model tests (tests/third_party), registered
         config.addinivalue_line("markers", f"{marker}: transformers' own marker (tests/third_party)")
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")  # set in each worker of `pytest -n N` (make test)
+    if workers:  # each worker's torch gets its share of the cores: N workers x all cores would oversubscribe them
+        import torch
+
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(workers)))
+
+
+def pytest_collection_modifyitems(config, items):
+    """The slow tests first, from the files that took longest in the last measured run (experiments/ci/): pytest-xdist
+    hands tests out in this order, so the long ones start early and the short ones fill the workers' ends (one long
+    test last would run alone on an otherwise idle machine)."""
+    table = ROOT / "experiments" / "ci" / "make_test_2core.json"
+    seconds = {f["file"]: f["seconds"] for f in json.loads(table.read_text())["files"]} if table.is_file() else {}
+    items.sort(key=lambda item: (item.get_closest_marker("slow") is None, -seconds.get(item.nodeid.split("::")[0], 0)))
 
 
 # A model small enough for a CPU test step in well under a second, with the real vocabulary.

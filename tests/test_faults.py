@@ -165,12 +165,33 @@ def check_trial(trial: dict, ranks: list[dict], reference: list[dict]) -> dict:
     }
 
 
-@pytest.mark.parametrize(
-    "world,seeds,submitit",
-    [(2, range(0, 10), range(10, 12)), (4, range(100, 106), range(106, 108))],
-    ids=["2-ranks", "4-ranks"],
-)
-def test_stop_signals_to_random_ranks_lose_nothing(tmp_path, shared_data_dir, world, seeds, submitit):
+# The seeded trials each world runs: (plain seeds, submitit seeds), chosen from the first 12 (2 ranks) and 8 (4 ranks)
+# seeds so that the events sure to land (each trial's earliest) cover every signal and phase, a signal on several
+# ranks, and submitit's requeue with and without rank 0 signalled (test_the_trials_cover_every_signal_and_phase).
+# experiments/faults/trials.json holds all 20 of them.
+TRIALS = {2: ([0, 2, 7, 8], [10, 11]), 4: ([100, 103, 104, 105], [107])}
+
+
+def sure_events(trial: dict) -> list[dict]:
+    """The events due at the trial's earliest step: they land before the stop (at least a step later)."""
+    first = min(e["step"] for e in trial["events"])
+    return [e for e in trial["events"] if e["step"] == first]
+
+
+@pytest.mark.parametrize("world", sorted(TRIALS))
+def test_the_trials_cover_every_signal_and_phase(world):
+    plain, submitit = TRIALS[world]
+    trials = [trial_spec(s, world) for s in plain] + [trial_spec(s, world, submitit=True) for s in submitit]
+    sure = [e for t in trials for e in sure_events(t)]
+    assert {e["signal"] for e in sure} == set(SIGNALS) and {e["phase"] for e in sure} == set(PHASE_STEPS), world
+    assert any(len({e["rank"] for e in sure_events(t)}) > 1 for t in trials), world  # several ranks at once
+    requeued = [{e["rank"] for e in sure_events(t)} for t in trials if t["submitit"]]
+    assert any(0 not in ranks for ranks in requeued), world  # rank 0 requeues though another rank was signalled
+
+
+@pytest.mark.parametrize("world", sorted(TRIALS), ids=lambda world: f"{world}-ranks")
+def test_stop_signals_to_random_ranks_lose_nothing(tmp_path, shared_data_dir, world):
+    seeds, submitit = TRIALS[world]
     trials = [trial_spec(s, world) for s in seeds] + [trial_spec(s, world, submitit=True) for s in submitit]
     results = run_trials(tmp_path, shared_data_dir, world, trials, timeout_s=900)
     reference = results[f"w{world}-reference"]

@@ -342,22 +342,24 @@ def test_ddp_inside_a_multirun_runs_each_job_once(tmp_path, shared_data_dir):
     parent = next(r for r in runs if "mlflow.parentRunId" not in r.data.tags)
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
     assert sorted(r.data.tags["override.attention"] for r in children) == ["mha", "tpa"]
+    assert {r.data.tags["sweep.params"] for r in children} == {"attention=mha", "attention=tpa"}
+    assert {r.info.run_name for r in children} == {"attention=mha", "attention=tpa"}
+    assert parent.info.status == "FINISHED"
+    assert all(r.info.status == "FINISHED" and "train/loss" in r.data.metrics for r in children)
     assert c.get_experiment(parent.info.experiment_id).name == "t6-sweep-sweep"
 
 
-@pytest.mark.parametrize(
-    "launcher",
-    [[], ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"]],  # one job after the other; two at once (processes)
-    ids=["basic", "joblib"],
-)
-def test_sweep_has_one_parent_and_a_child_per_job(tmp_path, shared_data_dir, launcher):
+def test_a_sweep_of_jobs_at_once_has_one_parent_and_a_child_per_job(tmp_path, shared_data_dir):
+    """Hydra's joblib launcher runs the jobs at once, in processes of its own (Hydra's basic launcher, one job
+    after the other, is the multirun above)."""
     run(
         tmp_path,
         shared_data_dir,
         "-m",
         "attention=mha,tpa",
         "hydra.callbacks.mlflow_sweep.experiment_name=my-study",
-        *launcher,
+        "hydra/launcher=joblib",
+        "hydra.launcher.n_jobs=2",
     )
     c = client(tmp_path)
     experiment = c.get_experiment_by_name("my-study")

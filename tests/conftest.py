@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import shutil
+import sqlite3
 import sys
 import tempfile
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -162,12 +166,41 @@ def shared_data_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("data")
 
 
+@functools.cache
+def empty_store() -> Path:
+    """An empty MLflow SQLite store, its schema made once per test process: MLflow's migrations take ~3 s for each
+    new store, which most tests that train would otherwise pay."""
+    import mlflow
+
+    path = Path(tempfile.mkdtemp(prefix="t6-tests-store-")) / "mlflow.db"
+    mlflow.MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments()  # creates and migrates it
+    return path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _remove_the_empty_store():
+    yield
+    if empty_store.cache_info().currsize:
+        shutil.rmtree(empty_store().parent, ignore_errors=True)
+
+
+def seed_store(db: Path) -> None:
+    """Unless db exists, it starts as a copy of the empty store (SQLite's backup: a consistent copy): the store
+    MLflow would make there on the run's first write, without its migrations."""
+    if db.exists():
+        return
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with closing(sqlite3.connect(empty_store())) as source, closing(sqlite3.connect(db)) as target:
+        source.backup(target)
+
+
 @pytest.fixture
 def make_cfg(tmp_path, shared_data_dir, monkeypatch):
-    """make_cfg(*overrides) -> a test-sized training config writing under tmp_path."""
+    """make_cfg(*overrides) -> a test-sized training config writing under tmp_path, its MLflow store there made
+    already (seed_store; store=False leaves none, for a test that checks nothing was tracked)."""
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
 
-    def make(*overrides: str, config_name: str = "train", small: bool = True) -> DictConfig:
+    def make(*overrides: str, config_name: str = "train", small: bool = True, store: bool = True) -> DictConfig:
         base = [*TEST_SIZE, *TEST_RUN] if small else []
         if any(o.startswith("trainer=") for o in overrides):  # that trainer's own accelerator (gpu, ddp, fsdp)
             base = [o for o in base if not o.startswith("trainer.accelerator=")]
@@ -176,6 +209,8 @@ def make_cfg(tmp_path, shared_data_dir, monkeypatch):
         cfg = compose_config([*base, *overrides], tmp_path, config_name)
         with open_dict(cfg):
             cfg.paths.data_dir = str(shared_data_dir)
+        if store:
+            seed_store(Path(cfg.paths.mlflow_dir) / "mlflow.db")
         return cfg
 
     return make

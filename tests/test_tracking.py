@@ -48,7 +48,7 @@ def test_log_model_final_uploads_only_the_weights_only_model(make_cfg, tmp_path)
 def test_a_local_store_keeps_its_artifacts_beside_its_database(make_cfg, tmp_path, monkeypatch):
     store = tmp_path / "elsewhere"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{store}/mlflow.db")
-    cfg = make_cfg("logger.mlflow.log_model=final", "trainer.max_steps=1")
+    cfg = make_cfg("logger.mlflow.log_model=final", "trainer.max_steps=1", store=False)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{store}/mlflow.db")  # make_cfg clears it
     _, objects = train(cfg)
     run_id = objects["mlflow"].run_id

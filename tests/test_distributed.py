@@ -23,7 +23,7 @@ from t6.evaluation.callback import EvalSettings, build_eval_callback
 from t6.evaluation.runner import flat_metrics, run_harness
 from t6.model.load import load_model
 
-from conftest import ROOT, TEST_RUN, TEST_SIZE
+from conftest import ROOT, TEST_RUN, TEST_SIZE, seed_store
 
 pytestmark = pytest.mark.slow
 DDP = ["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=32-true"]
@@ -87,6 +87,8 @@ def command(tmp_path: Path, data_dir: Path, *overrides: str) -> tuple[list[str],
 
 
 def run(tmp_path: Path, data_dir: Path, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """train.py in a process of its own, which must succeed; its MLflow store under tmp_path made already."""
+    seed_store(tmp_path / "mlruns" / "mlflow.db")
     args, env = command(tmp_path, data_dir, *overrides)
     proc = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

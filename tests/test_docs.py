@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, seed_store
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
@@ -202,6 +202,7 @@ def shrunk(command: str, root: Path) -> list[str]:
 @pytest.mark.parametrize("doc", [d for d in DOCS if blocks(d, "console")], ids=lambda d: d.name)
 def test_documented_commands_run_as_typed_and_print_what_they_promise(doc, tmp_path, monkeypatch):
     env = {**__import__("os").environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlruns/mlflow.db"}
+    seed_store(tmp_path / "mlruns" / "mlflow.db")
     for command, promised in console_commands(doc):
         done = subprocess.run(shrunk(command, tmp_path), cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, f"`{command}` exited {done.returncode}:\n{done.stderr[-3000:]}"

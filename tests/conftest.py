@@ -41,12 +41,19 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The slow tests first, from the files that took longest in the last measured run (experiments/ci/): pytest-xdist
-    hands tests out in this order, so the long ones start early and the short ones fill the workers' ends (one long
-    test last would run alone on an otherwise idle machine)."""
+    """The slow tests first, the longest first by the last measured run (experiments/ci/: a test's own seconds
+    where it is among the slowest listed, else its file's mean): pytest-xdist deals the tests out in this order, so
+    the long ones start early and the short ones fill the workers' ends (one long test dealt last would run alone
+    on an otherwise idle machine)."""
     table = ROOT / "experiments" / "ci" / "make_test_2core.json"
-    seconds = {f["file"]: f["seconds"] for f in json.loads(table.read_text())["files"]} if table.is_file() else {}
-    items.sort(key=lambda item: (item.get_closest_marker("slow") is None, -seconds.get(item.nodeid.split("::")[0], 0)))
+    measured = json.loads(table.read_text()) if table.is_file() else {"files": [], "records": []}
+    mean = {f["file"]: f["seconds"] / f["tests"] for f in measured["files"]}
+    own = {f"{r['file']}::{r['test']}": r["seconds"] for r in measured["records"]}
+
+    def seconds(item) -> float:
+        return own.get(item.nodeid, mean.get(item.nodeid.split("::")[0], 0.0))
+
+    items.sort(key=lambda item: (item.get_closest_marker("slow") is None, -seconds(item)))
 
 
 # A model small enough for a CPU test step in well under a second, with the real vocabulary.

@@ -1,10 +1,11 @@
 """The test suite's time, from the JUnit XML pytest writes (`--junitxml`): the whole run, each file, the slowest tests.
 
     python -m pytest --junitxml=/tmp/suite.xml ...              # (make test ARGS="--junitxml=/tmp/suite.xml")
-    python experiments/ci/durations.py /tmp/suite.xml NAME --wall-s SECONDS [--note TEXT]
+    python experiments/ci/durations.py /tmp/suite.xml NAME --wall-s SECONDS --workers N [--note TEXT]
 
 writes experiments/ci/NAME.json ("benchmark": "test_durations"), whose tables experiments/ci/README.md renders
-(python -m t6.report.experiments). --wall-s is the command's own wall time (`time make test`), install included.
+(python -m t6.report.experiments). --wall-s is the command's own wall time (`time make test`), install included;
+--workers the pytest-xdist workers the tests ran on (the tests' seconds add up over them).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def read_junit(path: Path) -> list[dict]:
     return cases
 
 
-def summarize(cases: list[dict], wall_s: float | None, note: str) -> dict:
+def summarize(cases: list[dict], wall_s: float | None, note: str, workers: int = 1) -> dict:
     files: dict[str, dict] = defaultdict(lambda: {"tests": 0, "seconds": 0.0})
     for case in cases:
         files[case["file"]]["tests"] += 1
@@ -50,6 +51,7 @@ def summarize(cases: list[dict], wall_s: float | None, note: str) -> dict:
         "benchmark": "test_durations",
         "environment": {**environment("cpu"), "threads": None},  # the suite's processes set their own
         "wall_s": wall_s,
+        "workers": workers,
         "tests_s": round(sum(c["seconds"] for c in cases), 1),
         "outcomes": dict(outcomes),
         "note": note,
@@ -63,9 +65,10 @@ def main() -> None:
     parser.add_argument("junit", type=Path)
     parser.add_argument("name", help="the JSON's name in experiments/ci/ (without .json)")
     parser.add_argument("--wall-s", type=float, help="the command's wall time, install included")
+    parser.add_argument("--workers", type=int, default=1, help="pytest-xdist workers (make test: one per core)")
     parser.add_argument("--note", default="", help="how it ran (the command, what else the machine did)")
     args = parser.parse_args()
-    payload = summarize(read_junit(args.junit), args.wall_s, args.note)
+    payload = summarize(read_junit(args.junit), args.wall_s, args.note, args.workers)
     out = Path(__file__).parent / f"{args.name}.json"
     out.write_text(json.dumps(payload, indent=1) + "\n")
     print(f"wrote {out}: {len(payload['records'])} slowest of {sum(payload['outcomes'].values())} tests")

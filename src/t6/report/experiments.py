@@ -545,7 +545,9 @@ def test_durations_table(payload: dict) -> str:
     """The test suite's time: the run, each file (slowest first), the slowest tests."""
     wall = f"{payload['wall_s'] / 60:.1f} min for the command" if payload.get("wall_s") else "wall time not recorded"
     counts = ", ".join(f"{n} {k}" for k, n in sorted(payload["outcomes"].items()))
-    head = f"{caption(payload)} {wall}; {payload['tests_s'] / 60:.1f} min in the tests themselves ({counts})."
+    workers = payload.get("workers", 1)
+    over = f", added up over {workers} pytest-xdist workers" if workers > 1 else ""
+    head = f"{caption(payload)} {wall}; {payload['tests_s'] / 60:.1f} min in the tests themselves{over} ({counts})."
     if payload.get("note"):
         head += f" {payload['note']}"
     files = markdown(

@@ -44,12 +44,14 @@ browser:
 		echo "MLflow UI test: install Chromium and its driver, e.g. sudo apt-get install chromium chromium-driver"; \
 	fi
 
-# The tests run on every core (pytest-xdist, at most 4 workers: each holds a few GiB); TEST_WORKERS=0 runs them in one process.
+# The tests run on every core (pytest-xdist, at most 4 workers: each holds a few GiB); TEST_WORKERS=0 runs them in one
+# process. Tests go out one at a time, longest first (tests/conftest.py): xdist's default hands each worker a quarter of
+# the suite up front, in order, which gave one worker every slow test.
 TEST_WORKERS ?= auto
 test: install-test browser
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -n $(TEST_WORKERS) --maxprocesses 4 $(ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --maxprocesses 4 --maxschedchunk 1 $(ARGS)
 
 clean:
 	rm -rf $(VENV) logs mlruns data

@@ -103,7 +103,8 @@ def test_a_bad_override_leaves_no_run_folder_and_a_run_prints_no_library_noise(t
     out = good.stdout + good.stderr
     assert good.returncode == 0, out[-3000:]
     assert "Total params" in out and "FLOPs" not in out  # the summary, without its column of zeros
-    for noise in ("litlogger", "already configured with model summary", "limit_val_batches=1.0", "LeafSpec"):
+    noises = ("litlogger", "already configured with model summary", "limit_val_batches=1.0", "LeafSpec", "Warning")
+    for noise in noises:
         assert noise not in out, noise
     assert (tmp_path / "good" / "checkpoints" / "last.ckpt").is_file()
 

@@ -53,8 +53,9 @@ class SweepReport(Callback):
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         from hydra.core.utils import JobStatus
+        from hydra.types import RunMode
 
-        if env_rank() != 0:
+        if env_rank() != 0 or config.hydra.mode != RunMode.MULTIRUN:  # a single run is no sweep's job
             return
         job, overrides = int(config.hydra.job.num), job_overrides(config)
         record = {"job": job, "overrides": overrides, "status": "finished"}

@@ -162,6 +162,7 @@ SHRINK = {
         "data.global_batch_size=4",
         "trainer.max_steps=2",
         "trainer.val_check_interval=2",
+        "data.val_windows=8",
         "eval.limit=8",
         "samples.max_new_tokens=4",
         "paths.root_dir={root}",

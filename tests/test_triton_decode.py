@@ -94,13 +94,13 @@ def kernels():
     mp.undo()
 
 
-@pytest.mark.slow  # a fresh process running the kernels under Triton's interpreter (~15 s)
+@pytest.mark.slow  # a fresh process running the kernels under Triton's interpreter (~30 s); its slow tests run here
 def test_interpreter_run_in_a_fresh_process_when_triton_was_already_imported():
     if INTERPRETED:
         return  # the tests below run in this process
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__))],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow", str(Path(__file__))],
         env=env,
         capture_output=True,
         text=True,

@@ -37,7 +37,9 @@ def pytest_configure(config):
     if workers:  # each worker's torch gets its share of the cores: N workers x all cores would oversubscribe them
         import torch
 
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(workers)))
+        share = max(1, len(os.sched_getaffinity(0)) // int(workers))
+        torch.set_num_threads(share)
+        os.environ["OMP_NUM_THREADS"] = str(share)  # and so do the processes a test starts (train.py, torchrun's ranks)
 
 
 def pytest_collection_modifyitems(config, items):

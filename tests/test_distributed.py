@@ -158,10 +158,11 @@ def history(c: mlflow.MlflowClient, run_id: str, key: str) -> dict[int, list[flo
     return out
 
 
-def test_fsdp_trains_clips_skips_evaluates_and_resumes_like_ddp(tmp_path, shared_data_dir):
+def test_fsdp_trains_clips_skips_evaluates_and_resumes_like_ddp(tmp_path, shared_data_dir, make_cfg):
     """The same 6 steps under DDP and FSDP (2 CPU processes each): clipping by the global norm, a
     NaN loss on rank 1 at step 4 skipped on both ranks, weight decay on the matrices and the
-    embedding only, a downstream evaluation at the end; then FSDP resumed from step 3."""
+    embedding only, a downstream evaluation every 3 steps; then FSDP resumed from step 3. DDP's
+    evaluation splits the 9 documents between the ranks (5 and 4, padded) and scores as one process does."""
     common = [
         "data.batch_size=2",
         "data.global_batch_size=8",
@@ -175,8 +176,9 @@ def test_fsdp_trains_clips_skips_evaluates_and_resumes_like_ddp(tmp_path, shared
         "+callbacks.nan.step=4",
         "+callbacks.nan.rank=1",
         "eval=local",
-        "eval.limit=8",
+        "eval.limit=9",
         "eval.num_fewshot=[0]",
+        "eval.every_n_steps=3",
     ]
     dirs = {name: tmp_path / name for name in ("ddp", "fsdp", "resumed")}
     run(tmp_path, shared_data_dir, *DDP, *common, "experiment_name=ddp", f"hydra.run.dir={dirs['ddp']}")
@@ -215,10 +217,21 @@ def test_fsdp_trains_clips_skips_evaluates_and_resumes_like_ddp(tmp_path, shared
     assert max(v[0] for v in fsdp_norm.values()) > 0.5  # clipping acted
     for step in (0, 1, 2, 3, 5):  # the global norm, not one shard's
         assert fsdp_norm[step][0] == pytest.approx(ddp_norm[step][0], rel=1e-3), step  # a shard's would be ~30% off
+    key = "eval/0shot/t6_next_line/acc_norm"
     for run_ in (fsdp, resumed):  # uninterrupted and resumed
         assert history(c, run_.info.run_id, "train/skipped_steps")[4] == [1.0]
-        key = "eval/0shot/t6_next_line/acc_norm"
         assert history(c, run_.info.run_id, key)[6] == history(c, ddp.info.run_id, key)[6]
+
+    # DDP's evaluations: logged once each (rank 0), not again at the end, training going on after the first; the
+    # step-6 weights scored by one process over all 9 documents give the same numbers
+    assert {step: len(v) for step, v in history(c, ddp.info.run_id, key).items()} == {3: 1, 6: 1}
+    callback = build_eval_callback(
+        EvalSettings.read(make_cfg("eval=local", "eval.limit=9", "eval.num_fewshot=[0]").eval)
+    )
+    model = load_model(dirs["ddp"] / "checkpoints" / "last.ckpt", device="cpu")
+    single = flat_metrics(run_harness(model, callback.spec, callback.task_manager), callback.spec)
+    for name in ("eval/0shot/t6_next_line/acc", key):
+        assert history(c, ddp.info.run_id, name)[6] == [pytest.approx(single[name], abs=1e-9)], name
 
     last = {name: torch.load(d / "checkpoints" / "last.ckpt", weights_only=True) for name, d in dirs.items()}
     assert all(ck["global_step"] == 6 for ck in last.values())
@@ -278,37 +291,6 @@ def test_fsdp_bf16_mixed_computes_as_ddp_does(tmp_path, shared_data_dir):
         assert weights.dtype == torch.float32 and torch.linalg.norm(weights - ref) <= 2**-8 * torch.linalg.norm(ref), (
             key
         )
-
-
-def test_ddp_evaluation_splits_the_requests_and_scores_like_one_process(tmp_path, shared_data_dir, make_cfg):
-    run(
-        tmp_path,
-        shared_data_dir,
-        *DDP,
-        "eval=local",
-        "eval.limit=9",
-        "eval.num_fewshot=[0]",
-        "eval.every_n_steps=4",
-        f"hydra.run.dir={tmp_path / 'run'}",
-    )
-    (run_,) = all_runs(client(tmp_path))
-    key = "eval/0shot/t6_next_line/acc_norm"
-    logged = history(client(tmp_path), run_.info.run_id, key)
-    assert sorted(logged) == [4, 8] and all(
-        len(v) == 1 for v in logged.values()
-    )  # logged once (rank 0), not again at the end
-    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
-    assert step_of(last) == 8  # training went on after each evaluation
-
-    # The same step-8 weights scored by one process over all 9 documents (the ranks had 5 and 4, padded).
-    callback = build_eval_callback(
-        EvalSettings.read(make_cfg("eval=local", "eval.limit=9", "eval.num_fewshot=[0]").eval)
-    )
-    single = flat_metrics(
-        run_harness(load_model(last, device="cpu"), callback.spec, callback.task_manager), callback.spec
-    )
-    for name in ("eval/0shot/t6_next_line/acc", key):
-        assert history(client(tmp_path), run_.info.run_id, name)[8] == [pytest.approx(single[name], abs=1e-9)], name
 
 
 def test_torchrun_launched_ddp_trains_and_resumes(tmp_path, shared_data_dir):

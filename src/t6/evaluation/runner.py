@@ -121,8 +121,6 @@ def resolve_tasks(spec: EvalSpec):
     online, reading the datasets cache when offline). Returns the TaskManager to evaluate with."""
     import difflib
 
-    from lm_eval.tasks import get_task_dict
-
     if not spec.tasks:
         raise SettingError("eval.tasks is empty; list lm-eval task names or choose eval=none")
     bad_shots = [n for n in spec.num_fewshot if int(n) < 0]
@@ -138,7 +136,7 @@ def resolve_tasks(spec: EvalSpec):
             + ". `lm_eval ls tasks` lists them; local task YAMLs go in eval.include_path"
         )
     try:
-        get_task_dict(list(spec.tasks), tm)  # builds every task: loads (or downloads) its dataset
+        tm.load(list(spec.tasks))  # builds every task: loads (or downloads) its dataset
     except Exception as err:  # datasets raises many kinds: ConnectionError, FileNotFoundError, DatasetNotFoundError...
         offline = os.environ.get("HF_DATASETS_OFFLINE") or os.environ.get("HF_HUB_OFFLINE")
         raise Unreachable(

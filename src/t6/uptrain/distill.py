@@ -124,8 +124,9 @@ def distill(
             optimizer.step()
             schedule.step()
             if log_every and (step % log_every == 0 or step == steps - 1):
-                history.append((step, float(loss)))
-                log.info("distillation step %d/%d: mean relative attention-output error %.4f", step + 1, steps, loss)
+                error = float(loss.detach())
+                history.append((step, error))
+                log.info("distillation step %d/%d: mean relative attention-output error %.4f", step + 1, steps, error)
     finally:
         for p in frozen:
             p.requires_grad_(True)

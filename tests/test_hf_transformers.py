@@ -1,6 +1,6 @@
 """The export behaves like transformers' own causal LMs, for every registered mechanism: its cache continues
-(`past_key_values`, generate() from a returned cache, prompt-lookup and assisted decoding), any 2D attention
-mask, hidden states, attentions, inputs_embeds, gradient checkpointing, missing weights, resized embeddings,
+(`cache`, formerly `past_key_values`; generate() from a returned cache, prompt-lookup and assisted decoding), any 2D
+attention mask, hidden states, attentions, inputs_embeds, gradient checkpointing, missing weights, resized embeddings,
 and PEFT LoRA on every projection, training and cached paths alike. The classes are the export's own
 (remote code, `hf_classes`), on very small random models."""
 
@@ -46,7 +46,7 @@ def tokens(*shape: int, seed: int = 0) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_the_cache_continues_as_transformers_models_do(build, name):
-    """model(ids, past_key_values=cache) continues the returned cache (it grows: the first call allocated 10
+    """model(ids, cache=cache) continues the returned cache (it grows: the first call allocated 10
     positions), generate() continues from the cache it returned, prompt-lookup decoding gives the greedy tokens,
     and crop() forgets tokens."""
     hf = build(name)
@@ -55,17 +55,18 @@ def test_the_cache_continues_as_transformers_models_do(build, name):
         full = hf(ids, use_cache=False).logits  # [2, 24, V]
         first = hf(ids[:, :10])
         assert first.cache is not None and first.cache.get_seq_length() == 10  # config.use_cache: a cache by default
-        more = hf(ids[:, 10:20], past_key_values=first.cache)
-        last = hf(ids[:, 20:], past_key_values=more.cache, attention_mask=torch.ones(2, 24))
+        more = hf(ids[:, 10:20], cache=first.cache)
+        last = hf(ids[:, 20:], cache=more.cache, attention_mask=torch.ones(2, 24))
         torch.testing.assert_close(torch.cat([first.logits, more.logits, last.logits], 1), full, rtol=0, atol=2e-5)
         last.cache.crop(-4)  # forget the last 4 tokens, then write them again
-        again = hf(ids[:, 20:], past_key_values=last.cache)
+        with pytest.warns(FutureWarning, match="`past_key_values` is deprecated"):  # the former name still works
+            again = hf(ids[:, 20:], past_key_values=last.cache)
         torch.testing.assert_close(again.logits, full[:, 20:], rtol=0, atol=2e-5)
 
         greedy = dict(do_sample=False, pad_token_id=98)
         want = hf.generate(ids[:1, :6], max_new_tokens=12, **greedy)
         part = hf.generate(ids[:1, :6], max_new_tokens=5, return_dict_in_generate=True, **greedy)
-        rest = hf.generate(part.sequences, past_key_values=part.cache, max_new_tokens=7, **greedy)
+        rest = hf.generate(part.sequences, cache=part.cache, max_new_tokens=7, **greedy)
         assert torch.equal(rest, want)
         assert torch.equal(hf.generate(ids[:1, :6], max_new_tokens=12, prompt_lookup_num_tokens=3, **greedy), want)
 
@@ -100,7 +101,7 @@ def test_cache_layers_keys_and_values_are_what_the_attention_uses(build, name, m
     with torch.no_grad():
         decoded = hf(ids[:, :6]).cache  # 6 tokens, then 1, 3 and 1 at a time: the cache grows from 6 to 12 to 20
         for chunk in (slice(6, 7), slice(7, 10), slice(10, 11), slice(11, 20)):
-            hf(ids[:, chunk], past_key_values=decoded)
+            hf(ids[:, chunk], cache=decoded)
     for cache in (whole, decoded):
         for layer, (k, v) in zip(cache.layers, prefill, strict=True):
             assert layer.keys.shape[:3] == layer.values.shape[:3] == (2, k.shape[1], 20)
@@ -162,7 +163,7 @@ def test_hidden_states_attentions_and_inputs_embeds(build):
         with torch.no_grad():
             out = hf(ids, attention_mask=mask, output_hidden_states=True, output_attentions=True)
             embeds = hf(inputs_embeds=hf.get_input_embeddings()(ids), attention_mask=mask).logits
-            cached = hf(ids[:, -1:], past_key_values=hf(ids[:, :-1], attention_mask=mask[:, :-1]).cache,
+            cached = hf(ids[:, -1:], cache=hf(ids[:, :-1], attention_mask=mask[:, :-1]).cache,
                         attention_mask=mask, output_attentions=True)  # fmt: skip
         n_layer, n_head = hf.config.n_layer, hf.config.n_head
         assert len(out.hidden_states) == n_layer + 1 and torch.equal(out.hidden_states[0], hf.model.embed(ids))
@@ -358,8 +359,8 @@ def test_peft_lora_acts_on_every_path(build, name):
     with torch.no_grad():
         full = peft(ids, use_cache=False).logits
         first = peft(ids[:, :6])
-        step = peft(ids[:, 6:7], past_key_values=first.cache)
-        rest = peft(ids[:, 7:], past_key_values=step.cache)
+        step = peft(ids[:, 6:7], cache=first.cache)
+        rest = peft(ids[:, 7:], cache=step.cache)
         cached = torch.cat([first.logits, step.logits, rest.logits], dim=1)
         t6_loss = peft.base_model.model.model(ids, targets=ids)  # T6's own loss through the adapted head
         peft.merge_adapter()

@@ -116,6 +116,23 @@ def test_a_second_ctrl_c_quits_at_once():
         stop.restore()
 
 
+def test_after_a_failure_the_launchers_sigterm_is_recorded_until_the_run_has_said_where_it_stopped(tmp_path):
+    protocol = StopProtocol(tmp_path / "last.ckpt")
+    trainer = FakeTrainer(protocol)
+    found = signal.getsignal(signal.SIGTERM)
+    protocol.signals.install()
+    try:
+        protocol.on_exception(trainer, None, RuntimeError("Connection closed by peer"))  # a peer was SIGKILLed
+        os.kill(os.getpid(), signal.SIGTERM)  # torchrun's agent stops the others: recorded, not the default's exit
+        assert protocol.signals.requested == STOP_SIGNALS.index(signal.SIGTERM) + 1
+    finally:
+        protocol.signals.restore()  # what t6.run.execute does once its failure note and MLflow tags are out
+    assert signal.getsignal(signal.SIGTERM) == found
+    protocol.signals.install()
+    protocol.on_exception(trainer, None, RunStopped(signal.SIGTERM, 1, "last.ckpt"))
+    assert signal.getsignal(signal.SIGTERM) == found  # a stop's exit restores at once: hand_over finds them
+
+
 class Toy(L.LightningModule):
     """A linear regression, for the protocol's runs with modules other than T6's."""
 

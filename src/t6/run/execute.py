@@ -37,7 +37,7 @@ from t6.tracking.logger import OutboxMLFlowLogger
 from t6.tracking.mlflow import open_tracking_store, save_and_upload_model, tag_training_experiment
 from t6.training.checkpoint_io import remove_stale_writes
 from t6.training.module import T6LitModule
-from t6.training.stop import RunStopped
+from t6.training.stop import RunStopped, StopProtocol
 
 log = logging.getLogger(__name__)
 
@@ -87,11 +87,11 @@ def fit(plan: RunPlan) -> tuple[dict[str, float], dict[str, Any]]:
             mlflow.experiment.set_terminated(mlflow.run_id, "KILLED")
         raise
     except Exception as err:
+        if trainer.world_size > 1:  # a peer that died, a disk that filled: what this rank saw, and what is left
+            log.error(failure_note(trainer, plan, err))
         if mlflow is not None and trainer.is_global_zero:  # FAILED (the logger's finalize), with where and why
             mlflow.experiment.set_tag(mlflow.run_id, "last_step", str(trainer.global_step))
             mlflow.experiment.set_tag(mlflow.run_id, "error", f"{type(err).__name__}: {err}"[:5000])
-        if trainer.world_size > 1:  # a peer that died, a disk that filled: what this rank saw, and what is left
-            log.error(failure_note(trainer, plan, err))
         raise
     else:
         if mlflow is not None and trainer.is_global_zero:
@@ -100,6 +100,9 @@ def fit(plan: RunPlan) -> tuple[dict[str, float], dict[str, Any]]:
             uploaded = save_and_upload_model(trainer, mlflow, plan.checkpoint_dir, plan.tracking.upload)
         samples = log_samples(plan.samples, trainer, model.model, mlflow, plan.tokenizer)
     finally:
+        stop = StopProtocol.of(trainer)
+        if stop is not None:
+            stop.signals.restore()  # kept through a failure's note and tags (StopProtocol.on_exception)
         destroy_process_group()  # a sweep's next job in this process starts its own group
         if mlflow is not None:
             sent = mlflow.close()  # what waits for the store is sent now (up to logger.mlflow.flush_timeout_s)

@@ -172,7 +172,11 @@ class StopProtocol(L.Callback):
         self.signals.restore()
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        self.signals.restore()  # hand_over finds the handlers the run found
+        if isinstance(exception, (RunStopped, KeyboardInterrupt)):
+            self.signals.restore()  # hand_over finds the handlers the run found; a second Ctrl-C quits
+        # Any other failure: the signals stay recorded until the run has said where it stopped (`t6.run.execute`
+        # restores them then). When one rank dies, torchrun's agent SIGTERMs the others at once, and the default
+        # handler would end a rank in the middle of its failure note.
 
     # 2. agreement, and 3. save, at the end of every optimizer step
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -168,7 +168,8 @@ def lm_eval_hf(limit: int, work: Path, tasks: list[str], **model_args) -> dict:
         {"tasks": tasks, "metrics": {t: m for t, m in TASK_METRICS.items() if t in tasks}, "limit": limit,
          "num_fewshot": [0, 2], "include_path": [include]}
     )  # fmt: skip
-    lm = HFLM(**model_args, dtype="float32", batch_size=16, device="cpu")
+    # logits_cache=False: lm-eval 0.4.13's cache misreads some continuations when tasks share text (experiments/export)
+    lm = HFLM(**model_args, dtype="float32", batch_size=16, device="cpu", logits_cache=False)
     start = time.time()
     results = {
         n: simple_evaluate(model=lm, tasks=spec.tasks, num_fewshot=n, limit=limit, fewshot_random_seed=1234,
